@@ -1,0 +1,92 @@
+"""Turns `Loom(...)`'s arguments into one configured strategy, checking them before any process starts."""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import Any
+
+from torchloom.accelerators import CPUAccelerator, select_accelerator
+from torchloom.environments import ClusterEnvironment, detect_environment
+from torchloom.errors import ConfigurationError
+from torchloom.precision import select_precision
+from torchloom.strategies.base import Strategy
+
+STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "fsdp2")
+
+# name -> "module:Class", imported on use so that `import torchloom` stays light.
+_STRATEGY_CLASSES = {
+    "single_device": "torchloom.strategies.single_device:SingleDeviceStrategy",
+    "ddp": "torchloom.strategies.ddp:DDPStrategy",
+    "fsdp": "torchloom.strategies.fsdp:FSDPStrategy",
+    "fsdp2": "torchloom.strategies.fsdp2:FSDP2Strategy",
+}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    module, cls = _STRATEGY_CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def configure(
+    accelerator: Any, devices: Any, num_nodes: int, strategy: Any, precision: Any, timeout: timedelta | None
+) -> Strategy:
+    """Build the strategy with its accelerator, precision, cluster environment and devices."""
+    acc = select_accelerator(accelerator)
+    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+        raise ConfigurationError(f"num_nodes={num_nodes!r} is not valid: pass a positive int.")
+    env = detect_environment(1, num_nodes)
+    if devices == "auto" and isinstance(acc, CPUAccelerator) and env.creates_processes_externally:
+        # Under torchrun/srun on CPU, the launcher already decided how many processes there are.
+        devices = env.local_world_size() or max(1, env.world_size() // num_nodes)
+    parallel_devices = acc.parse_devices(devices)
+    num_processes = len(parallel_devices)
+    if env.creates_processes_externally:
+        _check_external_world(env, num_processes, num_nodes, devices)
+    else:
+        env = detect_environment(num_processes, num_nodes)
+    world_size = env.world_size()
+
+    prec = select_precision(precision, acc.name)
+    instance = _select_strategy(strategy, world_size)
+    if timeout is not None:
+        if not isinstance(timeout, timedelta):
+            raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")
+        instance.timeout = timeout
+    instance.accelerator = acc
+    instance.precision = prec
+    instance.cluster_environment = env
+    instance.parallel_devices = parallel_devices
+    instance.num_nodes = num_nodes
+    return instance
+
+
+def _select_strategy(strategy: Any, world_size: int) -> Strategy:
+    if isinstance(strategy, Strategy):
+        instance = strategy
+    elif isinstance(strategy, str) and strategy.lower() in STRATEGIES:
+        name = strategy.lower()
+        if name == "auto":
+            name = "single_device" if world_size == 1 else "ddp"
+        instance = strategy_class(name)()
+    else:
+        raise ConfigurationError(
+            f"Unknown strategy {strategy!r}. Valid strategies: {', '.join(repr(s) for s in STRATEGIES)}, "
+            "or a torchloom.strategies.Strategy instance."
+        )
+    if world_size > 1 and not instance.is_distributed:
+        raise ConfigurationError(
+            f"strategy {instance.name!r} runs one process, but this job has {world_size} processes. "
+            "Use strategy='ddp', 'fsdp' or 'fsdp2' (or 'auto'), or devices=1."
+        )
+    return instance
+
+
+def _check_external_world(env: ClusterEnvironment, num_processes: int, num_nodes: int, devices: Any) -> None:
+    expected = num_processes * num_nodes
+    if env.world_size() != expected and devices != "auto":
+        raise ConfigurationError(
+            f"Loom(devices={devices!r}, num_nodes={num_nodes}) expects {expected} processes, but {env!r} started "
+            f"{env.world_size()}. Make them agree (e.g. torchrun --nproc-per-node {num_processes} --nnodes "
+            f"{num_nodes}), or pass devices='auto' to follow the launcher."
+        )

@@ -1,0 +1,177 @@
+"""Starting the local ranks with PyTorch's elastic launcher (the machinery behind `torchrun`).
+
+Two ways in: `launch_script` re-runs the user's own command line once per rank (a plain `python train.py`
+becomes N ranks), and `launch_function` runs a picklable function on every rank. In both the launching process
+becomes the elastic agent: it watches the ranks, stops all of them as soon as one fails, and reports the failing
+rank with its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torchloom.errors import LaunchError, MisuseError
+
+# Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
+LAUNCHED_ENV = "TORCHLOOM_LAUNCHED"
+
+# Seconds the agent waits after SIGTERM before SIGKILL when it stops the surviving ranks.
+_SHUTDOWN_TIMEOUT = 5
+
+
+def _launch_config(num_processes: int, num_nodes: int, node_rank: int, address: str, port: int) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=num_nodes,
+        max_nodes=num_nodes,
+        nproc_per_node=num_processes,
+        run_id=f"torchloom-{uuid.uuid4().hex[:8]}" if num_nodes == 1 else "torchloom",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{address}:{port}",
+        rdzv_configs={"rank": node_rank, "timeout": 900},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        shutdown_timeout=_SHUTDOWN_TIMEOUT,
+    )
+
+
+def script_command() -> list[str]:
+    """The interpreter arguments that re-run this process's script, e.g. ["-u", "train.py", "--lr", "3"]."""
+    if not sys.argv or sys.argv[0] in ("", "-c"):
+        raise MisuseError(
+            "loom.launch() cannot re-run this program once per rank: it was not started from a script "
+            "(interactive session or `python -c`). Use `loom.launch(fn)` with a function defined in a module, "
+            "or `torchloom run script.py`."
+        )
+    # orig_argv keeps interpreter options and `-m module`, so each rank starts exactly as this process did.
+    return list(sys.orig_argv[1:])
+
+
+def launch_script(num_processes: int, num_nodes: int, node_rank: int, address: str, port: int) -> None:
+    """Run this script once per local rank and exit with the job's status; never returns."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    command = script_command()
+    config = _launch_config(num_processes, num_nodes, node_rank, address, port)
+    os.environ[LAUNCHED_ENV] = "1"
+    try:
+        elastic_launch(config, sys.executable)(*command)
+    except ChildFailedError as error:
+        print(_describe_failure(error), file=sys.stderr, flush=True)
+        raise SystemExit(_exit_status(error)) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as error:  # SignalException and rendezvous errors: the agent stopped the ranks already
+        if type(error).__name__ == "SignalException":
+            raise SystemExit(128 + int(getattr(error, "sigval", signal.SIGTERM))) from None
+        raise
+    raise SystemExit(0)
+
+
+def _run_function(loom: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    # Runs in each spawned rank: the pickled Loom learns its rank from the agent's environment.
+    loom._setup_rank()
+    return fn(loom, *args)
+
+
+def launch_function(
+    loom: Any, fn: Callable[..., Any], args: tuple[Any, ...], num_processes: int, num_nodes: int, node_rank: int,
+    address: str, port: int,
+) -> Any:
+    """Run `fn(loom, *args)` on every local rank; return rank 0's result or raise `LaunchError`."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    config = _launch_config(num_processes, num_nodes, node_rank, address, port)
+    previous = os.environ.get(LAUNCHED_ENV)
+    os.environ[LAUNCHED_ENV] = "1"
+    try:
+        results = elastic_launch(config, _run_function)(loom, fn, args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise LaunchError(_describe_failure(error), rank=rank, exitcode=failure.exitcode) from None
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHED_ENV, None)
+    return results.get(0) if results else None
+
+
+def _exit_status(error: Any) -> int:
+    _, failure = error.get_first_failure()
+    return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+
+
+def _describe_failure(error: Any) -> str:
+    """Name the first failing rank and show its traceback (from the error file the rank wrote)."""
+    rank, failure = error.get_first_failure()
+    lines = [f"torchloom: rank {rank} failed (exit code {failure.exitcode}, pid {failure.pid})."]
+    if failure.exitcode is not None and failure.exitcode < 0:
+        try:
+            lines.append(f"It was killed by signal {signal.Signals(-failure.exitcode).name}.")
+        except ValueError:
+            pass
+    data = failure.error_file_data or {}
+    message = data.get("message")
+    if isinstance(message, dict):
+        trace = message.get("extraInfo", {}).get("py_callstack")
+        lines.append(f"Traceback of rank {rank}:\n{trace}" if trace else str(message.get("message", "")))
+    elif message:
+        lines.append(str(message))
+    others = sorted(r for r in error.failures if r != rank)
+    if others:
+        lines.append(f"Ranks {others} also stopped.")
+    return "\n".join(lines)
+
+
+def record_errors_in_rank() -> None:
+    """Under an elastic agent, write an uncaught exception to the agent's error file, so the agent can show
+    which rank failed and why. Also die with the agent: a rank must not outlive a killed launcher."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        previous = sys.excepthook
+
+        def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+            # The JSON layout torchelastic's agent reads back (what its @record decorator writes).
+            data = {
+                "message": {
+                    "message": f"{exc_type.__name__}: {exc}",
+                    "extraInfo": {
+                        "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                        "timestamp": str(int(time.time())),
+                    },
+                }
+            }
+            try:
+                with open(error_file, "w") as f:
+                    json.dump(data, f)
+            except OSError:
+                pass
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+    if os.environ.get(LAUNCHED_ENV) == "1":
+        _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass

@@ -1,0 +1,8 @@
+"""Strategies, one file each. `select_strategy` turns `strategy=` strings into instances."""
+
+from torchloom.strategies.base import Strategy
+from torchloom.strategies.ddp import DDPStrategy
+from torchloom.strategies.parallel import ParallelStrategy
+from torchloom.strategies.single_device import SingleDeviceStrategy
+
+__all__ = ["Strategy", "ParallelStrategy", "SingleDeviceStrategy", "DDPStrategy"]

@@ -1,0 +1,200 @@
+"""The Strategy interface: how modules are wrapped, gradients synchronised, and state collected.
+
+`Loom` delegates every distributed decision to its strategy. A strategy gets its accelerator, precision,
+cluster environment and device list from the connector (`torchloom.connector`) before `launch()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from torchloom import checkpointing
+from torchloom.accelerators import Accelerator
+from torchloom.environments import ClusterEnvironment
+from torchloom.errors import MisuseError
+from torchloom.precision import Precision
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class Strategy:
+    """Single-process base: no wrapping, collectives are the identity."""
+
+    #: Registry name, e.g. "ddp".
+    name: str = ""
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.accelerator: Accelerator | None = None
+        self.precision: Precision | None = None
+        self.cluster_environment: ClusterEnvironment | None = None
+        self.parallel_devices: list[torch.device] = [torch.device("cpu")]
+        self.num_nodes: int = 1
+        self.timeout = timeout or DEFAULT_TIMEOUT
+
+    # ---- placement -------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0]
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    def setup_environment(self) -> None:
+        """Called once per rank by `Loom.launch()` before the user's code runs."""
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+
+    def teardown(self) -> None:
+        """Release what `setup_environment` took."""
+
+    # ---- modules and optimizers ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Modules created inside land on the right device and dtype. `empty_init=True` skips initialisation
+        work (meta device for strategies that can materialise, otherwise the target device without copies)."""
+        device = torch.device("meta") if empty_init and self.supports_meta_init else self.root_device
+        assert self.precision is not None
+        with device, self.precision.module_init_context():
+            yield
+
+    #: Whether `setup_module` can materialise a model created on the meta device.
+    supports_meta_init: bool = False
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move/wrap `module` and return what the forward should run through."""
+        self._check_not_meta(module)
+        return module.to(self.root_device)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return optimizer
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
+        assert self.precision is not None
+        self.precision.backward(tensor, **kwargs)
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+        """Skip gradient synchronisation for backward passes inside (gradient accumulation)."""
+        yield
+
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        assert self.precision is not None
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
+        assert self.precision is not None
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+
+    def _check_not_meta(self, module: nn.Module) -> None:
+        meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if meta:
+            raise MisuseError(
+                f"The module has {len(meta)} tensor(s) on the meta device (e.g. {meta[0]!r}), and strategy "
+                f"{self.name!r} cannot materialise them. Create the model with `loom.init_module()` "
+                "(empty_init=False), or use strategy='fsdp'/'fsdp2', which initialise meta-device models shard by shard."
+            )
+
+    # ---- state for checkpoints -------------------------------------------------------------------------------
+    # These use torch.distributed.checkpoint's state-dict API, which every strategy shares: keys are the original
+    # module's own names, and optimizer state is keyed by parameter name rather than position.
+    def _state_dict_options(self, **kwargs: Any) -> StateDictOptions:
+        return StateDictOptions(**kwargs)
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full (unsharded) state of `module`, under its own key names."""
+        return get_model_state_dict(module, options=self._state_dict_options())
+
+    def load_module_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool = True) -> Any:
+        return set_model_state_dict(module, state, options=self._state_dict_options(strict=strict))
+
+    def optimizer_state_dict(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(module, optimizer, options=self._state_dict_options())
+
+    def load_optimizer_state_dict(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(module, optimizer, state, options=self._state_dict_options())
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any], owner_of: checkpointing.OwnerLookup) -> None:
+        checkpointing.save_full(self, path, state, owner_of)
+
+    def load_checkpoint(
+        self, path: Path, state: dict[str, Any], strict: bool, owner_of: checkpointing.OwnerLookup,
+        weights_only: bool = False,
+    ) -> dict[str, Any]:
+        return checkpointing.load_full(self, path, state, strict, owner_of, weights_only=weights_only)
+
+    # ---- collectives (identity in one process) ---------------------------------------------------------------
+    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+        _reduce_op(reduce_op)
+        return data
+
+    def all_gather(self, data: Any) -> Any:
+        return torch.utils._pytree.tree_map(
+            lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, data
+        )
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _reduce_op(name: str) -> dist.ReduceOp:
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _REDUCE_OPS:
+        raise ValueError(f"Unknown reduce_op {name!r}. Valid: {', '.join(repr(k) for k in _REDUCE_OPS)}.")
+    return _REDUCE_OPS[key]

@@ -1,0 +1,44 @@
+"""Data parallel: every rank holds the whole model; DistributedDataParallel averages gradients in backward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torchloom.strategies.parallel import ParallelStrategy
+
+
+class DDPStrategy(ParallelStrategy):
+    """PyTorch's `DistributedDataParallel`. Extra keyword arguments (e.g. `find_unused_parameters`,
+    `static_graph`, `bucket_cap_mb`, `gradient_as_bucket_view`) go to `DistributedDataParallel` unchanged."""
+
+    name = "ddp"
+
+    def __init__(
+        self, timeout: timedelta | None = None, process_group_backend: str | None = None, **ddp_kwargs: Any
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        self.ddp_kwargs = ddp_kwargs
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._require_group("setup_module with strategy='ddp'")
+        self._check_not_meta(module)
+        module = module.to(self.root_device)
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+        if not enabled or not isinstance(module, DistributedDataParallel):
+            yield
+            return
+        with module.no_sync():
+            yield
+
+    def __repr__(self) -> str:
+        return f"DDPStrategy({', '.join(f'{k}={v!r}' for k, v in self.ddp_kwargs.items())})"

@@ -1,0 +1,125 @@
+"""What every multi-process strategy shares: the process group and the collectives."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchloom.errors import MisuseError
+from torchloom.strategies.base import Strategy, _reduce_op
+
+
+class ParallelStrategy(Strategy):
+    """A strategy whose ranks talk over a `torch.distributed` process group."""
+
+    def __init__(self, timeout: timedelta | None = None, process_group_backend: str | None = None) -> None:
+        super().__init__(timeout=timeout)
+        self.process_group_backend = process_group_backend
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size() if self.cluster_environment else 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank() if self.cluster_environment else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank() if self.cluster_environment else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster_environment.node_rank() if self.cluster_environment else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def backend(self) -> str:
+        assert self.accelerator is not None
+        return self.process_group_backend or self.accelerator.backend
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if dist.is_initialized():
+            return
+        env = self.cluster_environment
+        assert env is not None
+        env.export()
+        kwargs: dict[str, Any] = {}
+        if self.root_device.type == "cuda":
+            # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids device guessing.
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(
+            self.backend,
+            init_method="env://",
+            rank=env.global_rank(),
+            world_size=env.world_size(),
+            timeout=self.timeout,
+            **kwargs,
+        )
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _require_group(self, what: str) -> None:
+        if not dist.is_initialized():
+            raise MisuseError(
+                f"{what} needs the process group, which does not exist yet. Call `loom.launch()` first "
+                "(or run your function with `loom.launch(fn)`)."
+            )
+
+    # ---- collectives -----------------------------------------------------------------------------------------
+    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+        op = _reduce_op(reduce_op)
+        self._require_group("all_reduce")
+
+        def reduce(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = t.detach().clone()
+            if out.device != self.root_device:
+                out = out.to(self.root_device)
+            dist.all_reduce(out, op=op)
+            if reduce_op.lower() in ("mean", "avg"):
+                out = out / self.world_size if out.is_floating_point() else out // self.world_size
+            return out
+
+        return torch.utils._pytree.tree_map(reduce, data)
+
+    def all_gather(self, data: Any) -> Any:
+        self._require_group("all_gather")
+
+        def gather(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.detach().contiguous().to(self.root_device)
+            out = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.all_gather(out, t)
+            return torch.stack(out)
+
+        return torch.utils._pytree.tree_map(gather, data)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._require_group("broadcast")
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, device=self.root_device if self.backend == "nccl" else None)
+        return box[0]
+
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
