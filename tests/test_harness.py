@@ -1,0 +1,45 @@
+"""The harness itself must report failures by rank and never hang."""
+
+import os
+import time
+
+import pytest
+from harness import run_ranks
+
+
+def _ok(rank, world_size):
+    return rank * 10 + world_size
+
+
+def _fail_on_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    return rank
+
+
+def _exit_on_zero(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    time.sleep(60)
+
+
+def _hang(rank, world_size):
+    time.sleep(60)
+
+
+def test_results_in_rank_order():
+    assert run_ranks(_ok, 3) == [3, 13, 23]
+
+
+def test_rank_failure_names_rank_and_traceback():
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 failed.*ValueError: rank one is broken"):
+        run_ranks(_fail_on_one, 2)
+
+
+def test_silent_death_and_timeout_are_reported_quickly():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 0 died with exit code 3"):
+        run_ranks(_exit_on_zero, 2, timeout=30)
+    with pytest.raises(AssertionError, match="did not finish within 3s"):
+        run_ranks(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 25
