@@ -5,6 +5,7 @@
     loom.launch()
 """
 
+from torchloom._describe import describe
 from torchloom.errors import CheckpointError, ConfigurationError, LaunchError, MisuseError, TorchloomError
 from torchloom.loom import Loom
 from torchloom.seed import seed_everything
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Loom",
+    "describe",
     "LoomModule",
     "LoomOptimizer",
     "LoomDataLoader",

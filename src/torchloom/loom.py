@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from torchloom import checkpointing, launcher
+from torchloom._layout import clean_name
 from torchloom.connector import configure
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import MisuseError
@@ -142,9 +143,13 @@ class Loom:
 
     def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
         """Set up a model and its optimizers; returns `model` or `(model, *optimizers)`."""
+        names = {id(p): clean_name(n) for n, p in module.named_parameters()}
         module = self.setup_module(module)
         if not optimizers:
             return module
+        if self._strategy.replaces_parameters:
+            for optimizer in optimizers:
+                _rebind_optimizer(optimizer, names, module.module)
         return (module, *self._setup_optimizers(optimizers))
 
     def setup_module(self, module: nn.Module) -> LoomModule:
@@ -184,6 +189,13 @@ class Loom:
             optimizer = self._strategy.setup_optimizer(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             stray = sum(id(p) not in known for p in params)
+            if stray and self._strategy.replaces_parameters:
+                raise MisuseError(
+                    f"The optimizer {type(optimizer).__name__} holds {stray} parameter(s) that strategy "
+                    f"{self._strategy.name!r} replaced with sharded ones in setup_module. Create the optimizer after "
+                    "setup_module: `model = loom.setup_module(model); optimizer = torch.optim.AdamW(model.parameters())"
+                    "`, or pass both to `loom.setup(model, optimizer)`, which rebinds a fresh optimizer for you."
+                )
             if stray:
                 raise MisuseError(
                     f"The optimizer {type(optimizer).__name__} updates {stray} parameter(s) that belong to no module "
@@ -337,3 +349,25 @@ class Loom:
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
+
+
+def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:
+    """Point a not-yet-stepped optimizer at the parameters that sharding put in place of the originals."""
+    current = {id(p) for p in module.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(id(p) in current for p in params):
+        return
+    if optimizer.state:
+        raise MisuseError(
+            "The optimizer has already taken steps on the unsharded parameters, so it cannot be moved to the sharded "
+            "ones. Create the optimizer after setup_module."
+        )
+    by_name = {clean_name(n): p for n, p in module.named_parameters()}
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [by_name[names[id(p)]] if id(p) not in current else p for p in group["params"]]
+        except KeyError:
+            raise MisuseError(
+                "The optimizer holds parameters of another model than the one passed to setup(); create it from "
+                "model.parameters()."
+            ) from None

@@ -101,6 +101,8 @@ class Strategy:
 
     #: Whether `setup_module` can materialise a model created on the meta device.
     supports_meta_init: bool = False
+    #: Whether `setup_module` replaces the module's parameters (sharding), so optimizers must come after it.
+    replaces_parameters: bool = False
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/wrap `module` and return what the forward should run through."""

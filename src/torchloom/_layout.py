@@ -1,0 +1,163 @@
+"""Which FSDP units a model holds, and which parameters lie outside every unit.
+
+Every FSDP feature (setup, gradient sync, clipping, no_backward_sync, checkpoints, the sharding summary) asks
+this one module instead of checking `isinstance(root, FSDP)`: a model sharded by hand has no FSDP root, and its
+parameters outside every unit need data-parallel treatment of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+# Wrapper segments that FSDP1 and activation checkpointing insert into parameter names.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the user's own module spells it (no wrapper segments)."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def unit_flavour(module: nn.Module) -> str | None:
+    """"fsdp" for a FullyShardedDataParallel instance, "fsdp2" for a `fully_shard`-ed module, else None."""
+    if isinstance(module, FSDP):
+        return "fsdp"
+    if isinstance(module, FSDPModule):
+        return "fsdp2"
+    return None
+
+
+@dataclass
+class Unit:
+    path: str
+    module: nn.Module
+    flavour: str
+    #: Parameters this unit manages itself (not those of units nested inside it).
+    num_params: int = 0
+    numel: int = 0
+
+
+@dataclass
+class Layout:
+    units: list[Unit] = field(default_factory=list)
+    #: Units that no other unit contains: what no_backward_sync and FSDP1 root logic act on.
+    top_units: list[Unit] = field(default_factory=list)
+    #: (clean name, parameter) for every parameter outside all units.
+    leftovers: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    leftover_buffers: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    root_is_unit: bool = False
+
+    @property
+    def flavours(self) -> set[str]:
+        return {u.flavour for u in self.units}
+
+
+def analyze(module: nn.Module) -> Layout:
+    """Walk the tree once: units (outermost first) and the parameters/buffers that no unit owns."""
+    layout = Layout()
+    inside: set[int] = set()  # ids of modules that sit in some unit's subtree
+
+    def visit(mod: nn.Module, path: str, in_unit: Unit | None) -> None:
+        flavour = unit_flavour(mod)
+        unit = in_unit
+        if flavour is not None:
+            unit = Unit(clean_name(path + ".")[:-1] if path else "", mod, flavour)
+            layout.units.append(unit)
+            if in_unit is None:
+                layout.top_units.append(unit)
+        if unit is not None:
+            inside.add(id(mod))
+        for name, child in mod.named_children():
+            visit(child, f"{path}.{name}" if path else name, unit)
+
+    visit(module, "", None)
+    layout.root_is_unit = unit_flavour(module) is not None
+    seen: set[int] = set()
+    owner_unit = {id(u.module): u for u in layout.units}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, param in mod.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            full = clean_name(f"{mod_name}.{p_name}" if mod_name else p_name)
+            if id(mod) in inside:
+                unit = _nearest_unit(module, mod_name, owner_unit)
+                if unit is not None:
+                    unit.num_params += 1
+                    unit.numel += _global_numel(param)
+            else:
+                layout.leftovers.append((full, param))
+        for b_name, buf in mod.named_buffers(recurse=False):
+            if id(mod) not in inside and buf is not None:
+                layout.leftover_buffers.append((clean_name(f"{mod_name}.{b_name}" if mod_name else b_name), buf))
+    for unit in layout.units:
+        if unit.flavour == "fsdp":
+            _fsdp1_unit_size(unit)
+    return layout
+
+
+def _nearest_unit(root: nn.Module, mod_name: str, owner_unit: dict[int, Unit]) -> Unit | None:
+    """The innermost unit on the path from `root` to the module called `mod_name`."""
+    found = owner_unit.get(id(root))
+    mod = root
+    for part in mod_name.split(".") if mod_name else []:
+        mod = getattr(mod, part)
+        found = owner_unit.get(id(mod), found)
+    return found
+
+
+def _global_numel(param: torch.Tensor) -> int:
+    # FSDP2 parameters are DTensors whose .shape is the global shape.
+    return int(torch.Size(param.shape).numel())
+
+
+def _fsdp1_unit_size(unit: Unit) -> None:
+    # FSDP1 (use_orig_params) exposes each original parameter as a 1-D slice of this rank's shard; the flat
+    # parameter remembers the original sizes.
+    flat = getattr(unit.module, "_flat_param", None)
+    if flat is not None and getattr(flat, "_numels", None) is not None:
+        unit.num_params = len(flat._numels)
+        unit.numel = int(sum(flat._numels))
+
+
+def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: int = 2) -> str:
+    """A short sharding summary: units, replicated leftovers, and an estimate of per-rank memory.
+
+    The estimate counts parameters + gradients + `optimizer_states` fp32 states per parameter (2 for Adam):
+    unit parameters divided by `world_size`, leftovers whole on every rank.
+    """
+    layout = analyze(module)
+    lines = []
+    bytes_per = 4
+    sharded = sum(u.numel for u in layout.units)
+    replicated = sum(p.numel() for _, p in layout.leftovers)
+    lines.append(f"Sharding summary ({world_size} rank{'s' if world_size != 1 else ''}):")
+    if layout.units:
+        flavour = "FullyShardedDataParallel" if layout.flavours == {"fsdp"} else "fully_shard"
+        root = "the root is a unit" if layout.root_is_unit else "the root is not a unit"
+        lines.append(f"  {len(layout.units)} {flavour} unit(s), {root}:")
+        for unit in layout.units:
+            lines.append(f"    {unit.path or '<root>'}: {unit.num_params} parameters, {unit.numel:,} elements")
+    else:
+        lines.append("  no FSDP units")
+    if layout.leftovers:
+        lines.append(f"  replicated on every rank (outside all units): {len(layout.leftovers)} parameters, "
+                     f"{replicated:,} elements")
+        for name, param in layout.leftovers[:12]:
+            lines.append(f"    {name} {tuple(param.shape)}")
+        if len(layout.leftovers) > 12:
+            lines.append(f"    ... and {len(layout.leftovers) - 12} more")
+    per_rank_elems = sharded / max(world_size, 1) + replicated
+    mib = per_rank_elems * bytes_per / 2**20
+    lines.append(
+        f"  estimated per rank (fp32): parameters {mib:.2f} MiB, gradients {mib:.2f} MiB, "
+        f"optimizer state {mib * optimizer_states:.2f} MiB"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,342 @@
+"""What the two FSDP strategies share: respecting the user's units, the replicated leftovers, meta-device
+initialisation, the global gradient norm, and gradient-sync control for every layout.
+
+`FSDPStrategy` (fsdp.py) and `FSDP2Strategy` (fsdp2.py) supply the flavour-specific pieces: how a module
+becomes a unit, how a unit stops syncing, and how sharded parameters are initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from collections.abc import Callable, Generator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.optim import Optimizer
+
+from torchloom._layout import Layout, Unit, analyze, describe_layout
+from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.strategies._replicated import ReplicatedGradSync, broadcast_tensors
+from torchloom.strategies.parallel import ParallelStrategy
+
+log = logging.getLogger("torchloom")
+
+UNSHARDED_PARAMS = ("replicate", "shard", "error")
+STATE_DICT_TYPES = ("sharded", "full")
+
+ModulePolicy = Callable[[nn.Module], bool]
+
+
+def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
+    """A set of module classes, or a callable(module) -> bool, as a callable (None stays None)."""
+    if policy is None:
+        return None
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise ConfigurationError(f"{what} must be a set of nn.Module classes or a callable, got {policy!r}.")
+        return lambda module: isinstance(module, classes)
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        return lambda module: isinstance(module, policy)
+    if callable(policy):
+        return policy
+    raise ConfigurationError(f"{what} must be a set of nn.Module classes or a callable, got {policy!r}.")
+
+
+def _init_fn(module: nn.Module) -> Callable[[], None] | None:
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _has_own_state(module: nn.Module, meta_only: bool = True) -> bool:
+    tensors = [*module.parameters(recurse=False), *(b for b in module.buffers(recurse=False) if b is not None)]
+    return any(t.is_meta for t in tensors) if meta_only else bool(tensors)
+
+
+def meta_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules whose own parameters/buffers are on the meta device; each must know how to initialise itself."""
+    found = [(name, m) for name, m in module.named_modules() if _has_own_state(m)]
+    missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in found if _init_fn(m) is None]
+    if missing:
+        raise MisuseError(
+            "These modules were created on the meta device (init_module(empty_init=True)) but have no "
+            f"reset_parameters() to initialise their own parameters: {', '.join(missing)}. Add a "
+            "reset_parameters() method to them, or create the model with empty_init=False."
+        )
+    return found
+
+
+class ShardedStrategy(ParallelStrategy):
+    """Base of "fsdp" and "fsdp2". See README, section FSDP, for what each option does."""
+
+    flavour: str = ""
+    supports_meta_init = True
+    #: Sharding replaces parameters, so optimizers must be created after setup_module.
+    replaces_parameters = True
+    #: Whether activation checkpointing goes on before the units are made (FSDP2) or after (FSDP1).
+    _checkpoint_before_sharding = True
+
+    def __init__(
+        self,
+        *,
+        activation_checkpointing_policy: Any = None,
+        cpu_offload: bool = False,
+        state_dict_type: str = "sharded",
+        unsharded_params: str = "replicate",
+        timeout: timedelta | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        if unsharded_params not in UNSHARDED_PARAMS:
+            raise ConfigurationError(
+                f"unsharded_params={unsharded_params!r} is not valid. Choose one of "
+                f"{', '.join(repr(v) for v in UNSHARDED_PARAMS)}: 'replicate' keeps parameters outside every FSDP unit "
+                "in sync like DDP, 'shard' makes the root a unit, 'error' refuses such parameters."
+            )
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ConfigurationError(
+                f"state_dict_type={state_dict_type!r} is not valid. Choose 'sharded' (a directory, every rank "
+                "writes its shard) or 'full' (one file written by rank 0)."
+            )
+        self.activation_checkpointing_policy = as_module_policy(
+            activation_checkpointing_policy, "activation_checkpointing_policy"
+        )
+        self.cpu_offload = bool(cpu_offload)
+        self.state_dict_type = state_dict_type
+        self.unsharded_params = unsharded_params
+        self._layouts: dict[int, Layout] = {}
+        self._grad_syncs: dict[int, ReplicatedGradSync] = {}
+        self._groups: dict[int, dict[int, dist.ProcessGroup]] = {}
+        self._replica_group: dist.ProcessGroup | None = None
+        self._warned_policy = False
+
+    # ---- flavour-specific pieces ------------------------------------------------------------------------------
+    @property
+    def has_policy(self) -> bool:
+        raise NotImplementedError
+
+    def _shard_with_policy(self, module: nn.Module) -> nn.Module:
+        """Make units bottom-up as the policy says, then the root; return what forward runs through."""
+        raise NotImplementedError
+
+    def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
+        """Make the root one more unit (around the user's units); return what forward runs through."""
+        raise NotImplementedError
+
+    def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
+        """Inside `stack`, stop `units` (the top-level ones) from reducing gradients."""
+        raise NotImplementedError
+
+    def _materialize_units(self, module: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+        """Initialise meta-device modules that are inside units (after the units exist)."""
+
+    def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
+        """id(parameter) -> the group over which its gradient is sharded (absent: replicated)."""
+        raise NotImplementedError
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._require_group(f"setup_module with strategy={self.name!r}")
+        layout = analyze(module)
+        self._check_flavours(layout)
+        pending_init = meta_modules(module)
+        if layout.units:
+            # The user chose the units: never wrap the root again, never apply a policy on top.
+            if self.has_policy and not self._warned_policy:
+                self._warned_policy = True
+                self._warn(
+                    f"The model already has {len(layout.units)} FSDP unit(s) made by hand, so the configured "
+                    "wrapping policy is ignored and the root is not wrapped. Remove the policy to silence this."
+                )
+            self._apply_activation_checkpointing(module)
+            forward_module = module
+            if self.unsharded_params == "shard" and layout.leftovers:
+                forward_module = self._shard_root(module, layout)
+        else:
+            if not pending_init:
+                # Units shard whatever each rank holds: start every rank from rank 0's weights.
+                broadcast_tensors([*module.parameters(), *module.buffers()])
+            if not self.has_policy:
+                self._warn(
+                    f"strategy={self.name!r} without a wrapping policy makes the whole model one unit, which saves "
+                    "no memory during forward and backward. Pass a policy (e.g. the set of your block classes) or "
+                    "shard blocks by hand."
+                )
+            if self._checkpoint_before_sharding:
+                self._apply_activation_checkpointing(module)
+            forward_module = self._shard_with_policy(module)
+            if not self._checkpoint_before_sharding:
+                self._apply_activation_checkpointing(forward_module)
+        self._materialize(forward_module, pending_init)
+        layout = analyze(forward_module)
+        self._layouts[id(forward_module)] = layout
+        self._replicate_leftovers(forward_module, layout)
+        # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
+        broadcast_tensors([b for b in forward_module.buffers() if b is not None])
+        if self.global_rank == 0:
+            log.info("%s", describe_layout(forward_module, self.world_size))
+        return forward_module
+
+    def _check_flavours(self, layout: Layout) -> None:
+        other = {"fsdp": "fsdp2", "fsdp2": "fsdp"}[self.flavour]
+        kinds = {"fsdp": "FullyShardedDataParallel (FSDP1)", "fsdp2": "fully_shard (FSDP2)"}
+        if len(layout.flavours) > 1:
+            raise MisuseError(
+                "The model mixes FullyShardedDataParallel (FSDP1) units and fully_shard (FSDP2) units, which "
+                "cannot train together. Shard every unit with one of them."
+            )
+        if layout.flavours == {other}:
+            raise MisuseError(
+                f"The model's units were made with {kinds[other]}, but the strategy is {self.name!r}. Use "
+                f"strategy={other!r}."
+            )
+
+    def _apply_activation_checkpointing(self, module: nn.Module) -> None:
+        policy = self.activation_checkpointing_policy
+        if policy is None:
+            return
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointWrapper,
+            apply_activation_checkpointing,
+        )
+
+        if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
+            return  # the user already placed activation checkpointing; do not nest another layer
+        apply_activation_checkpointing(module, check_fn=policy)
+
+    def _materialize(self, module: nn.Module, pending: list[tuple[str, nn.Module]]) -> None:
+        if not pending:
+            return
+        unit_owned = {id(m) for u in analyze(module).units for m in u.module.modules()}
+        inside = [(n, m) for n, m in pending if id(m) in unit_owned]
+        outside = [(n, m) for n, m in pending if id(m) not in unit_owned]
+        if inside:
+            self._materialize_units(module, inside)
+        with torch.no_grad():
+            for _, mod in outside:
+                # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
+                mod.to_empty(device=self.root_device, recurse=False)
+                _init_fn(mod)()  # type: ignore[misc]
+
+    def _replicate_leftovers(self, module: nn.Module, layout: Layout) -> None:
+        if not layout.leftovers:
+            return
+        if self.unsharded_params == "error":
+            names = ", ".join(name for name, _ in layout.leftovers)
+            raise MisuseError(
+                f"unsharded_params='error': these parameters are outside every FSDP unit: {names}. Put them in a "
+                "unit, or use unsharded_params='replicate' (kept in sync like DDP) or 'shard' (wrap the root)."
+            )
+        params = [p for _, p in layout.leftovers]
+        broadcast_tensors(params)
+        if self._replica_group is None:
+            # A group of its own, so these all-reduces never interleave with FSDP's own collectives.
+            self._replica_group = dist.new_group(backend=self.backend)
+        self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return optimizer
+
+    def teardown(self) -> None:
+        for sync in self._grad_syncs.values():
+            sync.remove()
+        self._grad_syncs.clear()
+        super().teardown()
+
+    # ---- training --------------------------------------------------------------------------------------------
+    def _layout_of(self, module: nn.Module) -> Layout:
+        layout = self._layouts.get(id(module))
+        if layout is None:
+            raise MisuseError("This module was not set up by this strategy. Pass the module from setup_module.")
+        return layout
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+        if not enabled:
+            yield
+            return
+        layout = self._layout_of(module)
+        sync = self._grad_syncs.get(id(module))
+        with contextlib.ExitStack() as stack:
+            self._set_unit_sync(stack, layout.top_units)
+            if sync is not None:
+                sync.enabled = False
+                stack.callback(setattr, sync, "enabled", True)
+            yield
+
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        assert self.precision is not None
+        self.precision.unscale_gradients(optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        total = self._total_norm(module, optimizer, float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
+                "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
+
+    def _total_norm(self, module: nn.Module, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
+        """The norm of all gradients as if the model were not sharded: each sharded gradient's local pieces are
+        combined over its shard group, and replicated gradients (the same on every rank) are counted once."""
+        groups = self._groups.get(id(module))
+        if groups is None:
+            groups = self._groups[id(module)] = self._shard_groups(module)
+        # Every rank must issue the same collectives in the same order, even where it holds no gradient.
+        order: list[dist.ProcessGroup] = []
+        for g in groups.values():
+            if all(g is not seen for seen in order):
+                order.append(g)
+        partial = {id(g): torch.zeros((), dtype=torch.float64, device=self.root_device) for g in order}
+        replicated = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        inf = math.isinf(norm_type)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if grad.numel() == 0:
+                    continue
+                value = torch.linalg.vector_norm(grad.detach().to(torch.float64), norm_type).to(self.root_device)
+                contribution = value if inf else value**norm_type
+                shard_group = groups.get(id(p))
+                key = id(shard_group) if shard_group is not None else None
+                if key is None:
+                    replicated = torch.maximum(replicated, contribution) if inf else replicated + contribution
+                else:
+                    partial[key] = torch.maximum(partial[key], contribution) if inf else partial[key] + contribution
+        total = replicated
+        for g in order:
+            value = partial[id(g)]
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
+            total = torch.maximum(total, value) if inf else total + value
+        return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
+
+    # ---- state dicts (checkpointing) -------------------------------------------------------------------------
+    def _state_dict_options(self, **kwargs: Any) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=True, **kwargs)
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def _warn(self, message: str) -> None:
+        if self.global_rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def describe(self, module: nn.Module) -> str:
+        return describe_layout(module, self.world_size)

@@ -1,0 +1,171 @@
+"""strategy="fsdp2": PyTorch's `fully_shard` (FSDP2, DTensor-based), on CPU (gloo) and CUDA (nccl).
+
+Units come from the user's own `fully_shard(block)` calls after `loom.launch()`, or else from `shard_policy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from torchloom._layout import Layout, Unit, analyze
+from torchloom.errors import ConfigurationError
+from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
+
+
+class FSDP2Strategy(ShardedStrategy):
+    """`fully_shard` with torchloom's handling of hand-made units and replicated leftovers.
+
+    Args:
+        shard_policy: a set of module classes or a callable(module) -> bool: matching modules become units,
+            bottom-up, then the root. Ignored, with a warning, when the model already has units.
+        reshard_after_forward: free unsharded parameters after forward (FULL_SHARD-like, default) or keep them
+            until backward (SHARD_GRAD_OP-like).
+        activation_checkpointing_policy: a set of module classes or a callable(module) -> bool.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        state_dict_type: "sharded" (default) or "full", the checkpoint format `loom.save` writes.
+        unsharded_params: what happens to parameters outside every unit: "replicate" (default), "shard", "error".
+        hybrid: shard within each node and replicate across nodes (a 2-D mesh of shape (num_nodes, per-node)).
+        device_mesh: a DeviceMesh of your own (1-D: shard; 2-D: replicate x shard); overrides `hybrid`.
+        **fully_shard_kwargs: passed to every `fully_shard` call.
+    """
+
+    name = "fsdp2"
+    flavour = "fsdp2"
+
+    def __init__(
+        self,
+        shard_policy: Any = None,
+        reshard_after_forward: bool | int = True,
+        activation_checkpointing_policy: Any = None,
+        cpu_offload: bool = False,
+        state_dict_type: str = "sharded",
+        unsharded_params: str = "replicate",
+        hybrid: bool = False,
+        device_mesh: DeviceMesh | None = None,
+        timeout: timedelta | None = None,
+        process_group_backend: str | None = None,
+        **fully_shard_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            cpu_offload=cpu_offload,
+            state_dict_type=state_dict_type,
+            unsharded_params=unsharded_params,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+        )
+        self.shard_policy = as_module_policy(shard_policy, "shard_policy")
+        self.reshard_after_forward = reshard_after_forward
+        self.hybrid = bool(hybrid)
+        self._mesh = device_mesh
+        self.fully_shard_kwargs = fully_shard_kwargs
+
+    @property
+    def has_policy(self) -> bool:
+        return self.shard_policy is not None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh units are sharded over (made on first use, after launch)."""
+        if self._mesh is None:
+            self._require_group("the FSDP2 device mesh")
+            if self.hybrid:
+                if self.world_size % self.num_nodes:
+                    raise ConfigurationError("hybrid=True needs the same number of processes on every node.")
+                shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
+                self._mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+            else:
+                self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+        return self._mesh
+
+    def _unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
+        assert self.precision is not None
+        kwargs: dict[str, Any] = {
+            "mesh": mesh or self.device_mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+        if self.precision.is_mixed:
+            # Half-precision compute, fp32 gradient reduction; autocast (from the precision) still wraps forward
+            # so that fp32 replicated leftovers work with half-precision units.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=self.precision.autocast_dtype, reduce_dtype=torch.float32
+            )
+        return {**kwargs, **self.fully_shard_kwargs}
+
+    # ---- making units ----------------------------------------------------------------------------------------
+    def _shard_with_policy(self, module: nn.Module) -> nn.Module:
+        kwargs = self._unit_kwargs()
+        if self.shard_policy is not None:
+            # named_modules() lists parents before children; reversed, every block is sharded before what holds it.
+            for name, sub in reversed(list(module.named_modules())):
+                if name and self.shard_policy(sub):
+                    fully_shard(sub, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+
+    def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
+        # The root joins the mesh the user's units already use.
+        mesh = next(
+            (p.device_mesh for u in layout.units for p in u.module.parameters() if isinstance(p, DTensor)), None
+        )
+        fully_shard(module, **self._unit_kwargs(mesh))
+        return module
+
+    def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
+        for unit in units:
+            unit.module.set_requires_gradient_sync(False)
+            stack.callback(unit.module.set_requires_gradient_sync, True)
+
+    def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
+        groups: dict[int, dist.ProcessGroup] = {}
+        for p in module.parameters():
+            if not isinstance(p, DTensor):
+                continue
+            shard_dims = [i for i, placement in enumerate(p.placements) if isinstance(placement, Shard)]
+            if len(shard_dims) != 1:
+                raise NotImplementedError(
+                    f"Clipping supports parameters sharded over one mesh dimension; got placements {p.placements}."
+                )
+            groups[id(p)] = p.device_mesh.get_group(shard_dims[0])
+        return groups
+
+    # ---- meta-device initialisation --------------------------------------------------------------------------
+    def _materialize_units(self, module: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+        # Allocate every rank's shards (and the leftovers) on the device, with no values yet.
+        module.to_empty(device=self.root_device)
+        with torch.no_grad():
+            for _, mod in modules:
+                self._init_sharded_module(mod)
+
+    def _init_sharded_module(self, mod: nn.Module) -> None:
+        """Run `mod`'s reset_parameters on full-size plain tensors for its own parameters only (one layer at a
+        time, never the whole model), then keep this rank's shard of rank 0's values.
+
+        Running it on the DTensors directly would be wrong on CPU: DTensor's random ops draw the same numbers
+        for every shard there, so all shards of a weight would be identical copies."""
+        own = list(mod.named_parameters(recurse=False))
+        originals = {}
+        for name, param in own:
+            if isinstance(param, DTensor):
+                originals[name] = param
+                full = torch.empty(param.shape, dtype=param.dtype, device=self.root_device)
+                mod._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+        try:
+            _init_fn(mod)()  # type: ignore[misc]
+        finally:
+            for name, param in originals.items():
+                full = mod._parameters[name]
+                mod._parameters[name] = param
+                # Every rank passes a full tensor; only rank 0's values are scattered (src_data_rank=0).
+                shard = distribute_tensor(full.detach(), param.device_mesh, param.placements, src_data_rank=0)
+                param.to_local().copy_(shard.to_local())

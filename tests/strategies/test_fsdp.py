@@ -1,0 +1,332 @@
+"""FSDP1 ("fsdp") and FSDP2 ("fsdp2") on 2 CPU ranks: parity with one process for every layout, the user's
+units respected, replicated leftovers kept in sync, meta-device init and memory."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fsdp_models import (
+    MAX_NORM,
+    Block,
+    Net,
+    full_state,
+    reference,
+    torch_built_model,
+    train,
+)
+from harness import run_ranks
+from torch import nn
+
+from torchloom import Loom, MisuseError
+from torchloom._layout import analyze
+from torchloom.strategies import FSDP2Strategy, FSDPStrategy
+
+LAYOUTS = ("wrapped_root", "units_no_root", "units_plus_leftovers", "leftovers_sharded", "torch_built")
+
+
+def _strategy(flavour: str, layout: str):
+    unsharded = "shard" if layout == "leftovers_sharded" else "replicate"
+    if layout == "wrapped_root":
+        return FSDPStrategy(auto_wrap_policy={Block}) if flavour == "fsdp" else FSDP2Strategy(shard_policy={Block})
+    return FSDPStrategy(unsharded_params=unsharded) if flavour == "fsdp" else FSDP2Strategy(unsharded_params=unsharded)
+
+
+def _build(loom: Loom, flavour: str, layout: str) -> nn.Module:
+    """The model as each layout's user would build it (same seed as the reference)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    if layout == "torch_built":
+        model = torch_built_model()
+        for i in (2, 4):  # PyTorch's own APIs, called directly: two non-root units, leftovers around them
+            model[i] = FSDP(model[i], device_id=loom.device, use_orig_params=True) if flavour == "fsdp" else model[i]
+            if flavour == "fsdp2":
+                fully_shard(model[i])
+        return model
+    if layout == "wrapped_root":
+        return Net()
+    everything = layout == "units_no_root"
+    if flavour == "fsdp":
+        with loom.init_module():
+            return Net(wrap_blocks=True, wrap_all=everything)
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    if everything:
+        fully_shard(model.embed)
+        fully_shard(model.head)
+    return model
+
+
+def _parity_body(rank: int, world_size: int, flavour: str) -> dict:
+    out = {}
+    for layout in LAYOUTS:
+        loom = Loom(accelerator="cpu", devices=world_size, strategy=_strategy(flavour, layout))
+        loom.launch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-unit warning of "wrapped_root" is tested elsewhere
+            model = loom.setup_module(_build(loom, flavour, layout))
+        opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+        layout_info = analyze(model.forward_module)
+        norms = train(loom, model, opt)
+        leftovers = {name: p.detach().clone() for name, p in layout_info.leftovers}
+        out[layout] = {
+            "params": full_state(model),
+            "norms": norms,
+            "leftovers": leftovers,
+            "root_is_unit": layout_info.root_is_unit,
+            "units": len(layout_info.units),
+        }
+    return out
+
+
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_parity_every_layout(flavour):
+    results = run_ranks(_parity_body, 2, flavour, timeout=240)
+    for layout in LAYOUTS:
+        make = torch_built_model if layout == "torch_built" else Net
+        expected, expected_norms = reference(make)
+        for rank, result in enumerate(results):
+            got = result[layout]
+            assert set(got["params"]) == set(expected), (layout, sorted(got["params"]))
+            for name, value in expected.items():
+                torch.testing.assert_close(
+                    got["params"][name], value, atol=1e-5, rtol=1e-5, msg=f"{layout} rank {rank} {name}"
+                )
+            # The norm before clipping is the global one (and clipping did trigger: MAX_NORM is below it).
+            assert max(expected_norms) > MAX_NORM
+            torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5)
+        # Replicated leftovers are identical on every rank.
+        for name, value in results[0][layout]["leftovers"].items():
+            assert torch.equal(value, results[1][layout]["leftovers"][name]), (layout, name)
+        root_is_unit = results[0][layout]["root_is_unit"]
+        assert root_is_unit == (layout in ("wrapped_root", "leftovers_sharded")), layout
+        if layout == "units_plus_leftovers":
+            assert set(results[0][layout]["leftovers"]) == {"embed.weight", "embed.bias", "head.weight", "head.bias"}
+        if layout == "leftovers_sharded":
+            assert results[0][layout]["leftovers"] == {}
+
+
+def _seed_scenario_body(rank: int, world_size: int) -> dict:
+    """The exact case from the field: wrap() inside init_module, then setup_module, 3 steps."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import wrap
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp")
+    loom.launch()
+    torch.manual_seed(rank)  # deliberately different per rank: setup must still make one model
+    with loom.init_module():
+        model = nn.Sequential(wrap(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 8), wrap(nn.Linear(8, 1)))
+    model = loom.setup_module(model)
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(3):
+        x = torch.randn(4, 8)  # different data per rank
+        loom.backward(model(x).pow(2).mean())
+        loom.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "root_is_fsdp": isinstance(model.forward_module, FSDP),
+        "middle": model.module[2].weight.detach().clone(),
+        "summary": __import__("torchloom").describe(model),
+    }
+
+
+def test_seed_scenario_root_unwrapped_and_middle_layer_in_sync():
+    r0, r1 = run_ranks(_seed_scenario_body, 2, timeout=120)
+    assert not r0["root_is_fsdp"] and not r1["root_is_fsdp"]
+    assert torch.equal(r0["middle"], r1["middle"])
+    assert "2 FullyShardedDataParallel unit(s), the root is not a unit" in r0["summary"]
+    assert "2.weight (8, 8)" in r0["summary"]
+
+
+def _modes_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    # unsharded_params="error" names every parameter outside the units.
+    for flavour in ("fsdp", "fsdp2"):
+        cls = FSDPStrategy if flavour == "fsdp" else FSDP2Strategy
+        loom = Loom(accelerator="cpu", devices=world_size, strategy=cls(unsharded_params="error"))
+        loom.launch()
+        torch.manual_seed(0)
+        model = Net()
+        for i, block in enumerate(model.blocks):
+            if flavour == "fsdp":
+                model.blocks[i] = FSDP(block, device_id=loom.device, use_orig_params=True)
+            else:
+                fully_shard(block)
+        try:
+            loom.setup_module(model)
+            out[f"{flavour}_error"] = None
+        except MisuseError as e:
+            out[f"{flavour}_error"] = str(e)
+
+    # A policy on a model that already has units: ignored, with one warning for two models.
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block}))
+    loom.launch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model = Net()
+            for block in model.blocks:
+                fully_shard(block)
+            model = loom.setup_module(model)
+    out["policy_warnings"] = [str(w.message) for w in caught if "policy is ignored" in str(w.message)]
+    out["policy_root_is_unit"] = analyze(model.forward_module).root_is_unit
+
+    # No policy, no units: one unit, one warning saying why that saves nothing.
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
+    loom.launch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loom.setup_module(Net())
+    out["single_unit_warnings"] = [str(w.message) for w in caught if "one unit" in str(w.message)]
+
+    # Wrong flavour for the strategy, and mixed flavours.
+    model = Net()
+    fully_shard(model.blocks[0])
+    try:
+        Loom(accelerator="cpu", devices=world_size, strategy="fsdp").setup_module(model)
+    except MisuseError as e:
+        out["wrong_flavour"] = str(e)
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp")
+    loom.launch()
+    try:
+        loom.setup_module(model)
+    except MisuseError as e:
+        out["wrong_flavour"] = str(e)
+    model.blocks[1] = FSDP(model.blocks[1], device_id=loom.device, use_orig_params=True)
+    try:
+        loom.setup_module(model)
+    except MisuseError as e:
+        out["mixed"] = str(e)
+
+    # An optimizer made before FSDP2 replaced the parameters: a clear error; setup(model, opt) rebinds it.
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block}))
+    loom.launch()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    set_up = loom.setup_module(model)
+    try:
+        loom.setup_optimizers(opt)
+    except MisuseError as e:
+        out["early_optimizer"] = str(e)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    set_up, opt = loom.setup(model, opt)
+    current = {id(p) for p in set_up.parameters()}
+    out["rebound"] = all(id(p) in current for g in opt.param_groups for p in g["params"])
+    return out
+
+
+def test_modes_warnings_and_errors():
+    r0, r1 = run_ranks(_modes_body, 2, timeout=180)
+    for flavour in ("fsdp", "fsdp2"):
+        message = r0[f"{flavour}_error"]
+        assert message is not None, flavour
+        for name in ("embed.weight", "embed.bias", "head.weight", "head.bias"):
+            assert name in message
+    assert len(r0["policy_warnings"]) == 1 and not r1["policy_warnings"]  # once, on rank 0
+    assert r0["policy_root_is_unit"] is False
+    assert len(r0["single_unit_warnings"]) == 1
+    assert "strategy='fsdp2'" in r0["wrong_flavour"]
+    assert "mixes" in r0["mixed"]
+    assert "Create the optimizer after setup_module" in r0["early_optimizer"]
+    assert r0["rebound"] is True
+
+
+def _local_numel(model: nn.Module) -> int:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not local.is_meta:
+            total += local.numel()
+    return total
+
+
+def _meta_body(rank: int, world_size: int, flavour: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=flavour)
+    loom.launch()
+    torch.manual_seed(rank)  # different per rank: setup must still give one consistent model
+    peaks: list[int] = []
+    holder: list[nn.Module] = []
+
+    class Linear(nn.Linear):
+        def reset_parameters(self) -> None:
+            super().reset_parameters()
+            if holder:
+                peaks.append(_local_numel(holder[0]))  # includes this layer, just materialised
+
+    big = 64
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = Linear(D_IN_, big)
+            self.blocks = nn.ModuleList(nn.Sequential(Linear(big, big), nn.Tanh()) for _ in range(4))
+            self.head = Linear(big, 1)
+
+        def forward(self, x):
+            h = self.embed(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.head(h)
+
+    from torch.distributed.fsdp.wrap import wrap
+
+    with loom.init_module(empty_init=True):
+        model = Wide()
+        holder.append(model)
+        if flavour == "fsdp":
+            for i, b in enumerate(model.blocks):
+                model.blocks[i] = wrap(b)
+    assert all(p.is_meta for n, p in model.named_parameters() if "blocks" not in n)
+    if flavour == "fsdp2":
+        for b in model.blocks:
+            fully_shard(b)
+    model = loom.setup_module(model)
+    state = full_state(model)
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = model(torch.randn(4, D_IN_)).pow(2).mean()
+    loom.backward(loss)
+    opt.step()
+    local = _local_numel(model.module)
+    return {
+        "state": state,
+        "any_meta": any(p.is_meta for p in model.parameters()),
+        "finite": all(torch.isfinite(v).all() for v in state.values()),
+        "peaks": peaks,
+        "local_numel": local,
+        "block_numel": sum(v.numel() for k, v in state.items() if k.startswith("blocks")),
+        "leftover_numel": sum(v.numel() for k, v in state.items() if not k.startswith("blocks")),
+    }
+
+
+D_IN_ = 6
+
+
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_meta_init_consistent_never_full_and_half_memory(flavour):
+    r0, r1 = run_ranks(_meta_body, 2, flavour, timeout=120)
+    for r in (r0, r1):
+        assert not r["any_meta"] and r["finite"]
+    # Gathered full parameters are the same on every rank.
+    for name, value in r0["state"].items():
+        assert torch.equal(value, r1["state"][name]), name
+    # Blocks are not degenerate copies: the two halves of a sharded weight differ.
+    w = r0["state"]["blocks.0.0.weight"]
+    assert not torch.equal(w[: w.shape[0] // 2], w[w.shape[0] // 2 :])
+    total = r0["block_numel"] + r0["leftover_numel"]
+    for r in (r0, r1):
+        # While initialising, no rank ever held the whole model materialised.
+        assert r["peaks"] and max(r["peaks"]) < 0.75 * total, (max(r["peaks"]), total)
+        # Per-block units on 2 ranks: about half the blocks plus the whole replicated leftovers.
+        expected = r["block_numel"] / 2 + r["leftover_numel"]
+        assert abs(r["local_numel"] - expected) <= 0.02 * total, (r["local_numel"], expected)
