@@ -5,6 +5,8 @@
     loom.launch()
 """
 
+import logging as _logging
+
 from torchloom._describe import describe
 from torchloom.errors import CheckpointError, ConfigurationError, LaunchError, MisuseError, TorchloomError
 from torchloom.loom import Loom
@@ -12,6 +14,16 @@ from torchloom.seed import seed_everything
 from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer
 
 __version__ = "0.1.0"
+
+# torchloom reports (sharding summaries) on its own logger; rank 0 only. Silence with
+# logging.getLogger("torchloom").setLevel(logging.WARNING).
+_log = _logging.getLogger("torchloom")
+if not _log.handlers:
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("[torchloom] %(message)s"))
+    _log.addHandler(_handler)
+    _log.setLevel(_logging.INFO)
+    _log.propagate = False
 
 __all__ = [
     "Loom",

@@ -58,6 +58,7 @@ def configure(
     instance.cluster_environment = env
     instance.parallel_devices = parallel_devices
     instance.num_nodes = num_nodes
+    instance.validate()
     return instance
 
 

@@ -99,7 +99,7 @@ def launch_function(
     try:
         results = elastic_launch(config, _run_function)(loom, fn, args)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = _root_failure(error)
         raise LaunchError(_describe_failure(error), rank=rank, exitcode=failure.exitcode) from None
     finally:
         if previous is None:
@@ -107,14 +107,45 @@ def launch_function(
     return results.get(0) if results else None
 
 
+# What a rank reports when a collective broke because another rank died: a consequence, not the cause.
+_PEER_FAILURE_SIGNS = (
+    "closed by peer", "reset by peer", "remote worker crashing", "broken pipe", "communicator was aborted",
+)
+
+
+def _root_failure(error: Any) -> tuple[int, Any]:
+    """The rank whose failure started it all.
+
+    torchelastic's `get_first_failure` orders failures by timestamps in whole seconds, so when rank 1 dies and
+    rank 0's collective fails because of it in the same second, it names rank 0. Rank these instead: a rank that
+    failed on its own (its own exception, exit code or signal) comes before one whose collective broke because a
+    peer vanished, which comes before one the agent terminated while stopping the job; then by time and rank.
+    """
+
+    def kind(failure: Any) -> int:
+        if failure.exitcode == -signal.SIGTERM:
+            return 2
+        text = _failure_text(failure).lower()
+        return 1 if any(sign in text for sign in _PEER_FAILURE_SIGNS) else 0
+
+    return min(error.failures.items(), key=lambda item: (kind(item[1]), item[1].timestamp, item[0]))
+
+
+def _failure_text(failure: Any) -> str:
+    message = (failure.error_file_data or {}).get("message")
+    if isinstance(message, dict):
+        return f"{message.get('message', '')}\n{message.get('extraInfo', {}).get('py_callstack', '')}"
+    return str(message or "")
+
+
 def _exit_status(error: Any) -> int:
-    _, failure = error.get_first_failure()
+    _, failure = _root_failure(error)
     return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
 
 
 def _describe_failure(error: Any) -> str:
     """Name the first failing rank and show its traceback (from the error file the rank wrote)."""
-    rank, failure = error.get_first_failure()
+    rank, failure = _root_failure(error)
     lines = [f"torchloom: rank {rank} failed (exit code {failure.exitcode}, pid {failure.pid})."]
     if failure.exitcode is not None and failure.exitcode < 0:
         try:

@@ -54,8 +54,10 @@ def data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def reference(make_model, optimizer_cls=torch.optim.Adam, lr: float = 1e-2):
+def reference(make_model, optimizer_cls=torch.optim.Adam, lr: float = 1e-2, autocast: torch.dtype | None = None):
     """One process training on the whole global batch: final parameters and the norm before each clip."""
+    import contextlib
+
     torch.manual_seed(0)
     model = make_model()
     opt = optimizer_cls(model.parameters(), lr=lr)
@@ -63,7 +65,9 @@ def reference(make_model, optimizer_cls=torch.optim.Adam, lr: float = 1e-2):
     norms = []
     for step in range(STEPS):
         for micro in range(ACCUM):
-            loss = nn.functional.mse_loss(model(x[step, micro]), y[step, micro]) / ACCUM
+            with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+                out = model(x[step, micro])
+            loss = nn.functional.mse_loss(out.float(), y[step, micro]) / ACCUM
             loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()

@@ -120,6 +120,13 @@ class ShardedStrategy(ParallelStrategy):
         self._replica_group: dist.ProcessGroup | None = None
         self._warned_policy = False
 
+    def validate(self) -> None:
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigurationError(
+                "cpu_offload=True moves sharded parameters from the GPU to CPU memory, but this job already runs "
+                "on the CPU. Remove cpu_offload, or use accelerator='cuda'."
+            )
+
     # ---- flavour-specific pieces ------------------------------------------------------------------------------
     @property
     def has_policy(self) -> bool:

@@ -81,6 +81,9 @@ class Strategy:
     def is_distributed(self) -> bool:
         return False
 
+    def validate(self) -> None:
+        """Check options against the accelerator and precision, before any process starts."""
+
     def setup_environment(self) -> None:
         """Called once per rank by `Loom.launch()` before the user's code runs."""
         assert self.accelerator is not None
