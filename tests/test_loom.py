@@ -1,0 +1,453 @@
+"""The `Loom` API: argument checking, misuse errors, single-process behaviour, the wrappers, data loading,
+precision, seeding and the command line. Multi-rank checks share one launch of 2 CPU ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import PYTHON, run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import torchloom
+from torchloom import (
+    ConfigurationError,
+    Loom,
+    LoomDataLoader,
+    LoomModule,
+    LoomOptimizer,
+    MisuseError,
+    seed_everything,
+)
+from torchloom.strategies import DDPStrategy, SingleDeviceStrategy
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+        self.register_buffer("calls", torch.zeros(()))
+        self.label = "my-net"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.head(self.body(x))
+
+    def describe(self) -> str:
+        return f"{self.label} with {sum(p.numel() for p in self.parameters())} parameters"
+
+
+# ---- arguments are checked before anything starts ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"accelerator": "tpu"}, ["'tpu'", "'auto'", "'cpu'", "'cuda'", "'mps'"]),
+        ({"strategy": "deepspeed"}, ["'deepspeed'", "'auto'", "'single_device'", "'ddp'", "'fsdp'", "'fsdp2'"]),
+        (
+            {"precision": "8-mixed"},
+            ["'8-mixed'", "'32-true'", "'64-true'", "'bf16-mixed'", "'16-mixed'", "'bf16-true'", "'16-true'"],
+        ),
+    ],
+)
+def test_unknown_strings_list_the_valid_ones(kwargs, names):
+    with pytest.raises(ConfigurationError) as info:
+        Loom(**kwargs)
+    for name in names:
+        assert name in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_cpu_only_machine():
+    with pytest.raises(ConfigurationError, match=r"accelerator='cuda'.*not available.*accelerator='cpu'"):
+        Loom(accelerator="cuda")
+    assert Loom(accelerator="auto").device == torch.device("cpu")
+
+
+def test_more_gpus_than_exist(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigurationError, match=r"GPU\(s\) \[2\].*has 2 visible GPU"):
+        Loom(accelerator="cuda", devices=[0, 2])
+    with pytest.raises(ConfigurationError, match="has 2 visible GPU"):
+        Loom(accelerator="cuda", devices=3)
+
+
+def test_fp16_mixed_is_refused_on_cpu():
+    with pytest.raises(ConfigurationError, match=r"16-mixed.*not supported on CPU.*bf16-mixed"):
+        Loom(accelerator="cpu", precision="16-mixed")
+
+
+@pytest.mark.parametrize("devices", [0, -1, "two", 1.5])
+def test_bad_cpu_devices(devices):
+    with pytest.raises(ConfigurationError, match="number of processes"):
+        Loom(accelerator="cpu", devices=devices)
+
+
+def test_single_device_strategy_with_several_processes():
+    with pytest.raises(ConfigurationError, match="runs one process.*2 processes"):
+        Loom(accelerator="cpu", devices=2, strategy="single_device")
+
+
+# ---- misuse ------------------------------------------------------------------------------------------------
+def test_setup_module_twice():
+    loom = Loom(accelerator="cpu")
+    model = Net()
+    wrapped = loom.setup_module(model)
+    with pytest.raises(MisuseError, match="setup_module was called twice"):
+        loom.setup_module(wrapped)
+    with pytest.raises(MisuseError, match="setup_module was called twice"):
+        loom.setup_module(model)
+
+
+def test_optimizer_with_parameters_of_no_setup_module():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(MisuseError, match=r"1 parameter\(s\) that belong to no module"):
+        loom.setup_optimizers(torch.optim.SGD([*model.parameters(), stray], lr=0.1))
+    with pytest.raises(MisuseError, match=r"4 parameter\(s\)"):
+        loom.setup_optimizers(torch.optim.SGD(Net().parameters(), lr=0.1))
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(MisuseError, match="twice"):
+        loom.setup_optimizers(opt)
+
+
+def test_clip_gradients_needs_exactly_one_of_max_norm_and_clip_val():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loom.backward(model(torch.randn(3, 4)).sum())
+    with pytest.raises(ValueError, match="exactly one of max_norm"):
+        loom.clip_gradients(model, opt, max_norm=1.0, clip_val=1.0)
+    with pytest.raises(ValueError, match="exactly one of max_norm"):
+        loom.clip_gradients(model, opt)
+
+
+def test_clip_gradients_single_process_matches_torch():
+    loom = Loom(accelerator="cpu")
+    torch.manual_seed(0)
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(5, 4)
+    loom.backward(model(x).pow(2).sum())
+    grads = [p.grad.clone() for p in model.parameters()]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert total > 0.5
+    norm = loom.clip_gradients(model, opt, max_norm=0.5)
+    assert torch.allclose(norm, total)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.allclose(p.grad, g * 0.5 / (total + 1e-6), atol=1e-7)  # torch's clip coefficient
+
+
+def test_no_backward_sync_on_a_module_not_set_up():
+    loom = Loom(accelerator="cpu")
+    loom.setup_module(Net())
+    with pytest.raises(MisuseError, match="not set up"):
+        with loom.no_backward_sync(Net()):
+            pass
+    with pytest.raises(MisuseError, match="not set up"):
+        loom.clip_gradients(Net(), torch.optim.SGD(Net().parameters(), lr=0.1), max_norm=1.0)
+
+
+def test_ddp_calls_before_launch():
+    loom = Loom(accelerator="cpu", devices=2, strategy="ddp")
+    assert isinstance(loom.strategy, DDPStrategy)
+    for call in (
+        lambda: loom.all_reduce(torch.ones(1)),
+        lambda: loom.all_gather(torch.ones(1)),
+        lambda: loom.broadcast(1),
+        lambda: loom.barrier(),
+        lambda: loom.setup_module(Net()),
+        lambda: loom.save("unused.pt", {}),
+    ):
+        with pytest.raises(MisuseError, match=r"before loom.launch\(\)"):
+            call()
+
+
+def test_launch_twice_and_bad_function():
+    loom = Loom(accelerator="cpu")
+    loom.launch()
+    with pytest.raises(MisuseError, match="launch.. was called twice"):
+        loom.launch()
+    with pytest.raises(MisuseError, match="needs a callable"):
+        Loom(accelerator="cpu").launch(42)
+
+
+# ---- one process ---------------------------------------------------------------------------------------------
+def test_single_process_defaults_and_identity_collectives(capsys):
+    loom = Loom(accelerator="cpu")
+    assert isinstance(loom.strategy, SingleDeviceStrategy)
+    assert (loom.global_rank, loom.local_rank, loom.node_rank, loom.world_size) == (0, 0, 0, 1)
+    assert loom.is_global_zero and loom.device == torch.device("cpu")
+    assert loom.launch(lambda lm, a: (lm is loom, a), 7) == (True, 7)  # runs in this process
+    data = {"a": torch.tensor([1.0, 2.0]), "b": [torch.tensor(3)]}
+    for op in ("mean", "sum", "max", "min"):
+        out = loom.all_reduce(data, op)
+        assert torch.equal(out["a"], data["a"]) and torch.equal(out["b"][0], data["b"][0])
+    with pytest.raises(ValueError, match="Unknown reduce_op 'median'"):
+        loom.all_reduce(data, "median")
+    gathered = loom.all_gather(data)
+    assert gathered["a"].shape == (1, 2) and torch.equal(gathered["a"][0], data["a"])
+    assert loom.broadcast({"x": 1}) == {"x": 1}
+    loom.barrier()
+    loom.print("only", "rank", 0)
+    assert capsys.readouterr().out == "only rank 0\n"
+
+
+def test_strategy_instance_and_auto_with_one_process():
+    strategy = SingleDeviceStrategy()
+    assert Loom(accelerator="cpu", strategy=strategy).strategy is strategy
+    assert isinstance(Loom(accelerator="cpu", devices=1, strategy="auto").strategy, SingleDeviceStrategy)
+    assert isinstance(Loom(accelerator="cpu", devices=2).strategy, DDPStrategy)
+
+
+def test_loom_module_passes_through_to_the_original():
+    loom = Loom(accelerator="cpu")
+    torch.manual_seed(0)
+    model = Net()
+    keys = list(model.state_dict())
+    wrapped = loom.setup_module(model)
+    assert isinstance(wrapped, LoomModule)
+    assert wrapped.module is model and wrapped.forward_module is model
+    assert wrapped.label == "my-net" and wrapped.head is model.head
+    assert wrapped.describe() == model.describe()
+    assert list(wrapped.state_dict()) == keys
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in model.named_parameters()]
+    x = torch.randn(3, 4)
+    assert torch.equal(wrapped(x), model(x))
+    assert model.calls == 2  # the forward ran through the user's module
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    wrapped.load_state_dict(state)
+    assert all(torch.equal(model.state_dict()[k], state[k]) for k in keys)
+    wrapped.eval()
+    assert not model.training
+
+
+def test_loom_optimizer_with_lr_scheduler():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = loom.setup_optimizers(inner)
+    assert isinstance(opt, LoomOptimizer) and isinstance(opt, torch.optim.SGD)
+    assert opt.optimizer is inner and opt.param_groups is inner.param_groups
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = model.head.bias.detach().clone()
+    lrs = []
+    for _ in range(3):
+        loom.backward(model(torch.ones(2, 4)).sum())
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        lrs.append(inner.param_groups[0]["lr"])
+    assert lrs == [0.5, 0.25, 0.125]
+    # Each step moved the head bias by lr * grad (grad of a sum over 2 rows is 2 for every bias entry).
+    assert torch.allclose(model.head.bias, before - 2 * (1.0 + 0.5 + 0.25))
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.125
+
+
+def test_setup_returns_module_and_optimizers():
+    loom = Loom(accelerator="cpu")
+    model = Net()
+    out = loom.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters()))
+    assert len(out) == 3 and isinstance(out[0], LoomModule)
+    assert isinstance(out[1], torch.optim.SGD) and isinstance(out[2], torch.optim.Adam)
+    assert isinstance(loom.setup(Net()), LoomModule)
+
+
+def test_setup_dataloaders_single_process_and_batches_moved():
+    loom = Loom(accelerator="cpu")
+    data = TensorDataset(torch.arange(10.0), torch.arange(10))
+    loader = loom.setup_dataloaders(DataLoader(data, batch_size=4))
+    assert isinstance(loader, LoomDataLoader) and len(loader) == 3
+    assert [b[1].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    a, b = loom.setup_dataloaders(DataLoader(data), DataLoader(data))
+    assert isinstance(a, LoomDataLoader) and isinstance(b, LoomDataLoader)
+    # Moving: every tensor of a nested batch lands on the loader's device (meta shows it on a CPU-only machine).
+    nested = DataLoader(data, batch_size=5, collate_fn=lambda rows: {"x": [torch.stack([r[0] for r in rows])]})
+    batch = next(iter(LoomDataLoader(nested, torch.device("meta"))))
+    assert batch["x"][0].is_meta and batch["x"][0].shape == (5,)
+    batch = next(iter(LoomDataLoader(nested, None)))
+    assert not batch["x"][0].is_meta
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_true_precisions_set_parameter_dtype(precision):
+    dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16}[precision]
+    loom = Loom(accelerator="cpu", precision=precision)
+    default = torch.get_default_dtype()
+    with loom.init_module():
+        made_inside = Net()
+    assert torch.get_default_dtype() == default
+    assert all(p.dtype == dtype for p in made_inside.parameters())
+    model = loom.setup_module(Net())  # built in fp32, converted by setup_module
+    assert all(p.dtype == dtype for p in model.parameters())
+    out = model(torch.randn(3, 4))  # fp32 input is converted to the parameter dtype
+    assert out.dtype == dtype
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loom.backward(out.float().sum())
+    opt.step()
+    assert all(p.dtype == dtype for p in model.parameters())
+
+
+def test_32_true_and_bf16_mixed_keep_fp32_parameters():
+    x = torch.randn(3, 4)
+    for precision in ("32-true", "bf16-mixed"):
+        loom = Loom(accelerator="cpu", precision=precision)
+        with loom.init_module():
+            model = Net()
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        wrapped = loom.setup_module(model)
+        out = wrapped(x)
+        assert out.dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            expected = model(x)
+        assert torch.equal(out, expected.float())
+
+
+def test_seed_everything():
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+    assert seed_everything(123) == 123
+    first = draw()
+    assert Loom.seed_everything(123) == 123
+    assert draw() == first
+    seed_everything(124)
+    assert draw() != first
+    assert os.environ["TORCHLOOM_SEED"] == "124"
+    with pytest.raises(ValueError, match="seed must be in"):
+        seed_everything(-1)
+
+
+def test_version_commands():
+    script = Path(sys.executable).parent / "torchloom"
+    for cmd in ([str(script), "--version"], [PYTHON, "-m", "torchloom", "--version"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"torchloom {torchloom.__version__}"
+
+
+# ---- on 2 ranks --------------------------------------------------------------------------------------------------
+def _epochs(loader, n: int) -> list[list[int]]:
+    return [[int(i) for batch in loader for i in batch[0]] for _ in range(n)]
+
+
+def _rank_body(rank: int, world_size: int) -> dict:
+    loom = Loom(accelerator="cpu", devices=world_size)
+    loom.launch()
+    out: dict = {}
+    with pytest.raises(MisuseError, match="twice"):
+        loom.launch()
+    # Collectives on nested data.
+    data = {"a": torch.tensor([rank + 1.0, 10.0 * rank]), "b": [torch.tensor([rank + 2])]}
+    out["reduce"] = {op: loom.all_reduce(data, op) for op in ("mean", "sum", "max", "min")}
+    out["gather"] = loom.all_gather(data)
+    out["broadcast"] = loom.broadcast({"from": rank}, src=1)
+    loom.barrier()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        loom.print(f"printed by rank {rank}")
+    out["printed"] = printed.getvalue()
+    # The module wrapper under DDP.
+    torch.manual_seed(0)
+    model = Net()
+    wrapped = loom.setup_module(model)
+    out["forward_is_ddp"] = isinstance(wrapped.forward_module, DistributedDataParallel)
+    out["module_is_original"] = wrapped.module is model and wrapped.forward_module.module is model
+    out["state_keys"] = list(wrapped.state_dict())
+    out["param_names"] = [n for n, _ in wrapped.named_parameters()]
+    out["attribute"] = (wrapped.label, wrapped.describe())
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    out["forward"] = (x, wrapped(x).detach())
+    with pytest.raises(MisuseError, match="twice"):
+        loom.setup_module(model)
+    # Data: shuffle kept, epochs reshuffle, ranks disjoint.
+    dataset = TensorDataset(torch.arange(24))
+    shuffled, ordered, whole = loom.setup_dataloaders(
+        DataLoader(dataset, batch_size=5, shuffle=True), DataLoader(dataset, batch_size=5), DataLoader(dataset)
+    )
+    sampler = shuffled.loader.sampler
+    out["samplers"] = (
+        isinstance(sampler, DistributedSampler) and sampler.shuffle,
+        isinstance(ordered.loader.sampler, DistributedSampler) and not ordered.loader.sampler.shuffle,
+        shuffled.loader.batch_size,
+    )
+    out["shuffled"] = _epochs(shuffled, 3)
+    out["ordered"] = _epochs(ordered, 2)
+    out["whole"] = len(whole)
+    out["no_sampler"] = _epochs(loom.setup_dataloaders(DataLoader(dataset), use_distributed_sampler=False), 1)
+    # A training step on the shuffled loader, to show the loader feeds the model.
+    opt = loom.setup_optimizers(torch.optim.SGD(wrapped.parameters(), lr=0.1))
+    for (idx,) in shuffled:
+        loom.backward(F.mse_loss(wrapped(idx.float()[:, None].expand(-1, 4)), torch.zeros(len(idx), 2)))
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(_rank_body, 2, timeout=120)
+
+
+def test_ddp_collectives(ranks):
+    inputs = [{"a": torch.tensor([r + 1.0, 10.0 * r]), "b": [torch.tensor([r + 2])]} for r in range(2)]
+    a = torch.stack([d["a"] for d in inputs])
+    b = torch.stack([d["b"][0] for d in inputs])
+    for out in ranks:
+        red = out["reduce"]
+        assert torch.equal(red["sum"]["a"], a.sum(0)) and torch.equal(red["sum"]["b"][0], b.sum(0))
+        assert torch.equal(red["mean"]["a"], a.mean(0))
+        assert torch.equal(red["max"]["a"], a.max(0).values) and torch.equal(red["min"]["b"][0], b.min(0).values)
+        assert torch.equal(out["gather"]["a"], a) and torch.equal(out["gather"]["b"][0], b)
+        assert out["broadcast"] == {"from": 1}
+
+
+def test_ddp_module_wrapper(ranks):
+    torch.manual_seed(0)
+    reference = Net()
+    for out in ranks:
+        assert out["forward_is_ddp"] and out["module_is_original"]
+        assert out["state_keys"] == list(reference.state_dict())  # no "module." prefixes
+        assert out["param_names"] == [n for n, _ in reference.named_parameters()]
+        assert out["attribute"] == (reference.label, reference.describe())
+        x, y = out["forward"]
+        assert torch.allclose(y, reference(x))
+    for name, p in ranks[0]["params"].items():
+        assert torch.equal(p, ranks[1]["params"][name])  # trained in lockstep
+
+
+def test_ddp_dataloaders(ranks):
+    for out in ranks:
+        assert out["samplers"] == (True, True, 5)
+        assert out["whole"] == 12  # each rank iterates half of the 24 samples
+        assert out["no_sampler"] == [list(range(24))]
+    for epoch in range(3):
+        seen = ranks[0]["shuffled"][epoch] + ranks[1]["shuffled"][epoch]
+        assert sorted(seen) == list(range(24)), "ranks must get disjoint halves covering the data"
+    for out in ranks:
+        epochs = out["shuffled"]
+        assert epochs[0] != epochs[1] and epochs[1] != epochs[2], "the epoch must advance per pass"
+        assert out["ordered"][0] == out["ordered"][1]
+    # Without shuffle, DistributedSampler's deterministic split: rank r takes samples r, r+2, ...
+    assert ranks[0]["ordered"][0] == list(range(0, 24, 2)) and ranks[1]["ordered"][0] == list(range(1, 24, 2))
+    # The shuffled order is the sampler's permutation, not the plain one.
+    assert ranks[0]["shuffled"][0] != list(range(0, 24, 2))
+
+
+
+def test_print_only_on_rank_zero(ranks):
+    assert [out["printed"] for out in ranks] == ["printed by rank 0\n", ""]
