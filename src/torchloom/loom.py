@@ -292,13 +292,16 @@ class Loom:
         self._strategy.barrier(name)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any], async_save: bool = False) -> None:
         """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
 
-        The file is written beside `path` under a temporary name and renamed into place, so a crash mid-save
-        never replaces a good checkpoint with a broken one."""
+        The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
+        directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name and
+        swapped into place only when complete, so a crash mid-save never replaces a good checkpoint with a
+        broken one. With `async_save=True` the write continues in the background; the next save or load (or the
+        end of the process) waits for it and raises if it failed."""
         self._require_launch("save")
-        self._strategy.save_checkpoint(Path(path), state, self._owner_of(state))
+        self._strategy.save_checkpoint(Path(path), state, self._owner_of(state), async_save=async_save)
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True,
@@ -314,7 +317,7 @@ class Loom:
     def load_raw(self, path: str | os.PathLike[str], obj: nn.Module | Optimizer, strict: bool = True) -> None:
         """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer."""
         self._require_launch("load_raw")
-        raw = checkpointing.read_full_file(Path(path), weights_only=True)
+        raw = checkpointing.full.read(Path(path), weights_only=True)
         if isinstance(obj, (nn.Module, LoomModule)):
             checkpointing.load_module(self._strategy, unwrap_module(obj), raw, strict, name=str(path))
         else:

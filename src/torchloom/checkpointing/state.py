@@ -1,18 +1,16 @@
-"""Checkpoints: collecting state from modules, optimizers and user objects, and writing it atomically.
+"""Turning the user's `state` dict into saveable values, and loading saved values back into the objects.
 
-A *full* checkpoint is one `torch.save` file written by rank 0. Its top-level keys are the user's keys; a model's
-entry uses the module's own parameter names, an optimizer's entry is keyed by parameter name (the format of
-`torch.distributed.checkpoint.state_dict`), so plain PyTorch can read it back:
-`model.load_state_dict(torch.load(path)["model"])`. The reserved key `__torchloom__` holds metadata.
+Modules and optimizers go through the strategy (which uses `torch.distributed.checkpoint.state_dict`): a
+module's keys are its own parameter names, an optimizer's state is keyed by parameter name. Objects with
+`state_dict()`/`load_state_dict()` (LR schedulers, user objects) are stored by their state dict; anything else is
+stored as it is.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import uuid
-from collections.abc import Callable
-from pathlib import Path
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,82 +26,119 @@ if TYPE_CHECKING:
 META_KEY = "__torchloom__"
 FORMAT_VERSION = 1
 
-# Finds the set-up module whose parameters an optimizer updates (None: the optimizer has no owner).
+# Finds the module whose parameters an optimizer updates (None: the optimizer has no known owner).
 OwnerLookup = Callable[[Optimizer], "nn.Module | None"]
 
+MODULE, OPTIMIZER, POSITIONAL_OPTIMIZER, STATEFUL, VALUE = "module", "optimizer", "optimizer-positional", "stateful", "value"
 
-def _is_module(value: Any) -> bool:
+
+# Warnings PyTorch raises from inside its own non-deprecated state-dict and DCP code paths when it meets FSDP1
+# units built without a device mesh. They describe PyTorch internals, not anything the user can change, so they
+# are filtered here, only around torchloom's own checkpoint calls.
+_INTERNAL_WARNINGS = (
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    (UserWarning, r"`_get_pg_default_device` will be deprecated"),
+    (UserWarning, r"Multiple backends are registered with this ProcessGroup"),
+)
+
+
+@contextlib.contextmanager
+def torch_internal_warnings_filtered() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for category, message in _INTERNAL_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+def is_module(value: Any) -> bool:
     return isinstance(value, (nn.Module, LoomModule))
 
 
-def _is_optimizer(value: Any) -> bool:
+def is_optimizer(value: Any) -> bool:
     return isinstance(value, (Optimizer, LoomOptimizer))
 
 
-def _has_state(value: Any) -> bool:
+def has_state(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
-def collect_state(strategy: "Strategy", state: dict[str, Any], owner_of: OwnerLookup) -> dict[str, Any]:
-    """Turn the user's `state` into plain, picklable values (tensors, dicts, numbers)."""
+def kind_of(value: Any, owner_of: OwnerLookup) -> str:
+    if is_module(value):
+        return MODULE
+    if is_optimizer(value):
+        return OPTIMIZER if owner_of(unwrap_optimizer(value)) is not None else POSITIONAL_OPTIMIZER
+    if has_state(value):
+        return STATEFUL
+    return VALUE
+
+
+def check_state_arg(state: Any) -> None:
     if not isinstance(state, dict):
         raise CheckpointError(f"`state` must be a dict of name -> object, got {type(state).__name__}.")
     if META_KEY in state:
         raise CheckpointError(f"{META_KEY!r} is reserved for torchloom's metadata; rename that entry.")
+
+
+def collect_state(
+    strategy: Strategy, state: dict[str, Any], owner_of: OwnerLookup, full: bool = True
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every entry as a saveable value, and each entry's kind. With `full=False`, modules and optimizers stay
+    sharded (DTensors) for `torch.distributed.checkpoint`."""
+    check_state_arg(state)
     out: dict[str, Any] = {}
+    kinds: dict[str, str] = {}
     for key, value in state.items():
-        if _is_module(value):
-            out[key] = strategy.module_state_dict(unwrap_module(value))
-        elif _is_optimizer(value):
+        kind = kinds[key] = kind_of(value, owner_of)
+        if kind == MODULE:
+            out[key] = strategy.module_state_dict(unwrap_module(value), full=full)
+        elif kind == OPTIMIZER:
             optimizer = unwrap_optimizer(value)
-            owner = owner_of(optimizer)
-            # Without an owning module there are no parameter names; fall back to PyTorch's positional format.
-            out[key] = optimizer.state_dict() if owner is None else strategy.optimizer_state_dict(owner, optimizer)
-        elif _has_state(value):
+            out[key] = strategy.optimizer_state_dict(owner_of(optimizer), optimizer, full=full)
+        elif kind == POSITIONAL_OPTIMIZER:
+            # Without an owning module there are no parameter names: PyTorch's positional format.
+            out[key] = unwrap_optimizer(value).state_dict()
+        elif kind == STATEFUL:
             out[key] = value.state_dict()
         else:
             out[key] = value
-    return out
+    return out, kinds
 
 
-def restore_state(
-    strategy: "Strategy", state: dict[str, Any], checkpoint: dict[str, Any], strict: bool, owner_of: OwnerLookup
-) -> dict[str, Any]:
-    """Load `checkpoint` into the objects of `state` in place; replace plain values in `state`.
-
-    Returns the entries of the checkpoint that `state` did not name.
-    """
-    missing = [k for k in state if k not in checkpoint]
+def check_missing(state: dict[str, Any], available: list[str], strict: bool) -> None:
+    missing = [k for k in state if k not in available]
     if missing and strict:
         raise CheckpointError(
-            f"The checkpoint has no entries {missing} that `state` asks for (it has {sorted(_user_keys(checkpoint))}). "
-            "Fix the names, or pass strict=False to load what matches."
+            f"The checkpoint has no entries {missing} that `state` asks for (it has {sorted(available)}). Fix the "
+            "names, or pass strict=False to load what matches."
         )
-    for key, value in state.items():
-        if key not in checkpoint:
-            continue
-        saved = checkpoint[key]
-        if _is_module(value):
-            load_module(strategy, unwrap_module(value), saved, strict, name=key)
-        elif _is_optimizer(value):
-            optimizer = unwrap_optimizer(value)
-            owner = owner_of(optimizer)
-            if owner is None or _is_positional(saved):
-                optimizer.load_state_dict(saved)
-            else:
-                strategy.load_optimizer_state_dict(owner, optimizer, saved)
-        elif _has_state(value):
-            value.load_state_dict(saved)
+
+
+def restore_entry(
+    strategy: Strategy, state: dict[str, Any], key: str, saved: Any, strict: bool, owner_of: OwnerLookup,
+    full: bool = True,
+) -> None:
+    """Load one saved entry into `state[key]` in place (plain values replace `state[key]`)."""
+    value = state[key]
+    if is_module(value):
+        load_module(strategy, unwrap_module(value), saved, strict, name=key, full=full)
+    elif is_optimizer(value):
+        optimizer = unwrap_optimizer(value)
+        owner = owner_of(optimizer)
+        if owner is None or is_positional(saved):
+            optimizer.load_state_dict(saved)
         else:
-            state[key] = saved
-    return {k: v for k, v in checkpoint.items() if k not in state and k != META_KEY}
+            strategy.load_optimizer_state_dict(owner, optimizer, saved, full=full)
+    elif has_state(value):
+        value.load_state_dict(saved)
+    else:
+        state[key] = saved
 
 
-def load_module(strategy: "Strategy", module: nn.Module, saved: Any, strict: bool, name: str = "model") -> list[str]:
-    """Load a module's state, naming every missing/unexpected key and every shape or dtype mismatch."""
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict.")
-    expected = strategy.module_state_dict(module)
+def check_module_keys(
+    expected: dict[str, tuple[torch.Size, torch.dtype]], saved: dict[str, tuple[torch.Size, torch.dtype]],
+    strict: bool, name: str,
+) -> None:
+    """Name every missing/unexpected key (strict) and every shape or dtype mismatch."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     if strict and (missing or unexpected):
@@ -113,141 +148,38 @@ def load_module(strategy: "Strategy", module: nn.Module, saved: Any, strict: boo
         )
     mismatched = []
     for key in sorted(set(saved) & set(expected)):
-        want, got = expected[key], saved[key]
-        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
-            if tuple(want.shape) != tuple(got.shape):
-                mismatched.append(f"{key}: checkpoint {tuple(got.shape)} vs module {tuple(want.shape)}")
-            elif want.dtype != got.dtype and strict:
-                mismatched.append(f"{key}: checkpoint dtype {got.dtype} vs module dtype {want.dtype}")
+        (want_shape, want_dtype), (got_shape, got_dtype) = expected[key], saved[key]
+        if tuple(want_shape) != tuple(got_shape):
+            mismatched.append(f"{key}: checkpoint shape {tuple(got_shape)} vs module shape {tuple(want_shape)}")
+        elif want_dtype != got_dtype and strict:
+            mismatched.append(f"{key}: checkpoint dtype {got_dtype} vs module dtype {want_dtype}")
     if mismatched:
-        raise CheckpointError(f"Entry {name!r} has tensors that do not fit the module: " + "; ".join(mismatched))
+        raise CheckpointError(
+            f"Entry {name!r} has tensors that do not fit the module: " + "; ".join(mismatched) + ". "
+            + ("Convert the module to the saved dtype, or pass strict=False to cast." if not any(
+                "shape" in m for m in mismatched) else "Load into the architecture the checkpoint was saved from.")
+        )
+
+
+def shapes_of(state_dict: dict[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {k: (v.shape, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+
+
+def load_module(
+    strategy: Strategy, module: nn.Module, saved: Any, strict: bool, name: str = "model", full: bool = True
+) -> None:
+    """Load a module's saved state after checking it against the module."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict.")
+    expected = strategy.module_state_shapes(module)
+    check_module_keys(expected, shapes_of(saved), strict, name)
     usable = {k: v for k, v in saved.items() if k in expected}
-    strategy.load_module_state_dict(module, usable, strict=strict)
-    return missing + unexpected
+    strategy.load_module_state_dict(module, usable, strict=strict, full=full)
 
 
-def _is_positional(optimizer_state: Any) -> bool:
-    state = optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {}
-    groups = optimizer_state.get("param_groups", []) if isinstance(optimizer_state, dict) else []
-    keys = list(state) + [p for g in groups for p in g.get("params", [])]
+def is_positional(optimizer_state: Any) -> bool:
+    if not isinstance(optimizer_state, dict):
+        return False
+    keys = list(optimizer_state.get("state", {}))
+    keys += [p for g in optimizer_state.get("param_groups", []) for p in g.get("params", [])]
     return bool(keys) and all(isinstance(k, int) for k in keys)
-
-
-def _user_keys(checkpoint: dict[str, Any]) -> list[str]:
-    return [k for k in checkpoint if k != META_KEY]
-
-
-# ---- the full-file format ------------------------------------------------------------------------------------
-def temporary_sibling(path: Path) -> Path:
-    """A unique name beside `path`, so a rename into place stays on one filesystem (atomic)."""
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-
-
-def atomic_torch_save(obj: dict[str, Any], path: Path) -> None:
-    """Write `obj` beside `path`, flush it to disk, then rename it over `path` in one step."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(path)
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def find_unpicklable(obj: dict[str, Any]) -> str | None:
-    """The first top-level key whose value pickle cannot write."""
-    for key, value in obj.items():
-        try:
-            pickle.dumps(value)
-        except Exception:  # noqa: BLE001 - any pickling failure counts
-            return key
-    return None
-
-
-def read_full_file(path: Path, weights_only: bool = False) -> dict[str, Any]:
-    """Read a full checkpoint file. Memory-mapped, so ranks share the page cache instead of each holding a copy."""
-    if not path.exists():
-        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
-    if path.is_dir():
-        raise CheckpointError(
-            f"{str(path)!r} is a directory (a sharded checkpoint), which this strategy cannot read. Load it with an "
-            "FSDP strategy, or turn it into one file with `torchloom consolidate`."
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    except Exception as error:  # noqa: BLE001 - the file is corrupt in some way; say which file
-        raise CheckpointError(
-            f"Cannot read checkpoint {str(path)!r}: {type(error).__name__}: {error}. The file is truncated, corrupt "
-            "or not a torch checkpoint."
-        ) from error
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
-    meta = checkpoint.get(META_KEY)
-    if isinstance(meta, dict) and meta.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{str(path)!r} was written by a newer torchloom (format version {meta['version']}; this one reads up "
-            f"to {FORMAT_VERSION}). Upgrade torchloom to load it."
-        )
-    return checkpoint
-
-
-def save_full(strategy: "Strategy", path: Path, state: dict[str, Any], owner_of: OwnerLookup) -> None:
-    """Every rank collects (sharded strategies gather here); rank 0 writes; all ranks learn the outcome."""
-    payload = collect_state(strategy, state, owner_of)
-    assert strategy.precision is not None
-    payload[META_KEY] = {
-        "version": FORMAT_VERSION,
-        "format": "full",
-        "world_size": strategy.world_size,
-        "strategy": strategy.name,
-        "precision": strategy.precision.name,
-        "grad_scaler": strategy.precision.state_dict(),
-    }
-    error = None
-    if strategy.global_rank == 0:
-        try:
-            atomic_torch_save(payload, path)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            key = find_unpicklable(payload)
-            if key is not None:
-                error = (
-                    f"Cannot save entry {key!r} of the checkpoint: {type(exc).__name__}: {exc}. Store a picklable "
-                    "value there (or an object with state_dict()/load_state_dict())."
-                )
-            else:
-                error = f"Cannot write checkpoint {str(path)!r}: {type(exc).__name__}: {exc}"
-    if strategy.is_distributed:
-        # Doubles as the barrier: no rank returns before the file is in place (or has failed everywhere).
-        error = strategy.broadcast(error, src=0)
-    if error:
-        raise CheckpointError(error)
-
-
-def load_full(
-    strategy: "Strategy", path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup,
-    weights_only: bool = False,
-) -> dict[str, Any]:
-    checkpoint = read_full_file(path, weights_only=weights_only)
-    remaining = restore_state(strategy, state, checkpoint, strict, owner_of)
-    meta = checkpoint.get(META_KEY)
-    if isinstance(meta, dict) and meta.get("grad_scaler") and strategy.precision is not None:
-        strategy.precision.load_state_dict(meta["grad_scaler"])
-    return remaining

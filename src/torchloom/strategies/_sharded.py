@@ -337,8 +337,18 @@ class ShardedStrategy(ParallelStrategy):
         return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
 
     # ---- state dicts (checkpointing) -------------------------------------------------------------------------
-    def _state_dict_options(self, **kwargs: Any) -> StateDictOptions:
-        return StateDictOptions(full_state_dict=True, **kwargs)
+    @property
+    def checkpoint_format(self) -> str:  # type: ignore[override]
+        return self.state_dict_type
+
+    def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> StateDictOptions:
+        if not full:
+            return StateDictOptions(**kwargs)
+        # Saving gathers to rank 0 only, in CPU memory; loading reads each rank's shard from the (memory-mapped)
+        # full tensors every rank has. On CPU there is nothing to offload, and FSDP1's offloading path crashes
+        # there (the bug that breaks Lightning Fabric's full checkpoints on CPU): every rank gathers instead.
+        offload = not loading and self.root_device.type != "cpu"
+        return StateDictOptions(full_state_dict=True, cpu_offload=offload, **kwargs)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _warn(self, message: str) -> None:

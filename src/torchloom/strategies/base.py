@@ -6,7 +6,10 @@ cluster environment and device list from the connector (`torchloom.connector`) b
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import sys
+from concurrent.futures import Future
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
@@ -25,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from torchloom import checkpointing
+from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.accelerators import Accelerator
 from torchloom.environments import ClusterEnvironment
-from torchloom.errors import MisuseError
+from torchloom.errors import CheckpointError, MisuseError
 from torchloom.precision import Precision
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -55,6 +59,8 @@ class Strategy:
         self.parallel_devices: list[torch.device] = [torch.device("cpu")]
         self.num_nodes: int = 1
         self.timeout = timeout or DEFAULT_TIMEOUT
+        self._pending_save: Any = None
+        self._exit_hook = False
 
     # ---- placement -------------------------------------------------------------------------------------------
     @property
@@ -151,32 +157,92 @@ class Strategy:
             )
 
     # ---- state for checkpoints -------------------------------------------------------------------------------
-    # These use torch.distributed.checkpoint's state-dict API, which every strategy shares: keys are the original
-    # module's own names, and optimizer state is keyed by parameter name rather than position.
-    def _state_dict_options(self, **kwargs: Any) -> StateDictOptions:
+    # torch.distributed.checkpoint's state-dict API serves every strategy: keys are the original module's own
+    # names, and optimizer state is keyed by parameter name rather than position. `full=False` asks for the
+    # sharded form (DTensors) that the sharded checkpoint format writes; unsharded strategies have only one form.
+
+    #: The checkpoint format `loom.save` writes: "full" (one file) or "sharded" (a directory).
+    checkpoint_format: str = "full"
+
+    def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> StateDictOptions:
         return StateDictOptions(**kwargs)
 
-    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The full (unsharded) state of `module`, under its own key names."""
-        return get_model_state_dict(module, options=self._state_dict_options())
+    def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]:
+        return get_model_state_dict(module, options=self._state_dict_options(full))
 
-    def load_module_state_dict(self, module: nn.Module, state: dict[str, Any], strict: bool = True) -> Any:
-        return set_model_state_dict(module, state, options=self._state_dict_options(strict=strict))
+    def module_state_shapes(self, module: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Global shape and dtype of every tensor in the module's state, on every rank."""
+        state = get_model_state_dict(module, options=self._state_dict_options(False))
+        return {k: (v.shape, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
-    def optimizer_state_dict(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-        return get_optimizer_state_dict(module, optimizer, options=self._state_dict_options())
+    def load_module_state_dict(
+        self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
+    ) -> Any:
+        return set_model_state_dict(module, state, options=self._state_dict_options(full, loading=True, strict=strict))
 
-    def load_optimizer_state_dict(self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(module, optimizer, state, options=self._state_dict_options())
+    def optimizer_state_dict(self, module: nn.Module, optimizer: Optimizer, full: bool = True) -> dict[str, Any]:
+        return get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
 
-    def save_checkpoint(self, path: Path, state: dict[str, Any], owner_of: checkpointing.OwnerLookup) -> None:
-        checkpointing.save_full(self, path, state, owner_of)
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
+    ) -> None:
+        set_optimizer_state_dict(module, optimizer, state, options=self._state_dict_options(full, loading=True))
+
+    @property
+    def checkpoint_group(self) -> Any:
+        """The process group checkpoint I/O coordinates over (None in one process)."""
+        return None
+
+    def save_checkpoint(
+        self, path: Path, state: dict[str, Any], owner_of: checkpointing.OwnerLookup, async_save: bool = False
+    ) -> None:
+        self.finish_pending_save()
+        with torch_internal_warnings_filtered():
+            pending = checkpointing.save(self, path, state, owner_of, self.checkpoint_format, async_save=async_save)
+        if async_save and pending is None:
+            pending = Future()
+            pending.set_result(None)
+        self._pending_save = pending
+        if self._pending_save is not None and not self._exit_hook:
+            self._exit_hook = True
+            atexit.register(self._wait_at_exit)
 
     def load_checkpoint(
         self, path: Path, state: dict[str, Any], strict: bool, owner_of: checkpointing.OwnerLookup,
         weights_only: bool = False,
     ) -> dict[str, Any]:
-        return checkpointing.load_full(self, path, state, strict, owner_of, weights_only=weights_only)
+        self.finish_pending_save()
+        with torch_internal_warnings_filtered():
+            return checkpointing.load(self, path, state, strict, owner_of, weights_only=weights_only)
+
+    def finish_pending_save(self) -> None:
+        """Wait for the last `async_save`; raise here if it failed."""
+        # Every rank holds a future after an async save (a finished one where it had nothing to write), so all
+        # ranks agree on whether to meet here.
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        error = None
+        try:
+            pending.result()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = f"The previous asynchronous save failed: {type(exc).__name__}: {exc}"
+        if self.is_distributed:
+            # Every rank waits for rank 0, the one that moves the checkpoint into place.
+            error = next((e for e in self.all_gather_object(error) if e), None)
+        if error:
+            raise CheckpointError(error)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def _wait_at_exit(self) -> None:
+        pending = self._pending_save
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as exc:  # noqa: BLE001 - the process is ending; say so
+                print(f"torchloom: the last asynchronous save failed: {exc}", file=sys.stderr)
 
     # ---- collectives (identity in one process) ---------------------------------------------------------------
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:

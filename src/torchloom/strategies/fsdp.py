@@ -97,8 +97,8 @@ class FSDPStrategy(ShardedStrategy):
             "sharding_strategy": self.sharding_strategy,
             "param_init_fn": self._param_init_fn,
         }
-        if self.sharding_strategy == ShardingStrategy.HYBRID_SHARD:
-            kwargs["device_mesh"] = self._hybrid_mesh()
+        # A device mesh makes FSDP1 use DTensor (not the deprecated ShardedTensor) in sharded state dicts.
+        kwargs["device_mesh"] = self._device_mesh()
         if self.cpu_offload:
             kwargs["cpu_offload"] = CPUOffload(offload_params=True)
         if self.precision.is_mixed:
@@ -109,14 +109,15 @@ class FSDPStrategy(ShardedStrategy):
             )
         return {**kwargs, **self.fsdp_kwargs}
 
-    def _hybrid_mesh(self) -> Any:
+    def _device_mesh(self) -> Any:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            per_node = self.world_size // self.num_nodes
-            self._mesh = init_device_mesh(
-                self.root_device.type, (self.num_nodes, per_node), mesh_dim_names=("replicate", "shard")
-            )
+            if self.sharding_strategy == ShardingStrategy.HYBRID_SHARD:
+                shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
+                self._mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+            else:
+                self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
         return self._mesh
 
     def _param_init_fn(self, module: nn.Module) -> None:

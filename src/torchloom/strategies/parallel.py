@@ -116,6 +116,20 @@ class ParallelStrategy(Strategy):
         dist.broadcast_object_list(box, src=src, device=self.root_device if self.backend == "nccl" else None)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self._require_group("all_gather_object")
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    @property
+    def checkpoint_group(self) -> Any:
+        # A gloo group of its own: DCP coordinates on CPU, and an async save's collectives run in a background
+        # thread, where sharing the training group could interleave with training collectives.
+        if getattr(self, "_checkpoint_group", None) is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
+
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():
             return

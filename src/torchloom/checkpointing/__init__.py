@@ -1,0 +1,42 @@
+"""Checkpoints: "full" (one file, rank 0) and "sharded" (a DCP directory, every rank), written atomically.
+
+`save` picks the format the strategy asks for; `load` detects the format from what is at `path`, so either loads
+into any strategy and any world size.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchloom.checkpointing import atomic, full, sharded
+from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, OwnerLookup, load_module
+from torchloom.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torchloom.strategies.base import Strategy
+
+FORMATS = ("full", "sharded")
+
+__all__ = ["save", "load", "load_module", "FORMAT_VERSION", "META_KEY", "OwnerLookup", "FORMATS"]
+
+
+def save(
+    strategy: Strategy, path: Path, state: dict[str, Any], owner_of: OwnerLookup, fmt: str, async_save: bool = False
+) -> Future | None:
+    if fmt == "sharded":
+        return sharded.save(strategy, path, state, owner_of, async_save=async_save)
+    return full.save(strategy, path, state, owner_of, async_save=async_save)
+
+
+def load(
+    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup,
+    weights_only: bool = False,
+) -> dict[str, Any]:
+    path = atomic.recover(path)
+    if not path.exists():
+        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+    if sharded.is_sharded_checkpoint(path):
+        return sharded.load(strategy, path, state, strict, owner_of)
+    return full.load(strategy, path, state, strict, owner_of, weights_only=weights_only)

@@ -1,0 +1,168 @@
+"""The full format: one `torch.save` file written by rank 0.
+
+Top-level keys are the user's; a model's entry uses the module's own parameter names and an optimizer's entry is
+keyed by parameter name, so plain PyTorch reads it: `model.load_state_dict(torch.load(path)["model"])`. The
+reserved key `__torchloom__` holds metadata.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchloom.checkpointing import atomic
+from torchloom.checkpointing.state import (
+    FORMAT_VERSION,
+    META_KEY,
+    OwnerLookup,
+    check_missing,
+    collect_state,
+    restore_entry,
+)
+from torchloom.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torchloom.strategies.base import Strategy
+
+
+def metadata(strategy: Strategy, fmt: str, kinds: dict[str, str]) -> dict[str, Any]:
+    assert strategy.precision is not None
+    return {
+        "version": FORMAT_VERSION,
+        "format": fmt,
+        "world_size": strategy.world_size,
+        "strategy": strategy.name,
+        "precision": strategy.precision.name,
+        "grad_scaler": strategy.precision.state_dict(),
+        "kinds": kinds,
+    }
+
+
+def write_file(obj: dict[str, Any], path: Path) -> None:
+    """Write `obj` beside `path`, flush it to disk, then swap it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = atomic.temporary_sibling(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        atomic.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def find_unpicklable(obj: dict[str, Any]) -> str | None:
+    """The first top-level key whose value pickle cannot write."""
+    for key, value in obj.items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - any pickling failure counts
+            return key
+    return None
+
+
+def write_error(payload: dict[str, Any], path: Path, exc: BaseException) -> str:
+    key = find_unpicklable(payload)
+    if key is not None:
+        return (
+            f"Cannot save entry {key!r} of the checkpoint: {type(exc).__name__}: {exc}. Store a picklable value "
+            "there (or an object with state_dict()/load_state_dict())."
+        )
+    return f"Cannot write checkpoint {str(path)!r}: {type(exc).__name__}: {exc}"
+
+
+def save(
+    strategy: Strategy, path: Path, state: dict[str, Any], owner_of: OwnerLookup, async_save: bool = False
+) -> Future | None:
+    """Every rank collects (sharded strategies gather to rank 0 here); rank 0 writes; every rank learns the
+    outcome. With `async_save`, rank 0 writes a private copy in a background thread and returns its future."""
+    payload, kinds = collect_state(strategy, state, owner_of, full=True)
+    payload[META_KEY] = metadata(strategy, "full", kinds)
+    if async_save:
+        if strategy.global_rank != 0:
+            return None
+        # The state dict may alias live parameters: copy before training changes them.
+        snapshot = torch.utils._pytree.tree_map(
+            lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, payload
+        )
+        return _writer().submit(_write_or_explain, snapshot, path)
+    error = None
+    if strategy.global_rank == 0:
+        try:
+            atomic.remove_stale_temporaries(path)
+            write_file(payload, path)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = write_error(payload, path, exc)
+    if strategy.is_distributed:
+        # Doubles as the barrier: no rank returns before the file is in place (or has failed everywhere).
+        error = strategy.broadcast(error, src=0)
+    if error:
+        raise CheckpointError(error)
+
+
+_WRITER: ThreadPoolExecutor | None = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-save")
+    return _WRITER
+
+
+def _write_or_explain(payload: dict[str, Any], path: Path) -> None:
+    try:
+        atomic.remove_stale_temporaries(path)
+        write_file(payload, path)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(write_error(payload, path, exc)) from exc
+
+
+def read(path: Path, weights_only: bool = False) -> dict[str, Any]:
+    """Read a full checkpoint file, memory-mapped: ranks share the page cache instead of each holding a copy."""
+    if not path.exists():
+        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+    if path.is_dir():
+        raise CheckpointError(
+            f"{str(path)!r} is a directory (a sharded checkpoint), not a file. Load it with loom.load, or make one "
+            "file of it with `torchloom consolidate`."
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as error:  # noqa: BLE001 - the file is corrupt in some way; say which file
+        raise CheckpointError(
+            f"Cannot read checkpoint {str(path)!r}: {type(error).__name__}: {error}. The file is truncated, corrupt "
+            "or not a torch checkpoint."
+        ) from error
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
+    meta = checkpoint.get(META_KEY)
+    if isinstance(meta, dict) and meta.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{str(path)!r} was written by a newer torchloom (format version {meta['version']}; this one reads up "
+            f"to {FORMAT_VERSION}). Upgrade torchloom to load it."
+        )
+    return checkpoint
+
+
+def load(
+    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup,
+    weights_only: bool = False,
+) -> dict[str, Any]:
+    checkpoint = read(path, weights_only=weights_only)
+    available = [k for k in checkpoint if k != META_KEY]
+    check_missing(state, available, strict)
+    for key in state:
+        if key in checkpoint:
+            restore_entry(strategy, state, key, checkpoint[key], strict, owner_of, full=True)
+    meta = checkpoint.get(META_KEY)
+    if isinstance(meta, dict) and meta.get("grad_scaler") and strategy.precision is not None:
+        strategy.precision.load_state_dict(meta["grad_scaler"])
+    return {k: v for k, v in checkpoint.items() if k not in state and k != META_KEY}

@@ -1,0 +1,256 @@
+"""The sharded format: a directory written with `torch.distributed.checkpoint` (DCP), every rank writing its
+own shards in parallel.
+
+    path/
+      .metadata, __<rank>_<n>.distcp   DCP: the models and optimizers (replicated tensors stored once)
+      torchloom.json                   format, version, world size, and what kind each entry is
+      extra.pt                         everything else: LR schedulers, user objects, plain values
+
+DCP reshards on load, so a checkpoint written by N ranks loads into any number of ranks, or into one process
+with a plain model.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchloom.checkpointing import atomic
+from torchloom.checkpointing.full import metadata, write_error
+from torchloom.checkpointing.state import (
+    FORMAT_VERSION,
+    MODULE,
+    OPTIMIZER,
+    OwnerLookup,
+    check_missing,
+    check_module_keys,
+    collect_state,
+    restore_entry,
+)
+from torchloom.errors import CheckpointError
+from torchloom.wrappers import unwrap_module, unwrap_optimizer
+
+if TYPE_CHECKING:
+    from torchloom.strategies.base import Strategy
+
+META_FILE = "torchloom.json"
+EXTRA_FILE = "extra.pt"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir()
+
+
+def _dcp_kwargs(strategy: Strategy) -> dict[str, Any]:
+    if strategy.is_distributed and dist.is_initialized():
+        return {"process_group": strategy.checkpoint_group}
+    return {"no_dist": True}
+
+
+def save(
+    strategy: Strategy, path: Path, state: dict[str, Any], owner_of: OwnerLookup, async_save: bool = False
+) -> Future | None:
+    """Write `state` as a sharded checkpoint at `path`. With `async_save`, return a future that completes once the
+    checkpoint is in place (rank 0 swaps it in); the shards are staged in memory before this returns."""
+    entries, kinds = collect_state(strategy, state, owner_of, full=False)
+    tensors = {k: v for k, v in entries.items() if kinds[k] in (MODULE, OPTIMIZER)}
+    extra = {k: v for k, v in entries.items() if k not in tensors}
+    assert strategy.precision is not None
+    if strategy.precision.state_dict():
+        extra["__grad_scaler__"] = strategy.precision.state_dict()
+    # Every rank must write into the same temporary directory: rank 0 names it.
+    tmp = atomic.temporary_sibling(path) if strategy.global_rank == 0 else None
+    error = None
+    if strategy.global_rank == 0:
+        try:
+            atomic.remove_stale_temporaries(path)
+            tmp.mkdir(parents=True)
+            torch.save(extra, tmp / EXTRA_FILE)
+            (tmp / META_FILE).write_text(json.dumps(_json_safe(metadata(strategy, "sharded", kinds))))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = write_error(extra, path, exc)
+    if strategy.is_distributed:
+        error, tmp = strategy.broadcast((error, tmp), src=0)
+    if error:
+        raise CheckpointError(error)
+    assert tmp is not None
+    if async_save:
+        future = dcp.async_save(tensors, checkpoint_id=str(tmp), **_dcp_kwargs(strategy))
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            try:
+                f.result()
+                if strategy.global_rank == 0:
+                    # DCP's coordinator writes .metadata last, after every rank's shards: all are on disk.
+                    atomic.fsync_tree(tmp)
+                    atomic.replace(tmp, path)
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - surfaces at the next save
+                done.set_exception(exc)
+
+        future.add_done_callback(finish)
+        return done
+    try:
+        dcp.save(tensors, checkpoint_id=str(tmp), **_dcp_kwargs(strategy))
+    except Exception as exc:
+        raise CheckpointError(f"Writing the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+    if strategy.global_rank == 0:
+        try:
+            atomic.fsync_tree(tmp)
+            atomic.replace(tmp, path)
+        except Exception as exc:  # noqa: BLE001
+            error = f"Cannot move the sharded checkpoint into place at {str(path)!r}: {exc}"
+    if strategy.is_distributed:
+        error = strategy.broadcast(error, src=0)
+    if error:
+        raise CheckpointError(error)
+    return None
+
+
+def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:
+    out = dict(meta)
+    out.pop("grad_scaler", None)  # tensors: kept in extra.pt instead
+    return out
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """torchloom.json of a sharded checkpoint, checked."""
+    meta_file = path / META_FILE
+    if not meta_file.exists():
+        if (path / ".metadata").exists():
+            return {"version": FORMAT_VERSION, "format": "sharded", "kinds": None}  # a plain DCP checkpoint
+        raise CheckpointError(
+            f"{str(path)!r} is a directory but not a checkpoint (no {META_FILE} or .metadata inside)."
+        )
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"Cannot read {str(meta_file)!r}: {exc}. The checkpoint's metadata is corrupt.") from exc
+    if not isinstance(meta, dict) or meta.get("format") != "sharded":
+        raise CheckpointError(f"{str(meta_file)!r} is not torchloom checkpoint metadata.")
+    if meta.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{str(path)!r} was written by a newer torchloom (format version {meta['version']}; this one reads up to "
+            f"{FORMAT_VERSION}). Upgrade torchloom to load it."
+        )
+    return meta
+
+
+def read_dcp_metadata(path: Path) -> Any:
+    """DCP's .metadata, with every shard file it names checked to exist and be long enough, so a damaged
+    checkpoint fails here, on every rank alike, instead of inside a collective."""
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(
+            f"Cannot read {str(path / '.metadata')!r}: {type(exc).__name__}: {exc}. The checkpoint is incomplete "
+            "or corrupt."
+        ) from exc
+    needed: dict[str, int] = {}
+    for item in (md.storage_data or {}).values():
+        rel = getattr(item, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(item.offset) + int(item.length))
+    for rel, size in sorted(needed.items()):
+        file = path / rel
+        if not file.exists():
+            raise CheckpointError(f"The checkpoint is missing shard file {str(file)!r}; it cannot be loaded.")
+        if file.stat().st_size < size:
+            raise CheckpointError(
+                f"Shard file {str(file)!r} is truncated ({file.stat().st_size} bytes, needs {size}); the checkpoint "
+                "cannot be loaded."
+            )
+    return md
+
+
+def tensor_entries(md: Any) -> dict[str, dict[str, tuple[torch.Size, torch.dtype]]]:
+    """entry -> {name inside the entry: (shape, dtype)} for the tensors DCP stored."""
+    out: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            entry, _, rest = fqn.partition(".")
+            out.setdefault(entry, {})[rest] = (item.size, item.properties.dtype)
+    return out
+
+
+def load(
+    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup
+) -> dict[str, Any]:
+    meta = read_meta(path)
+    md = read_dcp_metadata(path)
+    stored = tensor_entries(md)
+    extra_file = path / EXTRA_FILE
+    extra: dict[str, Any] = {}
+    if extra_file.exists():
+        try:
+            extra = torch.load(extra_file, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt.") from exc
+    kinds = meta.get("kinds") or {k: MODULE for k in stored}
+    check_missing(state, list(kinds), strict)
+
+    template: dict[str, Any] = {}
+    for key, value in state.items():
+        if key not in kinds or kinds[key] not in (MODULE, OPTIMIZER):
+            continue
+        if kinds[key] == MODULE:
+            module = unwrap_module(value)
+            check_module_keys(strategy.module_state_shapes(module), stored.get(key, {}), strict, key)
+            template[key] = {
+                k: v for k, v in strategy.module_state_dict(module, full=False).items() if k in stored.get(key, {})
+            }
+        else:
+            optimizer = unwrap_optimizer(value)
+            owner = owner_of(optimizer)
+            if owner is None:
+                raise CheckpointError(
+                    f"Entry {key!r} is an optimizer whose parameters belong to no module set up with this Loom, so "
+                    "its state cannot be matched by parameter name. Set up its model first."
+                )
+            template[key] = strategy.optimizer_state_dict(owner, optimizer, full=False)
+    if template:
+        try:
+            dcp.load(template, checkpoint_id=str(path), **_dcp_kwargs(strategy))
+        except Exception as exc:
+            raise CheckpointError(f"Loading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+    for key, value in state.items():
+        if key in template:
+            if kinds[key] == MODULE:
+                strategy.load_module_state_dict(unwrap_module(value), template[key], strict=strict, full=False)
+            else:
+                optimizer = unwrap_optimizer(value)
+                strategy.load_optimizer_state_dict(owner_of(optimizer), optimizer, template[key], full=False)
+        elif key in extra:
+            restore_entry(strategy, state, key, extra[key], strict, owner_of)
+    if extra.get("__grad_scaler__") and strategy.precision is not None:
+        strategy.precision.load_state_dict(extra["__grad_scaler__"])
+    unnamed = [k for k in kinds if k not in state]
+    remaining = {k: extra[k] for k in unnamed if k in extra}
+    tensor_keys = [k for k in unnamed if k not in extra]
+    if tensor_keys:
+        remaining.update(read_entries(path, tensor_keys))
+    return remaining
+
+
+def read_entries(path: Path, keys: list[str] | None = None) -> dict[str, Any]:
+    """The DCP-stored entries of a sharded checkpoint as plain nested dicts of full tensors, in this process,
+    without a process group (what `torchloom consolidate` and `load` of unnamed entries use)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    read_dcp_metadata(path)
+    out: dict[str, Any] = {}
+    try:
+        dcp.load(out, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                 no_dist=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"Reading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+    return out
