@@ -26,7 +26,7 @@ from torchloom.wrappers import (
     LoomDataLoader,
     LoomModule,
     LoomOptimizer,
-    unwrap_module,
+    state_module,
     unwrap_optimizer,
     with_distributed_sampler,
 )
@@ -319,13 +319,13 @@ class Loom:
         self._require_launch("load_raw")
         raw = checkpointing.full.read(Path(path), weights_only=True)
         if isinstance(obj, (nn.Module, LoomModule)):
-            checkpointing.load_module(self._strategy, unwrap_module(obj), raw, strict, name=str(path))
+            checkpointing.load_module(self._strategy, state_module(obj), raw, strict, name=str(path))
         else:
             unwrap_optimizer(obj).load_state_dict(raw)
 
     def _owner_of(self, state: dict[str, Any]) -> Callable[[Optimizer], nn.Module | None]:
-        candidates = [unwrap_module(v) for v in state.values() if isinstance(v, (nn.Module, LoomModule))]
-        candidates += [m.module for m in self._modules]
+        candidates = [state_module(v) for v in state.values() if isinstance(v, (nn.Module, LoomModule))]
+        candidates += [m.forward_module for m in self._modules]
 
         def owner(optimizer: Optimizer) -> nn.Module | None:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -139,6 +139,12 @@ def unwrap_module(module: Any) -> nn.Module:
     return module.module if isinstance(module, LoomModule) else module
 
 
+def state_module(module: Any) -> nn.Module:
+    """The module whose state dict is the model's: the forward module of a set-up model (it includes a wrapped
+    FSDP root, which owns the root's parameters), else the module itself."""
+    return module.forward_module if isinstance(module, LoomModule) else module
+
+
 def move_to_device(data: Any, device: torch.device) -> Any:
     """Move every tensor in a nested structure (dicts, lists, tuples) to `device`."""
     non_blocking = device.type == "cuda"

@@ -11,7 +11,9 @@ from fsdp_models import (
     MAX_NORM,
     Block,
     Net,
+    build_layout,
     full_state,
+    layout_strategy,
     reference,
     torch_built_model,
     train,
@@ -26,49 +28,14 @@ from torchloom.strategies import FSDP2Strategy, FSDPStrategy
 LAYOUTS = ("wrapped_root", "units_no_root", "units_plus_leftovers", "leftovers_sharded", "torch_built")
 
 
-def _strategy(flavour: str, layout: str):
-    unsharded = "shard" if layout == "leftovers_sharded" else "replicate"
-    if layout == "wrapped_root":
-        return FSDPStrategy(auto_wrap_policy={Block}) if flavour == "fsdp" else FSDP2Strategy(shard_policy={Block})
-    return FSDPStrategy(unsharded_params=unsharded) if flavour == "fsdp" else FSDP2Strategy(unsharded_params=unsharded)
-
-
-def _build(loom: Loom, flavour: str, layout: str) -> nn.Module:
-    """The model as each layout's user would build it (same seed as the reference)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    if layout == "torch_built":
-        model = torch_built_model()
-        for i in (2, 4):  # PyTorch's own APIs, called directly: two non-root units, leftovers around them
-            model[i] = FSDP(model[i], device_id=loom.device, use_orig_params=True) if flavour == "fsdp" else model[i]
-            if flavour == "fsdp2":
-                fully_shard(model[i])
-        return model
-    if layout == "wrapped_root":
-        return Net()
-    everything = layout == "units_no_root"
-    if flavour == "fsdp":
-        with loom.init_module():
-            return Net(wrap_blocks=True, wrap_all=everything)
-    model = Net()
-    for block in model.blocks:
-        fully_shard(block)
-    if everything:
-        fully_shard(model.embed)
-        fully_shard(model.head)
-    return model
-
-
 def _parity_body(rank: int, world_size: int, flavour: str) -> dict:
     out = {}
     for layout in LAYOUTS:
-        loom = Loom(accelerator="cpu", devices=world_size, strategy=_strategy(flavour, layout))
+        loom = Loom(accelerator="cpu", devices=world_size, strategy=layout_strategy(flavour, layout))
         loom.launch()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the one-unit warning of "wrapped_root" is tested elsewhere
-            model = loom.setup_module(_build(loom, flavour, layout))
+            model = loom.setup_module(build_layout(loom, flavour, layout))
         opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
         layout_info = analyze(model.forward_module)
         norms = train(loom, model, opt)

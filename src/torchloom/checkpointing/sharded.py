@@ -36,7 +36,7 @@ from torchloom.checkpointing.state import (
     restore_entry,
 )
 from torchloom.errors import CheckpointError
-from torchloom.wrappers import unwrap_module, unwrap_optimizer
+from torchloom.wrappers import state_module, unwrap_optimizer
 
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
@@ -203,7 +203,7 @@ def load(
         if key not in kinds or kinds[key] not in (MODULE, OPTIMIZER):
             continue
         if kinds[key] == MODULE:
-            module = unwrap_module(value)
+            module = state_module(value)
             check_module_keys(strategy.module_state_shapes(module), stored.get(key, {}), strict, key)
             template[key] = {
                 k: v for k, v in strategy.module_state_dict(module, full=False).items() if k in stored.get(key, {})
@@ -225,7 +225,7 @@ def load(
     for key, value in state.items():
         if key in template:
             if kinds[key] == MODULE:
-                strategy.load_module_state_dict(unwrap_module(value), template[key], strict=strict, full=False)
+                strategy.load_module_state_dict(state_module(value), template[key], strict=strict, full=False)
             else:
                 optimizer = unwrap_optimizer(value)
                 strategy.load_optimizer_state_dict(owner_of(optimizer), optimizer, template[key], full=False)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from torchloom.errors import CheckpointError
-from torchloom.wrappers import LoomModule, LoomOptimizer, unwrap_module, unwrap_optimizer
+from torchloom.wrappers import LoomModule, LoomOptimizer, state_module, unwrap_optimizer
 
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
@@ -90,7 +90,7 @@ def collect_state(
     for key, value in state.items():
         kind = kinds[key] = kind_of(value, owner_of)
         if kind == MODULE:
-            out[key] = strategy.module_state_dict(unwrap_module(value), full=full)
+            out[key] = strategy.module_state_dict(state_module(value), full=full)
         elif kind == OPTIMIZER:
             optimizer = unwrap_optimizer(value)
             out[key] = strategy.optimizer_state_dict(owner_of(optimizer), optimizer, full=full)
@@ -120,7 +120,7 @@ def restore_entry(
     """Load one saved entry into `state[key]` in place (plain values replace `state[key]`)."""
     value = state[key]
     if is_module(value):
-        load_module(strategy, unwrap_module(value), saved, strict, name=key, full=full)
+        load_module(strategy, state_module(value), saved, strict, name=key, full=full)
     elif is_optimizer(value):
         optimizer = unwrap_optimizer(value)
         owner = owner_of(optimizer)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import sys
-from concurrent.futures import Future
 from collections.abc import Generator
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from torchloom import checkpointing
-from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.accelerators import Accelerator
+from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import CheckpointError, MisuseError
 from torchloom.precision import Precision

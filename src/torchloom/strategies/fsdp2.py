@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torchloom._layout import Layout, Unit, analyze
+from torchloom._layout import Layout, Unit
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -67,6 +69,7 @@ class ParallelStrategy(Strategy):
             timeout=self.timeout,
             **kwargs,
         )
+        atexit.register(_destroy_group_at_exit)
 
     def teardown(self) -> None:
         if dist.is_initialized():
@@ -137,3 +140,14 @@ class ParallelStrategy(Strategy):
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
+
+
+def _destroy_group_at_exit() -> None:
+    """Destroy the process group while the interpreter is still whole. Left to interpreter teardown, gloo's
+    worker threads can abort a rank that finished fine ("terminate called without an active exception", exit
+    SIGABRT; pytorch/pytorch#190489). Skipped when the rank dies of an uncaught exception: the agent stops the
+    job anyway, and tearing down a group whose peers are stuck in a collective can block."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()

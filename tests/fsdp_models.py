@@ -99,3 +99,42 @@ def full_state(model) -> dict[str, torch.Tensor]:
     module = model.forward_module
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in state.items()}
+
+
+def build_layout(loom, flavour: str, layout: str) -> nn.Module:
+    """The model as each layout's user would build it (same seed as the reference)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    if layout == "torch_built":
+        model = torch_built_model()
+        for i in (2, 4):  # PyTorch's own APIs, called directly: two non-root units, leftovers around them
+            model[i] = FSDP(model[i], device_id=loom.device, use_orig_params=True) if flavour == "fsdp" else model[i]
+            if flavour == "fsdp2":
+                fully_shard(model[i])
+        return model
+    if layout == "wrapped_root":
+        return Net()
+    everything = layout == "units_no_root"
+    if flavour == "fsdp":
+        with loom.init_module():
+            return Net(wrap_blocks=True, wrap_all=everything)
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    if everything:
+        fully_shard(model.embed)
+        fully_shard(model.head)
+    return model
+
+
+def layout_strategy(flavour: str, layout: str, **options):
+    """The strategy each layout's user would pick: a policy where torchloom makes the units, none otherwise."""
+    from torchloom.strategies import FSDP2Strategy, FSDPStrategy
+
+    cls = FSDPStrategy if flavour == "fsdp" else FSDP2Strategy
+    if layout == "wrapped_root":
+        policy = {"auto_wrap_policy": {Block}} if flavour == "fsdp" else {"shard_policy": {Block}}
+        return cls(**policy, **options)
+    return cls(unsharded_params="shard" if layout == "leftovers_sharded" else "replicate", **options)

@@ -1,0 +1,143 @@
+"""Offline checkpoint tools behind `torchloom inspect` and `torchloom consolidate`: no process group needed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchloom.checkpointing import atomic, full, sharded
+from torchloom.checkpointing.state import META_KEY, MODULE
+from torchloom.errors import CheckpointError
+
+
+def _tensors(prefix: str, value: Any, out: list[dict[str, Any]]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append({
+            "name": prefix, "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+            "bytes": value.numel() * value.element_size(),
+        })
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _tensors(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _tensors(f"{prefix}.{i}", v, out)
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Format, writer's world size, every tensor (name, shape, dtype, bytes), total size and the other entries."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+    tensors: list[dict[str, Any]] = []
+    if path.is_dir():
+        meta = sharded.read_meta(path)
+        md = sharded.read_dcp_metadata(path)
+        for entry, items in sharded.tensor_entries(md).items():
+            for name, (shape, dtype) in items.items():
+                numel = int(torch.Size(shape).numel())
+                tensors.append({
+                    "name": f"{entry}.{name}", "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
+                    "bytes": numel * torch.empty((), dtype=dtype).element_size(),
+                })
+        kinds = meta.get("kinds") or {}
+        extra = [k for k, kind in kinds.items() if kind not in ("module", "optimizer")]
+        info = {"format": "sharded", **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")}}
+        info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
+    else:
+        checkpoint = full.read(path)
+        meta = checkpoint.get(META_KEY) or {}
+        kinds = meta.get("kinds") or {}
+        for key, value in checkpoint.items():
+            if key != META_KEY:
+                _tensors(key, value, tensors)
+        extra = [k for k in checkpoint if k != META_KEY and kinds.get(k) not in ("module", "optimizer")]
+        info = {"format": "full" if meta else "plain torch file",
+                **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")}}
+    info["entries"] = kinds
+    info["extra_entries"] = extra
+    info["tensors"] = tensors
+    info["total_bytes"] = sum(t["bytes"] for t in tensors)
+    return info
+
+
+def format_inspection(info: dict[str, Any]) -> str:
+    lines = [
+        f"format: {info['format']}",
+        f"written by: {info.get('world_size')} rank(s), strategy {info.get('strategy')!r}, "
+        f"precision {info.get('precision')!r}",
+    ]
+    if info.get("shard_files"):
+        lines.append(f"shard files: {len(info['shard_files'])}")
+    lines.append(f"tensors: {len(info['tensors'])}, total {info['total_bytes'] / 2**20:.2f} MiB")
+    width = max((len(t["name"]) for t in info["tensors"]), default=0)
+    for t in info["tensors"]:
+        lines.append(f"  {t['name']:<{width}}  {t['dtype']:<9} {tuple(t['shape'])}")
+    lines.append(f"other entries: {', '.join(info['extra_entries']) or '(none)'}")
+    return "\n".join(lines)
+
+
+def _progress(items: list[str], desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, unit="entry", disable=not sys.stderr.isatty())
+    except ImportError:
+        return items
+
+
+def consolidate(
+    checkpoint: str | Path, out_file: str | Path, model_only: bool = False, fmt: str = "torch"
+) -> dict[str, Any]:
+    """Turn a sharded checkpoint directory into one file, in this process. Returns what was written.
+
+    The result is torchloom's full format (model weights under their own names, optimizer state by parameter
+    name, the other entries as saved), readable with plain `torch.load`. `model_only` keeps only the models:
+    with one model, the file is its plain state dict. `fmt="safetensors"` writes the weights with safetensors.
+    """
+    path, out = Path(checkpoint), Path(out_file)
+    if not path.is_dir():
+        raise CheckpointError(f"{str(path)!r} is not a sharded checkpoint directory.")
+    if fmt not in ("torch", "safetensors"):
+        raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch' or 'safetensors'.")
+    meta = sharded.read_meta(path)
+    md = sharded.read_dcp_metadata(path)
+    kinds = meta.get("kinds") or {k: MODULE for k in sharded.tensor_entries(md)}
+    wanted = [k for k, kind in kinds.items() if kind in ("module", "optimizer") and (not model_only or kind == MODULE)]
+    result: dict[str, Any] = {}
+    for key in _progress(wanted, "consolidating"):
+        result.update(sharded.read_entries(path, keys=[key]))
+    if not model_only:
+        extra = torch.load(path / sharded.EXTRA_FILE, map_location="cpu", weights_only=False)
+        scaler = extra.pop("__grad_scaler__", None)
+        result.update(extra)
+        result[META_KEY] = {**meta, "format": "full", "grad_scaler": scaler or {}, "consolidated_from": str(path)}
+    elif len(wanted) == 1:
+        result = result[wanted[0]]
+    if fmt == "safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise CheckpointError("--format safetensors needs the safetensors package: pip install safetensors") from exc
+        if not model_only:
+            raise CheckpointError("--format safetensors stores weights only: add --model-only.")
+        tensors: dict[str, torch.Tensor] = {}
+        _flatten(result, "", tensors)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = atomic.temporary_sibling(out)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        atomic.replace(tmp, out)
+    else:
+        full.write_file(result, out)
+    return result
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)

@@ -1,0 +1,152 @@
+"""Save/load round trips on 2 CPU ranks for every FSDP layout x flavour x format: bit-exact parameters and
+optimizer state, and one more training step after load equals one more step without the save/load."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fsdp_models import D_IN, Net, build_layout, full_state, layout_strategy
+from harness import run_ranks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from torchloom import Loom
+
+LAYOUTS = ("wrapped_root", "units_no_root", "units_plus_leftovers")
+
+
+class Counter:
+    """A user object with state_dict()/load_state_dict()."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def _step(loom, model, opt, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed * 10 + loom.global_rank)
+    x, y = torch.randn(4, D_IN, generator=g), torch.randn(4, 1, generator=g)
+    loom.backward(torch.nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+
+
+def _optimizer_state(model, opt) -> dict:
+    state = get_optimizer_state_dict(model.forward_module, opt.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in state["state"].items()}
+
+
+def _fresh(loom, flavour, layout, seed):
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the one-unit hint
+        model = loom.setup_module(build_layout(loom, flavour, layout))
+    opt = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+def _round_trip_body(rank: int, world_size: int, flavour: str, root: str) -> dict:
+    out = {}
+    for layout in LAYOUTS:
+        for fmt in ("sharded", "full"):
+            loom = Loom(accelerator="cpu", devices=world_size, strategy=layout_strategy(flavour, layout, state_dict_type=fmt))
+            loom.launch()
+            model, opt, sched = _fresh(loom, flavour, layout, seed=0)
+            counter = Counter()
+            for i in range(2):
+                _step(loom, model, opt, i)
+                sched.step()
+                counter.seen += 1
+            path = f"{root}/{flavour}-{layout}-{fmt}"
+            saved_params, saved_opt = full_state(model), _optimizer_state(model, opt)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loom.save(path, {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 2})
+            _step(loom, model, opt, 99)
+            continued = full_state(model)
+
+            model2, opt2, sched2 = _fresh(loom, flavour, layout, seed=1)  # different init: load must overwrite
+            counter2 = Counter()
+            state = {"model": model2, "optimizer": opt2, "scheduler": sched2, "counter": counter2}
+            with warnings.catch_warnings(record=True) as caught_load:
+                warnings.simplefilter("always")
+                rest = loom.load(path, state)
+            loaded_params, loaded_opt = full_state(model2), _optimizer_state(model2, opt2)
+            _step(loom, model2, opt2, 99)
+            out[(layout, fmt)] = {
+                "params": all(torch.equal(saved_params[k], loaded_params[k]) for k in saved_params),
+                "optimizer": all(
+                    torch.equal(saved_opt[k][n], loaded_opt[k][n]) if isinstance(saved_opt[k][n], torch.Tensor)
+                    else saved_opt[k][n] == loaded_opt[k][n]
+                    for k in saved_opt for n in saved_opt[k]
+                ) and set(saved_opt) == set(loaded_opt),
+                "next_step": all(torch.equal(continued[k], v) for k, v in full_state(model2).items()),
+                "lr": (sched.get_last_lr(), sched2.get_last_lr()),
+                "counter": counter2.seen,
+                "rest": rest,
+                "warnings": [
+                    f"{w.category.__name__}: {w.message}" for w in [*caught, *caught_load]
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                ],
+            }
+    return out
+
+
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_round_trip_every_layout_and_format(flavour, tmp_path):
+    results = run_ranks(_round_trip_body, 2, flavour, str(tmp_path), timeout=240)
+    for rank, result in enumerate(results):
+        for (layout, fmt), r in result.items():
+            where = f"{flavour} {layout} {fmt} rank {rank}"
+            assert r["params"], where
+            assert r["optimizer"], where
+            assert r["next_step"], where
+            assert r["lr"][0] != [1e-2] and r["lr"][0] == r["lr"][1], where  # the scheduler state came back
+            assert r["counter"] == 2, where
+            assert r["rest"] == {"step": 2}, where
+            assert r["warnings"] == [], where
+    assert (tmp_path / f"{flavour}-units_plus_leftovers-sharded").is_dir()
+    assert (tmp_path / f"{flavour}-units_plus_leftovers-full").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def _before_setup_body(rank: int, world_size: int, root: str) -> dict:
+    """The field's failing case: saving a module whose submodules were wrapped inside init_module, before
+    setup_module; and a plain module that is never set up."""
+    out = {}
+    for fmt in ("sharded", "full"):
+        loom = Loom(accelerator="cpu", devices=world_size, strategy=layout_strategy("fsdp", "units_plus_leftovers",
+                                                                                    state_dict_type=fmt))
+        loom.launch()
+        torch.manual_seed(0)
+        with loom.init_module():
+            wrapped = Net(wrap_blocks=True)
+        plain = Net()
+        loom.save(f"{root}/before-{fmt}", {"wrapped": wrapped, "plain": plain})
+        expected_plain = {k: v.clone() for k, v in plain.state_dict().items()}
+        torch.manual_seed(5)
+        with loom.init_module():
+            wrapped2 = Net(wrap_blocks=True)
+        plain2 = Net()
+        loom.load(f"{root}/before-{fmt}", {"wrapped": wrapped2, "plain": plain2})
+        model = loom.setup_module(wrapped2)
+        torch.manual_seed(0)
+        reference = Net()
+        out[fmt] = {
+            "plain": all(torch.equal(expected_plain[k], v) for k, v in plain2.state_dict().items()),
+            "wrapped": all(torch.equal(reference.state_dict()[k], v) for k, v in full_state(model).items()),
+        }
+    return out
+
+
+def test_save_before_setup_and_plain_module(tmp_path):
+    for result in run_ranks(_before_setup_body, 2, str(tmp_path), timeout=120):
+        for fmt, r in result.items():
+            assert r["plain"] and r["wrapped"], (fmt, r)
