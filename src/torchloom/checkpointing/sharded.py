@@ -34,6 +34,7 @@ from torchloom.checkpointing.state import (
     check_module_keys,
     collect_state,
     restore_entry,
+    torch_internal_warnings_filtered,
 )
 from torchloom.errors import CheckpointError
 from torchloom.wrappers import state_module, unwrap_optimizer
@@ -244,13 +245,19 @@ def load(
 def read_entries(path: Path, keys: list[str] | None = None) -> dict[str, Any]:
     """The DCP-stored entries of a sharded checkpoint as plain nested dicts of full tensors, in this process,
     without a process group (what `torchloom consolidate` and `load` of unnamed entries use)."""
+    # What torch's own `format_utils.dcp_to_torch_save` does, without writing a file: read every stored tensor
+    # whole, in this process, into a state dict that needs no template.
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     read_dcp_metadata(path)
     out: dict[str, Any] = {}
     try:
-        dcp.load(out, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys),
-                 no_dist=True)
+        with torch_internal_warnings_filtered():
+            _load_state_dict(
+                out, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                no_dist=True,
+            )
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"Reading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
     return out

@@ -39,6 +39,8 @@ _INTERNAL_WARNINGS = (
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
     (UserWarning, r"`_get_pg_default_device` will be deprecated"),
     (UserWarning, r"Multiple backends are registered with this ProcessGroup"),
+    # torchloom reads a sharded checkpoint into one process on purpose (a plain model, or consolidate).
+    (UserWarning, r"torch.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load"),
 )
 
 
