@@ -1,0 +1,254 @@
+"""Checkpoints are never lost: a save killed part-way leaves the previous checkpoint loadable and bit-exact;
+damaged checkpoints give a clear error naming the file (never a hang); async saves finish or report failure."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from fsdp_models import D_IN, Block, Net, full_state
+from harness import PYTHON, REPO, run_job, run_ranks, wait_no_strays
+
+from torchloom import CheckpointError, Loom
+from torchloom.strategies import FSDP2Strategy
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from fsdp_models import Net, Block, D_IN
+    from torchloom import Loom
+    from torchloom.strategies import FSDP2Strategy
+
+    fmt, point, path, expected = sys.argv[1:5]
+    loom = Loom(accelerator="cpu", devices=2, strategy=FSDP2Strategy(shard_policy={{Block}}, state_dict_type=fmt))
+    loom.launch()
+    torch.manual_seed(0)
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    def step():
+        loom.backward(model(torch.randn(4, D_IN)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    loom.save(path, {{"model": model, "optimizer": opt, "step": 1}})
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+    full = get_model_state_dict(model.forward_module, options=StateDictOptions(full_state_dict=True))
+    if loom.global_rank == 0:
+        torch.save(full, expected)
+    step()
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), 9)
+
+    victim = 1 if point == "write_data" else 0
+    if loom.global_rank == victim:
+        if point == "write_data":
+            from torch.distributed.checkpoint import FileSystemWriter
+            FileSystemWriter.write_data = die
+        elif point == "finish":
+            from torch.distributed.checkpoint import FileSystemWriter
+            FileSystemWriter.finish = die
+        elif point == "torch_save":
+            real = torch.save
+            def partial(obj, f, *a, **k):
+                f.write(b"half a checkpoint" * 1000)
+                f.flush()
+                die()
+            torch.save = partial
+        elif point == "replace":
+            import torchloom.checkpointing.atomic as atomic
+            atomic.replace = die
+    loom.save(path, {{"model": model, "optimizer": opt, "step": 2}})
+    print("SAVE SHOULD NOT HAVE FINISHED", flush=True)
+    """
+)
+
+KILL_POINTS = [
+    ("sharded", "write_data"),  # a rank dies while writing its shards
+    ("sharded", "finish"),  # shards written, metadata not
+    ("sharded", "replace"),  # everything written, not yet swapped in
+    ("full", "torch_save"),  # rank 0 dies half-way through the file
+    ("full", "replace"),
+]
+
+
+@pytest.mark.parametrize("fmt,point", KILL_POINTS)
+def test_killed_save_keeps_previous_checkpoint(fmt, point, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(KILL_SCRIPT.format(tests=str(REPO / "tests")))
+    path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    result, token = run_job([PYTHON, str(script), fmt, point, str(path), str(expected)], timeout=120)
+    assert result.returncode != 0, result.stdout
+    assert "SAVE SHOULD NOT HAVE FINISHED" not in result.stdout
+    assert wait_no_strays(token) == []
+    # The previous checkpoint is at `path`, whole: it loads bit-exact into a plain single-process model.
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    rest = loom.load(path, {"model": model})
+    assert rest["step"] == 1
+    want = torch.load(expected)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    # The next save clears what the killed one left behind.
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+    loom.save(path, {"model": model, "step": 3})
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")], leftovers
+    assert loom.load(path, {"model": model})["step"] == 3
+
+
+def _write_sharded(rank: int, world_size: int, root: str) -> None:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block}))
+    loom.launch()
+    model = loom.setup_module(Net())
+    loom.save(f"{root}/sharded", {"model": model, "step": 1})
+    full = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block},
+                                                                            state_dict_type="full"))
+    full.launch()
+    full.save(f"{root}/full.pt", {"model": model, "step": 1})
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    run_ranks(_write_sharded, 2, str(root), timeout=120)
+    return root
+
+
+def _damage(good, tmp_path, how: str):
+    target = tmp_path / "ckpt"
+    if how.startswith("full"):
+        target = tmp_path / "ckpt.pt"
+        shutil.copy(good / "full.pt", target)
+    else:
+        shutil.copytree(good / "sharded", target)
+    if how == "truncated shard":
+        shard = sorted(target.glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+        return target, shard.name
+    if how == "missing shard":
+        shard = sorted(target.glob("*.distcp"))[-1]
+        shard.unlink()
+        return target, shard.name
+    if how == "garbage metadata":
+        (target / ".metadata").write_bytes(b"\x00not a pickle")
+        return target, ".metadata"
+    if how == "garbage torchloom.json":
+        (target / "torchloom.json").write_text("{nope")
+        return target, "torchloom.json"
+    if how == "full truncated":
+        target.write_bytes(target.read_bytes()[:200])
+        return target, "ckpt.pt"
+    if how == "full wrong file":
+        target.write_text("this is a text file, not a checkpoint")
+        return target, "ckpt.pt"
+    raise AssertionError(how)
+
+
+DAMAGE = ["truncated shard", "missing shard", "garbage metadata", "garbage torchloom.json", "full truncated",
+          "full wrong file"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_damaged_checkpoint_names_the_file(good, tmp_path, how):
+    target, name = _damage(good, tmp_path, how)
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        loom.load(target, {"model": model})
+
+
+def _load_damaged(rank: int, world_size: int, target: str) -> str:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block}))
+    loom.launch()
+    model = loom.setup_module(Net())
+    try:
+        loom.load(target, {"model": model})
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_damaged_checkpoint_on_two_ranks_fails_fast_everywhere(good, tmp_path):
+    target, name = _damage(good, tmp_path, "missing shard")
+    messages = run_ranks(_load_damaged, 2, str(target), timeout=60)
+    assert all(name in m for m in messages), messages
+
+
+def test_wrong_kind_of_path(good, tmp_path):
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    with pytest.raises(CheckpointError, match="is a directory"):
+        loom.load_raw(good / "sharded", model)
+    (tmp_path / "not-a-checkpoint").mkdir()
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        loom.load(tmp_path / "not-a-checkpoint", {"model": model})
+    with pytest.raises(CheckpointError, match="No checkpoint"):
+        loom.load(tmp_path / "absent", {"model": model})
+    newer = tmp_path / "newer"
+    shutil.copytree(good / "sharded", newer)
+    (newer / "torchloom.json").write_text((newer / "torchloom.json").read_text().replace('"version": 1', '"version": 99'))
+    with pytest.raises(CheckpointError, match="newer torchloom"):
+        loom.load(newer, {"model": model})
+
+
+def _async_body(rank: int, world_size: int, root: str) -> dict:
+    import torchloom.checkpointing.atomic as atomic
+
+    out = {}
+    for fmt in ("sharded", "full"):
+        loom = Loom(accelerator="cpu", devices=world_size,
+                    strategy=FSDP2Strategy(shard_policy={Block}, state_dict_type=fmt))
+        loom.launch()
+        torch.manual_seed(0)
+        model = loom.setup_module(Net())
+        opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        snapshot = full_state(model)
+        path = f"{root}/async-{fmt}"
+        loom.save(path, {"model": model, "step": 1}, async_save=True)
+        # Training goes on while the write happens; the checkpoint must hold the state at save time.
+        loom.backward(model(torch.randn(4, D_IN)).pow(2).mean())
+        opt.step()
+        fresh = loom.setup_module(Net())
+        rest = loom.load(path, {"model": fresh})  # waits for the async save first
+        out[fmt] = {"snapshot": all(torch.equal(v, snapshot[k]) for k, v in full_state(fresh).items()),
+                    "step": rest["step"]}
+
+        # A background write that fails is reported at the next save, on every rank.
+        real = atomic.replace
+        if rank == 0:
+            atomic.replace = lambda *a: (_ for _ in ()).throw(OSError("disk full"))
+        loom.save(path, {"model": model}, async_save=True)
+        try:
+            loom.save(path, {"model": model})
+            out[fmt]["error"] = None
+        except CheckpointError as error:
+            out[fmt]["error"] = str(error)
+        finally:
+            atomic.replace = real
+
+        # A value that cannot be pickled is named.
+        try:
+            loom.save(path, {"model": model, "lock": threading.Lock()})
+            out[fmt]["unpicklable"] = None
+        except CheckpointError as error:
+            out[fmt]["unpicklable"] = str(error)
+    return out
+
+
+def test_async_save(tmp_path):
+    for result in run_ranks(_async_body, 2, str(tmp_path), timeout=120):
+        for fmt, r in result.items():
+            assert r["snapshot"] and r["step"] == 1, fmt
+            assert r["error"] and "previous asynchronous save failed" in r["error"] and "disk full" in r["error"], r
+            assert r["unpicklable"] and "'lock'" in r["unpicklable"], r
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))
