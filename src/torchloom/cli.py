@@ -1,4 +1,4 @@
-"""The `torchloom` command line: `inspect` and `consolidate` checkpoints (more subcommands arrive later)."""
+"""The `torchloom` command line: `run` a script on many ranks, `inspect` and `consolidate` checkpoints."""
 
 from __future__ import annotations
 
@@ -14,6 +14,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchloom", description=torchloom.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"torchloom {torchloom.__version__}")
     sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser(
+        "run", help="start SCRIPT on every rank with PyTorch's elastic launcher (what torchrun uses)",
+        description="Start SCRIPT once per process with torch.distributed.run. The options reach Loom() in the "
+        "script: arguments it leaves at their defaults take these values.",
+    )
+    run.add_argument("--accelerator", default=None, help="auto, cpu, cuda or mps")
+    run.add_argument("--devices", default=None, help="processes per node on CPU; GPUs per node on CUDA (or auto)")
+    run.add_argument("--strategy", default=None, help="auto, single_device, ddp, fsdp or fsdp2")
+    run.add_argument("--precision", default=None, help="32-true, bf16-mixed, 16-mixed, ...")
+    run.add_argument("--num-nodes", type=int, default=1, help="number of machines in the job")
+    run.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..num_nodes-1")
+    run.add_argument("--main-address", default=None, help="address of node 0 (default 127.0.0.1 on one node)")
+    run.add_argument("--main-port", type=int, default=None, help="free port on node 0 (default: any free port)")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds (format, tensors, sizes, entries)")
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
@@ -36,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.command == "run":
+            from torchloom.run import run
+
+            return run(args)
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +23,40 @@ _STRATEGY_CLASSES = {
     "fsdp": "torchloom.strategies.fsdp:FSDPStrategy",
     "fsdp2": "torchloom.strategies.fsdp2:FSDP2Strategy",
 }
+
+
+# `torchloom run --strategy fsdp2 ...` passes its options to `Loom()` in the script through these variables.
+CLI_ENV = {
+    "accelerator": "TORCHLOOM_ACCELERATOR",
+    "devices": "TORCHLOOM_DEVICES",
+    "num_nodes": "TORCHLOOM_NUM_NODES",
+    "strategy": "TORCHLOOM_STRATEGY",
+    "precision": "TORCHLOOM_PRECISION",
+}
+_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "32-true"}
+
+
+def command_line_defaults(**given: Any) -> tuple[Any, ...]:
+    """Fill arguments left at their defaults from `torchloom run`'s options; warn where code overrides them."""
+    out = []
+    for name, value in given.items():
+        raw = os.environ.get(CLI_ENV[name])
+        if raw is None:
+            out.append(value)
+            continue
+        from_cli: Any = int(raw) if name in ("devices", "num_nodes") and raw.isdigit() else raw
+        if value == _DEFAULTS[name]:
+            out.append(from_cli)
+        else:
+            if str(value) != str(from_cli):
+                warnings.warn(
+                    f"Loom({name}={value!r}) in the script overrides --{name.replace('_', '-')} {raw} from the command "
+                    "line.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            out.append(value)
+    return tuple(out)
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Generator
+import sys
+from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, overload
@@ -16,9 +17,11 @@ from torch.utils.data import DataLoader
 
 from torchloom import checkpointing, launcher
 from torchloom._layout import clean_name
-from torchloom.connector import configure
+from torchloom.connector import command_line_defaults, configure
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import MisuseError
+from torchloom.loggers import Logger, to_float
+from torchloom.progress import Progress
 from torchloom.seed import seed_everything
 from torchloom.strategies.base import Strategy
 from torchloom.wrappers import (
@@ -42,6 +45,10 @@ class Loom:
         strategy: "auto", "single_device", "ddp", "fsdp", "fsdp2" or a `torchloom.strategies.Strategy`.
         precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README).
         timeout: how long a collective may wait for the other ranks before it fails (default 30 minutes).
+        loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
+
+    Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
+    here win, with a warning when they disagree with the command line.
     """
 
     def __init__(
@@ -52,10 +59,15 @@ class Loom:
         strategy: str | Strategy = "auto",
         precision: str = "32-true",
         timeout: timedelta | None = None,
+        loggers: Logger | list[Logger] | None = None,
     ) -> None:
+        accelerator, devices, num_nodes, strategy, precision = command_line_defaults(
+            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision
+        )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         self._launched = False
         self._modules: list[LoomModule] = []
+        self._loggers: list[Logger] = [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
 
     # ---- where this rank is ----------------------------------------------------------------------------------
     @property
@@ -335,6 +347,37 @@ class Loom:
             return None
 
         return owner
+
+    # ---- logging and progress --------------------------------------------------------------------------------
+    @property
+    def loggers(self) -> list[Logger]:
+        return self._loggers
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Send one scalar to every logger (rank 0 only; other ranks do nothing)."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Send scalars to every logger (rank 0 only). Tensors are converted with `.item()`."""
+        if not self.is_global_zero or not self._loggers:
+            return
+        values = {k: to_float(v) for k, v in metrics.items()}
+        for logger in self._loggers:
+            logger.log_metrics(values, step=step)
+
+    def finalize_loggers(self) -> None:
+        """Flush and close the loggers (call at the end of training)."""
+        if self.is_global_zero:
+            for logger in self._loggers:
+                logger.finalize()
+
+    def progress(
+        self, iterable: Iterable[Any], total: int | None = None, desc: str | None = None, force: bool = False
+    ) -> Progress:
+        """A progress bar over `iterable` on rank 0 when stderr is a terminal (or `force=True`); elsewhere a plain
+        iterator. `.set_postfix(loss=...)` shows values, `.write(msg)` prints a line on rank 0."""
+        show = force or sys.stderr.isatty()
+        return Progress(iterable, total, desc, show_bar=show, is_global_zero=self.is_global_zero)
 
     # ---- conveniences ----------------------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
