@@ -21,8 +21,9 @@ $(VENV)/.installed-%: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[$*]"
 	touch $@
 
+# The main job: a small language model with hand-sharded blocks (fsdp2) on 2 CPU processes.
 demo: $(VENV)/.installed-test
-	$(PY) examples/train_ddp.py --devices 2
+	$(PY) examples/train_lm.py --devices 2 --flavour fsdp2
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests

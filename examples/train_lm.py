@@ -113,7 +113,7 @@ class GPT(nn.Module):
 
 # ---- setup ----------------------------------------------------------------------------------------------------
 out_dir = Path(args.out_dir)
-loggers = [CSVLogger(out_dir, name="logs")]
+loggers = [CSVLogger(out_dir, name="logs", append=args.resume)]
 try:
     loggers.append(TensorBoardLogger(out_dir, name="tensorboard"))
 except ImportError:

@@ -24,15 +24,17 @@ class CSVLogger(Logger):
     """Appends rows to `<root_dir>/<name>/metrics.csv`, with no dependency beyond the standard library.
 
     Columns are `step` plus every metric name seen so far; a row has empty cells for metrics not logged at that
-    step. When a new metric name appears, the file is rewritten with the wider header. An existing file is
-    continued, so a resumed run appends to the log of the run it resumes."""
+    step. When a new metric name appears, the file is rewritten with the wider header. With `append=True` an
+    existing file is continued (a resumed run); otherwise it is replaced."""
 
-    def __init__(self, root_dir: str | os.PathLike[str] = "runs", name: str = "torchloom") -> None:
+    def __init__(
+        self, root_dir: str | os.PathLike[str] = "runs", name: str = "torchloom", append: bool = False
+    ) -> None:
         self.log_dir = Path(root_dir) / name
         self.path = self.log_dir / "metrics.csv"
         self._columns: list[str] = ["step"]
         self._rows: list[dict[str, Any]] = []
-        if self.path.exists():
+        if append and self.path.exists():
             with open(self.path, newline="") as f:
                 reader = csv.DictReader(f)
                 self._columns = list(reader.fieldnames or ["step"])
@@ -43,7 +45,7 @@ class CSVLogger(Logger):
         self._rows.append(row)
         new = [k for k in metrics if k not in self._columns]
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if new or not self.path.exists():
+        if new or len(self._rows) == 1:
             self._columns += new
             self._rewrite()
         else:

@@ -1,0 +1,104 @@
+"""`torchloom run`: options reach Loom(), two "nodes" on loopback form one job, failures end the job."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import textwrap
+
+from harness import PYTHON, free_port, run_job, wait_no_strays
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import torch
+    from torchloom import Loom
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loom = Loom(precision="bf16-mixed") if "override" in sys.argv else Loom()
+    loom.launch()
+    total = loom.all_reduce(torch.tensor(float(loom.global_rank + 1)), reduce_op="sum")
+    print(json.dumps({
+        "rank": loom.global_rank, "world": loom.world_size, "local": loom.local_rank, "node": loom.node_rank,
+        "strategy": loom.strategy.name, "precision": loom.strategy.precision.name, "sum": float(total),
+        "args": sys.argv[1:], "warnings": [str(w.message) for w in caught if "overrides" in str(w.message)],
+    }), flush=True)
+    if "fail" in sys.argv and loom.global_rank == 1:
+        raise ValueError("rank 1 cannot go on")
+    loom.barrier()
+    """
+)
+
+
+def _lines(output: str) -> list[dict]:
+    return sorted((json.loads(line) for line in output.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+
+
+def test_run_passes_options_to_loom(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp2",
+           "--precision", "32-true", str(script), "--lr", "3", "override"]
+    result, token = run_job(cmd, timeout=120)
+    assert result.returncode == 0, result.stdout
+    ranks = _lines(result.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["world"] == 2 and r["strategy"] == "fsdp2" and r["sum"] == 3.0
+        assert r["args"] == ["--lr", "3", "override"]
+        # Code wins over the command line, with a warning that says so.
+        assert r["precision"] == "bf16-mixed"
+        assert any("precision='bf16-mixed'" in w and "--precision 32-true" in w for w in r["warnings"])
+    assert wait_no_strays(token) == []
+
+
+def test_two_nodes_on_loopback_form_one_job(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
+               "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port", str(port), str(script)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=120)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    ranks = _lines("\n".join(outputs))
+    assert [(r["rank"], r["node"], r["local"], r["world"]) for r in ranks] == [(0, 0, 0, 2), (1, 1, 0, 2)]
+    assert all(r["strategy"] == "ddp" and r["sum"] == 3.0 for r in ranks)
+
+
+def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    result, token = run_job([PYTHON, "-m", "torchloom", "run", "--devices", "2", str(script), "fail"], timeout=90)
+    assert result.returncode != 0
+    assert "torchloom: rank 1 failed" in result.stdout
+    assert "ValueError: rank 1 cannot go on" in result.stdout
+    assert wait_no_strays(token) == []
+
+
+def test_bad_invocations_fail_before_starting(tmp_path):
+    missing = subprocess.run([PYTHON, "-m", "torchloom", "run", "--devices", "2", str(tmp_path / "nope.py")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = subprocess.run([PYTHON, "-m", "torchloom", "run", "--devices", "2", "--main-port", str(port),
+                                str(script)], capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 2 and f"--main-port {port} is not free" in taken.stderr
+    nodes = subprocess.run([PYTHON, "-m", "torchloom", "run", "--num-nodes", "2", str(script)],
+                           capture_output=True, text=True, timeout=60)
+    assert nodes.returncode == 2 and "--main-address" in nodes.stderr
