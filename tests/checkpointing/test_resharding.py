@@ -166,6 +166,16 @@ def test_consolidate_then_plain_torch(written, tmp_path):
     model.load_state_dict(torch.load(weights))  # just the weights, loadable with weights_only
     assert _equal(model.state_dict(), expected[("fsdp", "sharded")])
 
+    from safetensors.torch import load_file
+
+    tensors = tmp_path / "weights.safetensors"
+    result = _cli("consolidate", str(root / "fsdp2-sharded"), str(tensors), "--model-only", "--format", "safetensors")
+    assert result.returncode == 0, result.stderr
+    model.load_state_dict(load_file(str(tensors)))
+    assert _equal(model.state_dict(), expected[("fsdp2", "sharded")])
+    refused = _cli("consolidate", str(root / "fsdp2-sharded"), str(tensors), "--format", "safetensors")
+    assert refused.returncode == 2 and "--model-only" in refused.stderr
+
     # A consolidated file loads back through torchloom too.
     loom = Loom(accelerator="cpu")
     fresh = loom.setup_module(Net())
