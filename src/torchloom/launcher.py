@@ -79,10 +79,21 @@ def launch_script(num_processes: int, num_nodes: int, node_rank: int, address: s
     raise SystemExit(0)
 
 
+# Seconds a rank whose collective broke because a peer died waits before failing itself. Under launch(fn) the
+# agent reports only the first failed rank it sees, so the rank that really failed must get there first.
+_PEER_FAILURE_GRACE = 3.0
+
+
 def _run_function(loom: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     # Runs in each spawned rank: the pickled Loom learns its rank from the agent's environment.
     loom._setup_rank()
-    return fn(loom, *args)
+    try:
+        return fn(loom, *args)
+    except Exception as error:
+        if _is_peer_failure(f"{type(error).__name__}: {error}"):
+            # The agent stops this rank meanwhile, as soon as it sees the peer's failure.
+            time.sleep(_PEER_FAILURE_GRACE)
+        raise
 
 
 def launch_function(
@@ -125,10 +136,14 @@ def _root_failure(error: Any) -> tuple[int, Any]:
     def kind(failure: Any) -> int:
         if failure.exitcode == -signal.SIGTERM:
             return 2
-        text = _failure_text(failure).lower()
-        return 1 if any(sign in text for sign in _PEER_FAILURE_SIGNS) else 0
+        return 1 if _is_peer_failure(_failure_text(failure)) else 0
 
     return min(error.failures.items(), key=lambda item: (kind(item[1]), item[1].timestamp, item[0]))
+
+
+def _is_peer_failure(text: str) -> bool:
+    text = text.lower()
+    return any(sign in text for sign in _PEER_FAILURE_SIGNS)
 
 
 def _failure_text(failure: Any) -> str:
