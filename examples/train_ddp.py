@@ -39,7 +39,9 @@ args = parser.parse_args()
 loom = Loom(accelerator=args.accelerator, devices=args.devices, precision=args.precision)
 loom.launch()
 loom.seed_everything(args.seed)  # same model init and same dataset on every rank
-loom.print(f"{loom.world_size} rank(s), strategy {loom.strategy.name}, device {loom.device}, {args.precision}")
+loom.print(
+    f"{loom.world_size} rank(s), strategy {loom.strategy.name}, device {loom.device}, {args.precision}"
+)
 
 # ---- data: y = sin(2 x.w) + x.v / 2 + noise, the same tensors on every rank; the sampler splits them -------------
 g = torch.Generator().manual_seed(args.seed)

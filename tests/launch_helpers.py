@@ -129,5 +129,7 @@ def failing_at(output: str) -> float:
 
 def results(output: str) -> list[dict[str, Any]]:
     """The per-rank reports in a job's output, in rank order."""
-    found = [json.loads(line[len(RESULT_TAG) :]) for line in output.splitlines() if line.startswith(RESULT_TAG)]
+    found = [
+        json.loads(line[len(RESULT_TAG) :]) for line in output.splitlines() if line.startswith(RESULT_TAG)
+    ]
     return sorted(found, key=lambda r: r["rank"])

@@ -70,7 +70,9 @@ def _equal(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     return type(a) is type(b) and a == b
@@ -173,7 +175,9 @@ def test_file_is_readable_by_plain_torch(loom, tmp_path):
     assert list(checkpoint["optimizer"]["state"]) == names  # optimizer state keyed by parameter name
     assert checkpoint["optimizer"]["param_groups"][0]["params"] == names
     for i, name in enumerate(names):
-        assert torch.equal(checkpoint["optimizer"]["state"][name]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"])
+        assert torch.equal(
+            checkpoint["optimizer"]["state"][name]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]
+        )
     assert checkpoint["epoch"] == 5
 
 
@@ -181,7 +185,9 @@ def test_load_without_state_returns_everything(loom, tmp_path):
     path = tmp_path / "c.pt"
     loom.save(path, {"a": 1, "b": torch.ones(2)})
     everything = loom.load(path)
-    assert set(everything) == {"a", "b"} and everything["a"] == 1 and torch.equal(everything["b"], torch.ones(2))
+    assert (
+        set(everything) == {"a", "b"} and everything["a"] == 1 and torch.equal(everything["b"], torch.ones(2))
+    )
 
 
 def test_strict_names_missing_and_unexpected_keys(loom, tmp_path):

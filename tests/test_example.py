@@ -19,7 +19,9 @@ def test_train_ddp_example(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert wait_no_strays(token) == []
     assert "2 rank(s), strategy ddp" in proc.stdout
-    logged = [(int(s), float(loss)) for s, loss in re.findall(r"^step +(\d+) \| loss ([\d.]+)", proc.stdout, re.M)]
+    logged = [
+        (int(s), float(loss)) for s, loss in re.findall(r"^step +(\d+) \| loss ([\d.]+)", proc.stdout, re.M)
+    ]
     # Printed by rank 0 only: each logged step appears once.
     assert [s for s, _ in logged] == [1, 50, 100, 150], proc.stdout
     assert logged[-1][1] < 0.25 * logged[0][1], "the example should learn the synthetic function"

@@ -66,7 +66,8 @@ def test_plain_python_reexec(script):
     proc, token = run_job([PYTHON, str(script), "ok"], timeout=JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stdout
     reports = results(proc.stdout)
-    _check_reports(reports, "TorchElasticEnvironment")  # the re-run ranks live under torchloom's elastic agent
+    # The re-run ranks live under torchloom's own elastic agent.
+    _check_reports(reports, "TorchElasticEnvironment")
     _assert_clean(token)
 
 
@@ -157,7 +158,11 @@ def test_ctrl_c_stops_every_rank(script):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     proc = subprocess.Popen(
-        [PYTHON, str(script), "forever"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [PYTHON, str(script), "forever"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     lines: queue.Queue[str] = queue.Queue()
@@ -189,6 +194,8 @@ def test_ctrl_c_stops_every_rank(script):
         proc.wait()
 
 
+GLOO_PEER_GONE = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35737"
+
 
 def _failure(exitcode: int, message: str | None, timestamp: int = 1000) -> SimpleNamespace:
     data = {"message": {"message": message, "extraInfo": {"py_callstack": message}}} if message else {}
@@ -198,12 +205,14 @@ def _failure(exitcode: int, message: str | None, timestamp: int = 1000) -> Simpl
 @pytest.mark.parametrize(
     "survivor",
     [
-        _failure(-signal.SIGTERM, "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:35737"),
-        _failure(1, "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:35737"),
+        _failure(-signal.SIGTERM, f"RuntimeError: {GLOO_PEER_GONE}"),
+        _failure(1, f"RuntimeError: {GLOO_PEER_GONE}"),
         _failure(-signal.SIGTERM, None),
     ],
 )
-@pytest.mark.parametrize("culprit", [_failure(-signal.SIGKILL, None), _failure(3, None), _failure(1, "ValueError: x")])
+@pytest.mark.parametrize(
+    "culprit", [_failure(-signal.SIGKILL, None), _failure(3, None), _failure(1, "ValueError: x")]
+)
 def test_root_cause_is_the_rank_that_failed_first_within_the_same_second(survivor, culprit):
     # The race the job tests can hit: rank 1 dies, rank 0's collective fails in the same second. Timestamps in
     # whole seconds tie, and rank 0 must still not be blamed.

@@ -54,7 +54,10 @@ class Net(nn.Module):
     ("kwargs", "names"),
     [
         ({"accelerator": "tpu"}, ["'tpu'", "'auto'", "'cpu'", "'cuda'", "'mps'"]),
-        ({"strategy": "deepspeed"}, ["'deepspeed'", "'auto'", "'single_device'", "'ddp'", "'fsdp'", "'fsdp2'"]),
+        (
+            {"strategy": "deepspeed"},
+            ["'deepspeed'", "'auto'", "'single_device'", "'ddp'", "'fsdp'", "'fsdp2'"],
+        ),
         (
             {"precision": "8-mixed"},
             ["'8-mixed'", "'32-true'", "'64-true'", "'bf16-mixed'", "'16-mixed'", "'bf16-true'", "'16-true'"],
@@ -147,7 +150,7 @@ def test_clip_gradients_single_process_matches_torch():
     assert total > 0.5
     norm = loom.clip_gradients(model, opt, max_norm=0.5)
     assert torch.allclose(norm, total)
-    for g, p in zip(grads, model.parameters()):
+    for g, p in zip(grads, model.parameters(), strict=True):
         assert torch.allclose(p.grad, g * 0.5 / (total + 1e-6), atol=1e-7)  # torch's clip coefficient
 
 
@@ -275,7 +278,9 @@ def test_setup_dataloaders_single_process_and_batches_moved():
     a, b = loom.setup_dataloaders(DataLoader(data), DataLoader(data))
     assert isinstance(a, LoomDataLoader) and isinstance(b, LoomDataLoader)
     # Moving: every tensor of a nested batch lands on the loader's device (meta shows it on a CPU-only machine).
-    nested = DataLoader(data, batch_size=5, collate_fn=lambda rows: {"x": [torch.stack([r[0] for r in rows])]})
+    nested = DataLoader(
+        data, batch_size=5, collate_fn=lambda rows: {"x": [torch.stack([r[0] for r in rows])]}
+    )
     batch = next(iter(LoomDataLoader(nested, torch.device("meta"))))
     assert batch["x"][0].is_meta and batch["x"][0].shape == (5,)
     batch = next(iter(LoomDataLoader(nested, None)))
@@ -376,7 +381,9 @@ def _rank_body(rank: int, world_size: int) -> dict:
     # Data: shuffle kept, epochs reshuffle, ranks disjoint.
     dataset = TensorDataset(torch.arange(24))
     shuffled, ordered, whole = loom.setup_dataloaders(
-        DataLoader(dataset, batch_size=5, shuffle=True), DataLoader(dataset, batch_size=5), DataLoader(dataset)
+        DataLoader(dataset, batch_size=5, shuffle=True),
+        DataLoader(dataset, batch_size=5),
+        DataLoader(dataset),
     )
     sampler = shuffled.loader.sampler
     out["samplers"] = (
@@ -411,7 +418,9 @@ def test_ddp_collectives(ranks):
         red = out["reduce"]
         assert torch.equal(red["sum"]["a"], a.sum(0)) and torch.equal(red["sum"]["b"][0], b.sum(0))
         assert torch.equal(red["mean"]["a"], a.mean(0))
-        assert torch.equal(red["max"]["a"], a.max(0).values) and torch.equal(red["min"]["b"][0], b.min(0).values)
+        assert torch.equal(red["max"]["a"], a.max(0).values) and torch.equal(
+            red["min"]["b"][0], b.min(0).values
+        )
         assert torch.equal(out["gather"]["a"], a) and torch.equal(out["gather"]["b"][0], b)
         assert out["broadcast"] == {"from": 1}
 
@@ -446,7 +455,6 @@ def test_ddp_dataloaders(ranks):
     assert ranks[0]["ordered"][0] == list(range(0, 24, 2)) and ranks[1]["ordered"][0] == list(range(1, 24, 2))
     # The shuffled order is the sampler's permutation, not the plain one.
     assert ranks[0]["shuffled"][0] != list(range(0, 24, 2))
-
 
 
 def test_print_only_on_rank_zero(ranks):

@@ -155,13 +155,17 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def _assert_ranks_identical(ranks: list[dict], key: str) -> None:
     for name, tensor in ranks[0][key]["params"].items():
         for r in range(1, WORLD):
-            assert torch.equal(tensor, ranks[r][key]["params"][name]), f"rank {r} differs from rank 0 in {name}"
+            assert torch.equal(tensor, ranks[r][key]["params"][name]), (
+                f"rank {r} differs from rank 0 in {name}"
+            )
 
 
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 def test_fp32_parity_with_single_process(ranks, opt_name):
     ref = _reference(opt_name)
-    assert all(n > MAX_NORM for n in ref["norms"]), "MAX_NORM must be below every norm so clipping is exercised"
+    assert all(n > MAX_NORM for n in ref["norms"]), (
+        "MAX_NORM must be below every norm so clipping is exercised"
+    )
     _assert_ranks_identical(ranks, opt_name)
     for r in range(WORLD):
         assert ranks[r][opt_name]["norms"] == pytest.approx(ref["norms"], rel=1e-5, abs=1e-6)
@@ -220,7 +224,9 @@ def test_no_backward_sync_skips_then_syncs(ranks):
     micro1 = [_local_grads(r, 1) for r in range(WORLD)]
     # setup_module started every rank from rank 0's weights, although each rank built its own.
     torch.manual_seed(100)
-    rank0_init = _params(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)))
+    rank0_init = _params(
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    )
     for r in range(WORLD):
         assert _max_diff(probes[r]["init"], rank0_init) == 0
     # Inside no_backward_sync: each rank holds only its own gradient, and the ranks differ.
