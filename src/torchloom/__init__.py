@@ -8,7 +8,14 @@
 import logging as _logging
 
 from torchloom._describe import describe
-from torchloom.errors import CheckpointError, ConfigurationError, LaunchError, MisuseError, TorchloomError
+from torchloom.errors import (
+    CheckpointError,
+    CollectiveTimeoutError,
+    ConfigurationError,
+    LaunchError,
+    MisuseError,
+    TorchloomError,
+)
 from torchloom.loom import Loom
 from torchloom.seed import seed_everything
 from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer
@@ -36,6 +43,7 @@ __all__ = [
     "ConfigurationError",
     "MisuseError",
     "CheckpointError",
+    "CollectiveTimeoutError",
     "LaunchError",
     "__version__",
 ]

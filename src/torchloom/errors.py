@@ -26,3 +26,7 @@ class LaunchError(TorchloomError, RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+
+
+class CollectiveTimeoutError(TorchloomError, TimeoutError):
+    """A collective waited longer than `Loom(timeout=...)` for the other ranks."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
@@ -66,6 +67,7 @@ class Loom:
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         self._launched = False
+        self._preempted = False
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
 
@@ -347,6 +349,36 @@ class Loom:
             return None
 
         return owner
+
+    # ---- preemption ------------------------------------------------------------------------------------------
+    def on_preempt(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        """Catch these signals (default SIGTERM, what clusters send before preempting a job) instead of dying, so
+        the training loop can write a final checkpoint. Check `loom.should_stop()` once per step:
+
+            loom.on_preempt()
+            for step in ...:
+                train_step()
+                if loom.should_stop():
+                    loom.save(path, state)
+                    break
+
+        The launcher gives the ranks TORCHLOOM_SHUTDOWN_TIMEOUT seconds (default 5) after SIGTERM before it
+        kills them; raise it if a final checkpoint takes longer."""
+        for sig in signals:
+            signal.signal(sig, self._note_preemption)
+
+    def _note_preemption(self, signum: int, frame: Any) -> None:
+        self._preempted = True
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank has caught a preemption signal (see `on_preempt`). It is a
+        collective (one scalar all-reduce): every rank must call it at the same point of the loop, so that all
+        of them stop, and checkpoint, at the same step."""
+        flag = torch.tensor(1.0 if self._preempted else 0.0, device=self.device)
+        if self._strategy.is_distributed:
+            self._require_launch("should_stop")
+            flag = self._strategy.all_reduce(flag, reduce_op="max")
+        return bool(flag.item() > 0)
 
     # ---- logging and progress --------------------------------------------------------------------------------
     @property

@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             os.environ[CLI_ENV[name]] = str(value)
     launch_args = get_args_parser().parse_args(torchrun_args(args))
+    # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
+    from torchloom.launcher import shutdown_timeout
+
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout()))
     try:
         torchrun(launch_args)
     except ChildFailedError as error:
