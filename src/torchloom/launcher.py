@@ -23,8 +23,10 @@ from torchloom.errors import LaunchError, MisuseError
 # Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
 LAUNCHED_ENV = "TORCHLOOM_LAUNCHED"
 
-# Seconds the agent waits after SIGTERM before SIGKILL when it stops the surviving ranks.
-_SHUTDOWN_TIMEOUT = 5
+def shutdown_timeout() -> int:
+    """Seconds the agent waits after SIGTERM before SIGKILL when it stops the ranks (a failed rank, Ctrl-C,
+    SIGTERM): TORCHLOOM_SHUTDOWN_TIMEOUT, default 5. Raise it to give `loom.on_preempt()` time to checkpoint."""
+    return int(os.environ.get("TORCHLOOM_SHUTDOWN_TIMEOUT", "5"))
 
 
 def _launch_config(num_processes: int, num_nodes: int, node_rank: int, address: str, port: int) -> Any:
@@ -41,7 +43,7 @@ def _launch_config(num_processes: int, num_nodes: int, node_rank: int, address: 
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        shutdown_timeout=_SHUTDOWN_TIMEOUT,
+        shutdown_timeout=shutdown_timeout(),
     )
 
 

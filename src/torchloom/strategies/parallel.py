@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
+from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchloom.errors import MisuseError
+from torchloom.errors import CollectiveTimeoutError, MisuseError
 from torchloom.strategies.base import Strategy, _reduce_op
 
 
@@ -83,6 +85,22 @@ class ParallelStrategy(Strategy):
             )
 
     # ---- collectives -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _collective(self, name: str) -> Generator[None, None, None]:
+        """Turn a collective's timeout into an error that names it and says what to do."""
+        try:
+            yield
+        except RuntimeError as error:
+            text = str(error).lower()
+            if "timed out" not in text and "timeout" not in text:
+                raise
+            raise CollectiveTimeoutError(
+                f"loom.{name}() on rank {self.global_rank} timed out after {self.timeout}: another rank did not "
+                f"reach the same {name} in time (stuck in a loop, much slower, or it called a different collective). "
+                f"Make every rank call {name} at the same point; if one rank legitimately needs longer (e.g. a long "
+                f"evaluation on rank 0), raise Loom(timeout=...). PyTorch said: {error}"
+            ) from error
+
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
         op = _reduce_op(reduce_op)
         self._require_group("all_reduce")
@@ -93,7 +111,8 @@ class ParallelStrategy(Strategy):
             out = t.detach().clone()
             if out.device != self.root_device:
                 out = out.to(self.root_device)
-            dist.all_reduce(out, op=op)
+            with self._collective("all_reduce"):
+                dist.all_reduce(out, op=op)
             if reduce_op.lower() in ("mean", "avg"):
                 out = out / self.world_size if out.is_floating_point() else out // self.world_size
             return out
@@ -108,7 +127,8 @@ class ParallelStrategy(Strategy):
                 return t
             t = t.detach().contiguous().to(self.root_device)
             out = [torch.empty_like(t) for _ in range(self.world_size)]
-            dist.all_gather(out, t)
+            with self._collective("all_gather"):
+                dist.all_gather(out, t)
             return torch.stack(out)
 
         return torch.utils._pytree.tree_map(gather, data)
@@ -116,13 +136,15 @@ class ParallelStrategy(Strategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._require_group("broadcast")
         box = [obj]
-        dist.broadcast_object_list(box, src=src, device=self.root_device if self.backend == "nccl" else None)
+        with self._collective("broadcast"):
+            dist.broadcast_object_list(box, src=src, device=self.root_device if self.backend == "nccl" else None)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._require_group("all_gather_object")
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self._collective("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     @property
@@ -136,10 +158,11 @@ class ParallelStrategy(Strategy):
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():
             return
-        if self.backend == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self._collective("barrier"):
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
 
 def _destroy_group_at_exit() -> None:
