@@ -83,7 +83,9 @@ def run_ranks(body: Callable[..., Any], world_size: int = 2, *args: Any, timeout
                         rank, ok, payload = results.get(timeout=1.0)
                     except queue_module.Empty:
                         r = dead[0]
-                        raise AssertionError(f"rank {r} died with exit code {procs[r].exitcode} without reporting")
+                        raise AssertionError(
+                            f"rank {r} died with exit code {procs[r].exitcode} without reporting"
+                        ) from None
                 else:
                     continue
             if not ok:

@@ -281,3 +281,9 @@ def test_load_raw_plain_state_dict(loom, tmp_path):
     assert _equal(plain.state_dict(), source.state_dict())
     with pytest.raises(CheckpointError, match="extra.weight"):
         loom.load_raw(path, Net(extra=True))
+    # An optimizer's own state_dict() file.
+    model, opt, _, _ = _trained(loom)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    _, fresh_opt, _, _ = _trained(loom, seed=1, steps=0)
+    loom.load_raw(tmp_path / "opt.pt", fresh_opt)
+    assert _equal(fresh_opt.state_dict(), opt.state_dict())

@@ -32,3 +32,17 @@ def test_train_ddp_example(tmp_path):
     model.load_state_dict(checkpoint["model"])
     assert list(checkpoint["optimizer"]["state"]) == [n for n, _ in model.named_parameters()]
     assert f"saved {out}" in proc.stdout
+
+
+def test_readme_example_runs(tmp_path):
+    """The training loop shown in README.md runs as written, on 2 ranks, and saves its checkpoint."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## A training loop", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "train.py").write_text(code)
+    proc, token = run_job([PYTHON, "train.py"], timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    assert wait_no_strays(token) == []
+    losses = [float(x) for x in re.findall(r"^epoch \d: loss ([\d.]+)$", proc.stdout, re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2

@@ -152,8 +152,11 @@ def test_launch_function_failure_raises_launch_error(monkeypatch, capfd, mode):
     _assert_clean(token)
 
 
-def test_ctrl_c_stops_every_rank(script):
-    token = f"sigint-{os.getpid()}-{time.monotonic_ns()}"
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "launcher-killed"])
+def test_stopping_the_launcher_stops_every_rank(script, sig):
+    """Ctrl-C: the agent stops the ranks and exits 130. SIGKILL: the launcher cannot clean up, and the ranks
+    must die with it anyway."""
+    token = f"stop-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
@@ -183,9 +186,10 @@ def test_ctrl_c_stops_every_rank(script):
             if line.startswith(READY_TAG):
                 ready.add(line.strip())
         start = time.monotonic()
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, sig)
         returncode = proc.wait(timeout=10)
-        assert returncode != 0
+        # 130 is the shell's convention for "stopped by Ctrl-C".
+        assert returncode == (128 + signal.SIGINT if sig == signal.SIGINT else -signal.SIGKILL)
         assert wait_no_strays(token, within=max(0.0, 10 - (time.monotonic() - start))) == []
     finally:
         kill_token(token)

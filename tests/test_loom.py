@@ -98,6 +98,23 @@ def test_bad_cpu_devices(devices):
         Loom(accelerator="cpu", devices=devices)
 
 
+def test_devices_must_match_an_external_launcher(monkeypatch):
+    # As torchrun sets it for rank 0 of 2 processes.
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    for key, value in {**env, "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigurationError, match=r"expects 3 processes.*started 2.*devices='auto'"):
+        Loom(accelerator="cpu", devices=3)
+    loom = Loom(accelerator="cpu", devices="auto")
+    assert (loom.world_size, loom.global_rank, loom.strategy.name) == (2, 0, "ddp")
+
+
 def test_single_device_strategy_with_several_processes():
     with pytest.raises(ConfigurationError, match="runs one process.*2 processes"):
         Loom(accelerator="cpu", devices=2, strategy="single_device")
@@ -287,9 +304,9 @@ def test_setup_dataloaders_single_process_and_batches_moved():
     assert not batch["x"][0].is_meta
 
 
-@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true", "16-true"])
 def test_true_precisions_set_parameter_dtype(precision):
-    dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16}[precision]
+    dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
     loom = Loom(accelerator="cpu", precision=precision)
     default = torch.get_default_dtype()
     with loom.init_module():
