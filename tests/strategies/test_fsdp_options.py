@@ -44,7 +44,7 @@ def _body(rank: int, world_size: int, name: str) -> dict:
         if name.startswith("fsdp2"):
             model = Net()
             for block in model.blocks:
-                fully_shard(block, **loom.strategy._unit_kwargs())
+                fully_shard(block, **loom.strategy.unit_kwargs())
         else:
             with loom.init_module():
                 model = Net(wrap_blocks=True)

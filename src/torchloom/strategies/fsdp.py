@@ -90,7 +90,10 @@ class FSDPStrategy(ShardedStrategy):
         return self.auto_wrap_policy is not None
 
     # ---- the configuration every unit gets -------------------------------------------------------------------
-    def _unit_kwargs(self) -> dict[str, Any]:
+    def unit_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FullyShardedDataParallel unit gets (device, mesh, sharding strategy, mixed
+        precision, offload, meta-device init). `wrap()` inside `loom.init_module()` uses them already; pass them
+        to units you construct yourself: `FSDP(block, **loom.strategy.unit_kwargs())`."""
         assert self.precision is not None
         kwargs: dict[str, Any] = {
             "device_id": self.root_device,
@@ -144,15 +147,15 @@ class FSDPStrategy(ShardedStrategy):
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         self._require_group("init_module with strategy='fsdp'")
-        with super().module_init_context(empty_init), enable_wrap(wrapper_cls=self._make_unit, **self._unit_kwargs()):
+        with super().module_init_context(empty_init), enable_wrap(wrapper_cls=self._make_unit, **self.unit_kwargs()):
             yield
 
     # ---- making units ----------------------------------------------------------------------------------------
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
-        return FSDP(module, auto_wrap_policy=self.auto_wrap_policy, **self._unit_kwargs())
+        return FSDP(module, auto_wrap_policy=self.auto_wrap_policy, **self.unit_kwargs())
 
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
-        return FSDP(module, **self._unit_kwargs())
+        return FSDP(module, **self.unit_kwargs())
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
         for unit in units:

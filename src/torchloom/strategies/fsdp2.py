@@ -87,7 +87,10 @@ class FSDP2Strategy(ShardedStrategy):
                 self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
         return self._mesh
 
-    def _unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
+    def unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
+        """The keyword arguments torchloom passes to `fully_shard` (mesh, resharding, mixed precision, offload).
+        Pass them to your own calls to give hand-made units the same configuration:
+        `fully_shard(block, **loom.strategy.unit_kwargs())`."""
         assert self.precision is not None
         kwargs: dict[str, Any] = {
             "mesh": mesh or self.device_mesh,
@@ -104,7 +107,7 @@ class FSDP2Strategy(ShardedStrategy):
 
     # ---- making units ----------------------------------------------------------------------------------------
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
-        kwargs = self._unit_kwargs()
+        kwargs = self.unit_kwargs()
         if self.shard_policy is not None:
             # named_modules() lists parents before children; reversed, every block is sharded before what holds it.
             for name, sub in reversed(list(module.named_modules())):
@@ -118,7 +121,7 @@ class FSDP2Strategy(ShardedStrategy):
         mesh = next(
             (p.device_mesh for u in layout.units for p in u.module.parameters() if isinstance(p, DTensor)), None
         )
-        fully_shard(module, **self._unit_kwargs(mesh))
+        fully_shard(module, **self.unit_kwargs(mesh))
         return module
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
