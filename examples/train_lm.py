@@ -129,7 +129,8 @@ if args.flavour == "fsdp":
 else:
     model = GPT()
     for block in model.blocks:
-        fully_shard(block)
+        # unit_kwargs(): the mesh and the precision's MixedPrecisionPolicy, as torchloom's own units get them.
+        fully_shard(block, **loom.strategy.unit_kwargs())
 # The root stays unwrapped; tok, pos, ln_f and head are replicated. setup_module logs the sharding summary
 # (the same text as torchloom.describe(model)).
 model = loom.setup_module(model)
