@@ -46,3 +46,17 @@ def test_readme_example_runs(tmp_path):
     losses = [float(x) for x in re.findall(r"^epoch \d: loss ([\d.]+)$", proc.stdout, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2
+
+
+def test_readme_fsdp_example_runs(tmp_path):
+    """The FSDP example in README.md runs as written on 2 ranks and writes a sharded checkpoint."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## FSDP", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "train.py").write_text(code)
+    proc, token = run_job([PYTHON, "train.py"], timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    assert wait_no_strays(token) == []
+    assert "done, last gradient norm" in proc.stdout
+    assert "the root is not a unit" in proc.stdout and "replicated on every rank" in proc.stdout
+    assert (tmp_path / "ckpt" / ".metadata").exists()
