@@ -89,6 +89,9 @@ class TensorBoardLogger(Logger):
 def to_float(value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"loom.log needs a scalar; got a tensor of shape {tuple(value.shape)}.")
+            raise ValueError(
+                f"loom.log needs a scalar; got a tensor of shape {tuple(value.shape)}. Reduce it first (e.g. "
+                "tensor.mean()), or log each element under its own name."
+            )
         return float(value.detach().item())
     return float(value)

@@ -36,7 +36,10 @@ def load(
 ) -> dict[str, Any]:
     path = atomic.recover(path)
     if not path.exists():
-        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+        raise CheckpointError(
+            f"No checkpoint at {str(path)!r}. Check the path: it is the file (or, for sharded checkpoints, "
+            "the directory) that loom.save wrote."
+        )
     if sharded.is_sharded_checkpoint(path):
         return sharded.load(strategy, path, state, strict, owner_of)
     return full.load(strategy, path, state, strict, owner_of, weights_only=weights_only)

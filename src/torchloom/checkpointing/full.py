@@ -128,7 +128,10 @@ def _write_or_explain(payload: dict[str, Any], path: Path) -> None:
 def read(path: Path, weights_only: bool = False) -> dict[str, Any]:
     """Read a full checkpoint file, memory-mapped: ranks share the page cache instead of each holding a copy."""
     if not path.exists():
-        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+        raise CheckpointError(
+            f"No checkpoint at {str(path)!r}. Check the path: it is the file (or, for sharded checkpoints, "
+            "the directory) that loom.save wrote."
+        )
     if path.is_dir():
         raise CheckpointError(
             f"{str(path)!r} is a directory (a sharded checkpoint), not a file. Load it with loom.load, or make one "

@@ -130,7 +130,8 @@ def read_meta(path: Path) -> dict[str, Any]:
         if (path / ".metadata").exists():
             return {"version": FORMAT_VERSION, "format": "sharded", "kinds": None}  # a plain DCP checkpoint
         raise CheckpointError(
-            f"{str(path)!r} is a directory but not a checkpoint (no {META_FILE} or .metadata inside)."
+            f"{str(path)!r} is a directory but not a checkpoint (no {META_FILE} or .metadata inside). "
+            "Pass the path that loom.save wrote."
         )
     try:
         meta = json.loads(meta_file.read_text())

@@ -76,7 +76,10 @@ def kind_of(value: Any, owner_of: OwnerLookup) -> str:
 
 def check_state_arg(state: Any) -> None:
     if not isinstance(state, dict):
-        raise CheckpointError(f"`state` must be a dict of name -> object, got {type(state).__name__}.")
+        raise CheckpointError(
+            f"`state` must be a dict of name -> object, got {type(state).__name__}. Name each entry, e.g. "
+            "{'model': model, 'optimizer': optimizer, 'step': step}."
+        )
     if META_KEY in state:
         raise CheckpointError(f"{META_KEY!r} is reserved for torchloom's metadata; rename that entry.")
 

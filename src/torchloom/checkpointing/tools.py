@@ -100,7 +100,11 @@ def consolidate(
     """
     path, out = Path(checkpoint), Path(out_file)
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a sharded checkpoint directory.")
+        raise CheckpointError(
+            f"{str(path)!r} is not a sharded checkpoint directory. Pass the directory that loom.save wrote "
+            "with state_dict_type='sharded'; a full checkpoint is already one file and needs no "
+            "consolidation."
+        )
     if fmt not in ("torch", "safetensors"):
         raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch' or 'safetensors'.")
     meta = sharded.read_meta(path)
