@@ -20,7 +20,7 @@ from torchloom import checkpointing, launcher
 from torchloom._layout import clean_name
 from torchloom.connector import command_line_defaults, configure
 from torchloom.environments import TorchElasticEnvironment
-from torchloom.errors import MisuseError
+from torchloom.errors import CollectiveTimeoutError, MisuseError
 from torchloom.loggers import Logger, to_float
 from torchloom.progress import Progress
 from torchloom.seed import seed_everything
@@ -112,7 +112,11 @@ class Loom:
         if self._launched:
             raise MisuseError("loom.launch() was called twice. Call it once, before setting up models.")
         if fn is not None and not callable(fn):
-            raise MisuseError(f"loom.launch(fn) needs a callable, got {type(fn).__name__}.")
+            raise MisuseError(
+                f"loom.launch(fn) needs a callable, got {type(fn).__name__}. Pass a function defined at "
+                "module level, `loom.launch(train, *args)`, which runs train(loom, *args) on every rank; or "
+                "call loom.launch() without arguments."
+            )
         self._launched = True
         env = self._strategy.cluster_environment
         assert env is not None
@@ -174,7 +178,10 @@ class Loom:
                 "LoomModule."
             )
         if not isinstance(module, nn.Module):
-            raise MisuseError(f"setup_module expects a torch.nn.Module, got {type(module).__name__}.")
+            raise MisuseError(
+                f"setup_module expects a torch.nn.Module, got {type(module).__name__}. Pass the model itself "
+                "(an nn.Module), not its state_dict or parameters."
+            )
         self._require_launch("setup_module")
         precision = self._strategy.precision
         assert precision is not None
@@ -188,7 +195,10 @@ class Loom:
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         """Prepare optimizers made from the parameters of set-up modules; returns one or a tuple."""
         if not optimizers:
-            raise MisuseError("setup_optimizers needs at least one optimizer.")
+            raise MisuseError(
+                "setup_optimizers needs at least one optimizer. Pass them: loom.setup_optimizers(optimizer), "
+                "or loom.setup_optimizers(opt_a, opt_b)."
+            )
         out = self._setup_optimizers(optimizers)
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -199,7 +209,11 @@ class Loom:
             if isinstance(optimizer, LoomOptimizer):
                 raise MisuseError("setup_optimizers was called twice on the same optimizer. Set it up once.")
             if not isinstance(optimizer, Optimizer):
-                raise MisuseError(f"setup_optimizers expects torch.optim.Optimizer, got {type(optimizer).__name__}.")
+                raise MisuseError(
+                    f"setup_optimizers expects torch.optim.Optimizer, got {type(optimizer).__name__}. "
+                    "Pass an optimizer built from the set-up model, e.g. "
+                    "torch.optim.AdamW(model.parameters())."
+                )
             optimizer = self._strategy.setup_optimizer(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             stray = sum(id(p) not in known for p in params)
@@ -315,7 +329,15 @@ class Loom:
         broken one. With `async_save=True` the write continues in the background; the next save or load (or the
         end of the process) waits for it and raises if it failed."""
         self._require_launch("save")
-        self._strategy.save_checkpoint(Path(path), state, self._owner_of(state), async_save=async_save)
+        try:
+            self._strategy.save_checkpoint(Path(path), state, self._owner_of(state), async_save=async_save)
+        except CollectiveTimeoutError as error:
+            # The collective that timed out is one inside save; what the user must change is the call to save.
+            raise CollectiveTimeoutError(
+                f"loom.save() on rank {self.global_rank} timed out waiting for the other ranks. Every rank "
+                "must call loom.save at the same point (not only rank 0: drop any `if loom.is_global_zero:` "
+                f"around it; rank 0 alone writes the file). {error}"
+            ) from error
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True,
@@ -338,7 +360,9 @@ class Loom:
             unwrap_optimizer(obj).load_state_dict(raw)
 
     def _owner_of(self, state: dict[str, Any]) -> Callable[[Optimizer], nn.Module | None]:
-        candidates = [state_module(v) for v in state.values() if isinstance(v, (nn.Module, LoomModule))]
+        # A `state` that is not a dict is refused, with its fix, when the checkpoint is collected.
+        values = state.values() if isinstance(state, dict) else ()
+        candidates = [state_module(v) for v in values if isinstance(v, (nn.Module, LoomModule))]
         candidates += [m.forward_module for m in self._modules]
 
         def owner(optimizer: Optimizer) -> nn.Module | None:
