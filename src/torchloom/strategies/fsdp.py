@@ -24,7 +24,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, enable_wrap
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._replicated import broadcast_tensors
-from torchloom.strategies._sharded import ShardedStrategy, _init_fn
+from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -77,6 +77,7 @@ class FSDPStrategy(ShardedStrategy):
                 f"{', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
             )
         self.sharding_strategy = ShardingStrategy[key.upper()]
+        as_module_policy(auto_wrap_policy, "auto_wrap_policy")  # refuses what FSDP would fail on much later
         if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
             auto_wrap_policy = ModuleWrapPolicy(set(auto_wrap_policy))
         elif isinstance(auto_wrap_policy, type) and issubclass(auto_wrap_policy, nn.Module):
