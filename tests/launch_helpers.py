@@ -79,6 +79,12 @@ def misbehave(loom: Any, mode: str) -> None:
             os._exit(3)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "segv":
+            import ctypes
+
+            ctypes.string_at(0)  # a real segmentation fault, as from a broken extension
+        if mode == "oom":
+            torch.empty(2**42, dtype=torch.uint8)  # 4 TiB: the allocator refuses, as when one rank runs out
         raise ValueError(f"unknown mode {mode!r}")
     loom.all_reduce(torch.ones(1))  # rank 1 never joins this
     time.sleep(120)

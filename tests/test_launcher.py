@@ -116,12 +116,28 @@ def test_faked_slurm(script):
 
 
 # ---- failing ranks -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["raise", "exit", "kill"])
-def test_failing_rank_ends_the_job(script, mode):
-    proc, token = run_job([PYTHON, str(script), mode], timeout=JOB_TIMEOUT)
+FAILURES = ["raise", "exit", "kill", "segv", "oom"]
+
+
+def _check_failure_output(proc, mode: str) -> None:
+    assert "torchloom: rank 1 failed" in proc.stdout, proc.stdout
+    if mode == "segv":
+        assert "SIGSEGV" in proc.stdout, proc.stdout
+    if mode == "oom":
+        assert "can't allocate memory" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("launcher_kind", ["python", "torchloom run"])
+@pytest.mark.parametrize("mode", FAILURES)
+def test_failing_rank_ends_the_job(script, mode, launcher_kind):
+    if launcher_kind == "python":
+        cmd = [PYTHON, str(script), mode]
+    else:
+        cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", "--devices", "2", str(script), mode]
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
     ended = time.time()
     assert proc.returncode != 0, proc.stdout
-    assert "torchloom: rank 1 failed" in proc.stdout, proc.stdout
+    _check_failure_output(proc, mode)
     if mode == "raise":
         assert "Traceback of rank 1" in proc.stdout
         assert "RuntimeError: deliberate failure on rank 1" in proc.stdout
@@ -136,7 +152,7 @@ def test_failing_rank_ends_the_job(script, mode):
     _assert_clean(token)
 
 
-@pytest.mark.parametrize("mode", ["raise", "kill"])
+@pytest.mark.parametrize("mode", ["raise", "kill", "segv", "oom"])
 def test_launch_function_failure_raises_launch_error(monkeypatch, capfd, mode):
     resource_tracker.ensure_running()
     token = f"fnfail-{os.getpid()}-{time.monotonic_ns()}"
