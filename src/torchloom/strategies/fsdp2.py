@@ -106,6 +106,19 @@ class FSDP2Strategy(ShardedStrategy):
         return {**kwargs, **self.fully_shard_kwargs}
 
     # ---- making units ----------------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        forward_module = super().setup_module(module)
+        layout = self._layouts[id(forward_module)]
+        if not layout.root_is_unit and len(layout.top_units) > 1:
+            # Without a root unit every top-level unit is an FSDP root with its own communication context, and
+            # each keeps its full-size reduce-scatter input alive until the end of backward: the whole model's
+            # gradients, unsharded, at the peak. One shared context frees each as the next unit's reduce-scatter
+            # starts, as under a root unit (benchmarks/memory.py measures it).
+            share_comm_ctx = getattr(torch.distributed.fsdp, "share_comm_ctx", None)  # torch >= 2.8
+            if share_comm_ctx is not None:
+                share_comm_ctx([unit.module for unit in layout.top_units])
+        return forward_module
+
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
         kwargs = self.unit_kwargs()
         if self.shard_policy is not None:
