@@ -168,10 +168,12 @@ def test_launch_function_failure_raises_launch_error(monkeypatch, capfd, mode):
     _assert_clean(token)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "launcher-killed"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "launcher-killed"]
+)
 def test_stopping_the_launcher_stops_every_rank(script, sig):
-    """Ctrl-C: the agent stops the ranks and exits 130. SIGKILL: the launcher cannot clean up, and the ranks
-    must die with it anyway."""
+    """Ctrl-C: the agent stops the ranks and exits 130; SIGTERM: the same, exit 143. SIGKILL: the launcher cannot
+    clean up, and the ranks must die with it anyway."""
     token = f"stop-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
@@ -205,7 +207,8 @@ def test_stopping_the_launcher_stops_every_rank(script, sig):
         os.kill(proc.pid, sig)
         returncode = proc.wait(timeout=10)
         # 130 is the shell's convention for "stopped by Ctrl-C".
-        assert returncode == (128 + signal.SIGINT if sig == signal.SIGINT else -signal.SIGKILL)
+        expected = {signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGKILL: -signal.SIGKILL}
+        assert returncode == expected[sig]
         assert wait_no_strays(token, within=max(0.0, 10 - (time.monotonic() - start))) == []
     finally:
         kill_token(token)
