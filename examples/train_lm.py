@@ -32,7 +32,9 @@ from torchloom.loggers import CSVLogger, TensorBoardLogger
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--devices", default="2", help="processes (CPU) or GPUs")
 parser.add_argument("--accelerator", default="cpu")
-parser.add_argument("--flavour", choices=("fsdp2", "fsdp"), default="fsdp2", help="which FSDP shards the blocks")
+parser.add_argument(
+    "--flavour", choices=("fsdp2", "fsdp"), default="fsdp2", help="which FSDP shards the blocks"
+)
 parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed")
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
@@ -49,7 +51,9 @@ parser.add_argument("--checkpoint-every", type=int, default=100)
 parser.add_argument("--out-dir", default="runs/lm")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
 parser.add_argument("--stop-at", type=int, default=None, help="stop after this step, as if interrupted")
-parser.add_argument("--text-bytes", type=int, default=400_000, help="how much standard-library source to read")
+parser.add_argument(
+    "--text-bytes", type=int, default=400_000, help="how much standard-library source to read"
+)
 parser.add_argument("--seed", type=int, default=1337)
 args = parser.parse_args()
 
@@ -65,7 +69,9 @@ def load_text(limit: int) -> torch.Tensor:
     return torch.tensor(list(data[:limit]), dtype=torch.long)
 
 
-def get_batch(data: torch.Tensor, step: int, micro: int, rank: int, batch_size: int) -> tuple[torch.Tensor, ...]:
+def get_batch(
+    data: torch.Tensor, step: int, micro: int, rank: int, batch_size: int
+) -> tuple[torch.Tensor, ...]:
     # The batch depends only on (step, micro-batch, rank), so a resumed run reads exactly what the
     # uninterrupted one would have read.
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro * 101 + rank)
@@ -118,8 +124,13 @@ try:
     loggers.append(TensorBoardLogger(out_dir, name="tensorboard"))
 except ImportError:
     pass  # TensorBoard is optional: pip install 'torchloom[tensorboard]'
-loom = Loom(accelerator=args.accelerator, devices=args.devices, strategy=args.flavour, precision=args.precision,
-            loggers=loggers)
+loom = Loom(
+    accelerator=args.accelerator,
+    devices=args.devices,
+    strategy=args.flavour,
+    precision=args.precision,
+    loggers=loggers,
+)
 loom.launch()
 torchloom.seed_everything(args.seed)  # the same initial weights on every rank
 
@@ -136,7 +147,8 @@ else:
 model = loom.setup_module(model)
 optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
 scheduler = torch.optim.lr_scheduler.LambdaLR(
-    optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))  # cosine
+    optimizer,
+    lambda step: 0.5 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps)),  # cosine
 )
 
 text = load_text(args.text_bytes)
@@ -187,8 +199,15 @@ for step in bar:
 
     train_loss = float(loom.all_reduce(loss.detach())) * args.accumulate
     throughput = tokens_per_step / (time.perf_counter() - t0)
-    loom.log_dict({"train_loss": train_loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
-                   "tokens_per_s": throughput}, step=step + 1)
+    loom.log_dict(
+        {
+            "train_loss": train_loss,
+            "grad_norm": grad_norm,
+            "lr": scheduler.get_last_lr()[0],
+            "tokens_per_s": throughput,
+        },
+        step=step + 1,
+    )
     bar.set_postfix(loss=train_loss, tok_s=f"{throughput:,.0f}")
     if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
         val = evaluate()

@@ -54,7 +54,9 @@ def data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def reference(make_model, optimizer_cls=torch.optim.Adam, lr: float = 1e-2, autocast: torch.dtype | None = None):
+def reference(
+    make_model, optimizer_cls=torch.optim.Adam, lr: float = 1e-2, autocast: torch.dtype | None = None
+):
     """One process training on the whole global batch: final parameters and the norm before each clip."""
     import contextlib
 
@@ -110,7 +112,9 @@ def build_layout(loom, flavour: str, layout: str) -> nn.Module:
     if layout == "torch_built":
         model = torch_built_model()
         for i in (2, 4):  # PyTorch's own APIs, called directly: two non-root units, leftovers around them
-            model[i] = FSDP(model[i], device_id=loom.device, use_orig_params=True) if flavour == "fsdp" else model[i]
+            model[i] = (
+                FSDP(model[i], device_id=loom.device, use_orig_params=True) if flavour == "fsdp" else model[i]
+            )
             if flavour == "fsdp2":
                 fully_shard(model[i])
         return model

@@ -37,10 +37,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(body: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _rank_main(
+    body: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any
+) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     # Ranks share 2 cores: more threads per rank only adds contention.
     torch.set_num_threads(1)
@@ -63,7 +69,10 @@ def run_ranks(body: Callable[..., Any], world_size: int = 2, *args: Any, timeout
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(body, r, world_size, port, args, results)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(body, r, world_size, port, args, results))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     done: dict[int, Any] = {}
@@ -111,7 +120,12 @@ def run_job(
         if env is None or key not in env:
             full_env.pop(key, None)
     proc = subprocess.Popen(
-        cmd, cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=cwd or REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:

@@ -7,14 +7,37 @@ import csv
 
 from harness import PYTHON, REPO, run_job, wait_no_strays
 
-TINY = ["--devices", "2", "--steps", "6", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
-        "--batch-size", "4", "--eval-every", "3", "--checkpoint-every", "3", "--eval-batches", "2",
-        "--text-bytes", "20000"]
+TINY = [
+    "--devices",
+    "2",
+    "--steps",
+    "6",
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "4",
+    "--eval-every",
+    "3",
+    "--checkpoint-every",
+    "3",
+    "--eval-batches",
+    "2",
+    "--text-bytes",
+    "20000",
+]
 
 
 def _run(out_dir, *extra: str) -> str:
-    result, token = run_job([PYTHON, str(REPO / "examples" / "train_lm.py"), *TINY, "--out-dir", str(out_dir),
-                             *extra], timeout=180)
+    result, token = run_job(
+        [PYTHON, str(REPO / "examples" / "train_lm.py"), *TINY, "--out-dir", str(out_dir), *extra],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout
     assert wait_no_strays(token) == []
     return result.stdout

@@ -75,11 +75,21 @@ def test_sigterm_writes_a_final_checkpoint_and_stops_every_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(PREEMPT_SCRIPT)
     token = f"preempt-{os.getpid()}-{time.monotonic_ns()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    }
     env.update({TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.Popen([PYTHON, str(script), str(tmp_path / "final")], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [PYTHON, str(script), str(tmp_path / "final")],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     lines: list[str] = []
     ready = threading.Event()
 

@@ -33,14 +33,32 @@ SCRIPT = textwrap.dedent(
 
 
 def _lines(output: str) -> list[dict]:
-    return sorted((json.loads(line) for line in output.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(line) for line in output.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
+    )
 
 
 def test_run_passes_options_to_loom(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp2",
-           "--precision", "32-true", str(script), "--lr", "3", "override"]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torchloom",
+        "run",
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "2",
+        "--strategy",
+        "fsdp2",
+        "--precision",
+        "32-true",
+        str(script),
+        "--lr",
+        "3",
+        "override",
+    ]
     result, token = run_job(cmd, timeout=120)
     assert result.returncode == 0, result.stdout
     ranks = _lines(result.stdout)
@@ -60,8 +78,25 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path):
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2",
-               "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port", str(port), str(script)]
+        cmd = [
+            PYTHON,
+            "-m",
+            "torchloom",
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "1",
+            "--num-nodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--main-address",
+            "127.0.0.1",
+            "--main-port",
+            str(port),
+            str(script),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -79,7 +114,9 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path):
 def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    result, token = run_job([PYTHON, "-m", "torchloom", "run", "--devices", "2", str(script), "fail"], timeout=90)
+    result, token = run_job(
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(script), "fail"], timeout=90
+    )
     assert result.returncode != 0
     assert "torchloom: rank 1 failed" in result.stdout
     assert "ValueError: rank 1 cannot go on" in result.stdout
@@ -87,8 +124,12 @@ def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
 
 
 def test_bad_invocations_fail_before_starting(tmp_path):
-    missing = subprocess.run([PYTHON, "-m", "torchloom", "run", "--devices", "2", str(tmp_path / "nope.py")],
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(tmp_path / "nope.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -96,9 +137,17 @@ def test_bad_invocations_fail_before_starting(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        taken = subprocess.run([PYTHON, "-m", "torchloom", "run", "--devices", "2", "--main-port", str(port),
-                                str(script)], capture_output=True, text=True, timeout=60)
+        taken = subprocess.run(
+            [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--main-port", str(port), str(script)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert taken.returncode == 2 and f"--main-port {port} is not free" in taken.stderr
-    nodes = subprocess.run([PYTHON, "-m", "torchloom", "run", "--num-nodes", "2", str(script)],
-                           capture_output=True, text=True, timeout=60)
+    nodes = subprocess.run(
+        [PYTHON, "-m", "torchloom", "run", "--num-nodes", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert nodes.returncode == 2 and "--main-address" in nodes.stderr

@@ -1,8 +1,8 @@
 """torchloom: run your own PyTorch training loop on one process, many processes, GPUs and nodes.
 
-    from torchloom import Loom
-    loom = Loom(accelerator="cpu", devices=2, strategy="fsdp2")
-    loom.launch()
+from torchloom import Loom
+loom = Loom(accelerator="cpu", devices=2, strategy="fsdp2")
+loom.launch()
 """
 
 import logging as _logging

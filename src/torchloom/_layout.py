@@ -26,7 +26,7 @@ def clean_name(name: str) -> str:
 
 
 def unit_flavour(module: nn.Module) -> str | None:
-    """"fsdp" for a FullyShardedDataParallel instance, "fsdp2" for a `fully_shard`-ed module, else None."""
+    """ "fsdp" for a FullyShardedDataParallel instance, "fsdp2" for a `fully_shard`-ed module, else None."""
     if isinstance(module, FSDP):
         return "fsdp"
     if isinstance(module, FSDPModule):
@@ -96,7 +96,9 @@ def analyze(module: nn.Module) -> Layout:
                 layout.leftovers.append((full, param))
         for b_name, buf in mod.named_buffers(recurse=False):
             if id(mod) not in inside and buf is not None:
-                layout.leftover_buffers.append((clean_name(f"{mod_name}.{b_name}" if mod_name else b_name), buf))
+                layout.leftover_buffers.append(
+                    (clean_name(f"{mod_name}.{b_name}" if mod_name else b_name), buf)
+                )
     for unit in layout.units:
         if unit.flavour == "fsdp":
             _fsdp1_unit_size(unit)
@@ -144,12 +146,16 @@ def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: in
         root = "the root is a unit" if layout.root_is_unit else "the root is not a unit"
         lines.append(f"  {len(layout.units)} {flavour} unit(s), {root}:")
         for unit in layout.units:
-            lines.append(f"    {unit.path or '<root>'}: {unit.num_params} parameters, {unit.numel:,} elements")
+            lines.append(
+                f"    {unit.path or '<root>'}: {unit.num_params} parameters, {unit.numel:,} elements"
+            )
     else:
         lines.append("  no FSDP units")
     if layout.leftovers:
-        lines.append(f"  replicated on every rank (outside all units): {len(layout.leftovers)} parameters, "
-                     f"{replicated:,} elements")
+        lines.append(
+            f"  replicated on every rank (outside all units): {len(layout.leftovers)} parameters, "
+            f"{replicated:,} elements"
+        )
         for name, param in layout.leftovers[:12]:
             lines.append(f"    {name} {tuple(param.shape)}")
         if len(layout.leftovers) > 12:

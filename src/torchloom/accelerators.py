@@ -112,10 +112,16 @@ class MPSAccelerator(Accelerator):
     def parse_devices(self, devices: int | str | list[int]) -> list[torch.device]:
         if devices in ("auto", 1, "1", [0]):
             return [torch.device("mps", 0)]
-        raise ConfigurationError(f"devices={devices!r} is not valid for MPS: there is one MPS device, pass devices=1.")
+        raise ConfigurationError(
+            f"devices={devices!r} is not valid for MPS: there is one MPS device, pass devices=1."
+        )
 
 
-_REGISTRY: dict[str, type[Accelerator]] = {"cpu": CPUAccelerator, "cuda": CUDAAccelerator, "mps": MPSAccelerator}
+_REGISTRY: dict[str, type[Accelerator]] = {
+    "cpu": CPUAccelerator,
+    "cuda": CUDAAccelerator,
+    "mps": MPSAccelerator,
+}
 
 
 def select_accelerator(name: str | Accelerator) -> Accelerator:

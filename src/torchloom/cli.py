@@ -16,18 +16,23 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser(
-        "run", help="start SCRIPT on every rank with PyTorch's elastic launcher (what torchrun uses)",
+        "run",
+        help="start SCRIPT on every rank with PyTorch's elastic launcher (what torchrun uses)",
         description="Start SCRIPT once per process with torch.distributed.run. The options reach Loom() in the "
         "script: arguments it leaves at their defaults take these values.",
     )
     run.add_argument("--accelerator", default=None, help="auto, cpu, cuda or mps")
-    run.add_argument("--devices", default=None, help="processes per node on CPU; GPUs per node on CUDA (or auto)")
+    run.add_argument(
+        "--devices", default=None, help="processes per node on CPU; GPUs per node on CUDA (or auto)"
+    )
     run.add_argument("--strategy", default=None, help="auto, single_device, ddp, fsdp or fsdp2")
     run.add_argument("--precision", default=None, help="32-true, bf16-mixed, 16-mixed, ...")
     run.add_argument("--num-nodes", type=int, default=1, help="number of machines in the job")
     run.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..num_nodes-1")
     run.add_argument("--main-address", default=None, help="address of node 0 (default 127.0.0.1 on one node)")
-    run.add_argument("--main-port", type=int, default=None, help="free port on node 0 (default: any free port)")
+    run.add_argument(
+        "--main-port", type=int, default=None, help="free port on node 0 (default: any free port)"
+    )
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -42,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("out_file", help="the file to write")
     consolidate.add_argument("--model-only", action="store_true", help="write only the model weights")
     consolidate.add_argument(
-        "--format", choices=("torch", "safetensors"), default="torch",
+        "--format",
+        choices=("torch", "safetensors"),
+        default="torch",
         help="file format (safetensors needs the safetensors package and --model-only)",
     )
     return parser

@@ -33,7 +33,13 @@ CLI_ENV = {
     "strategy": "TORCHLOOM_STRATEGY",
     "precision": "TORCHLOOM_PRECISION",
 }
-_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": "32-true"}
+_DEFAULTS = {
+    "accelerator": "auto",
+    "devices": "auto",
+    "num_nodes": 1,
+    "strategy": "auto",
+    "precision": "32-true",
+}
 
 
 def command_line_defaults(**given: Any) -> tuple[Any, ...]:

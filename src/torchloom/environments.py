@@ -62,7 +62,9 @@ class TorchElasticEnvironment(ClusterEnvironment):
     def detect() -> bool:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             return True
-        return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+        return all(
+            k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        )
 
     @property
     def main_address(self) -> str:
@@ -94,7 +96,10 @@ class SLURMEnvironment(ClusterEnvironment):
 
     @staticmethod
     def detect() -> bool:
-        return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in (
+            "bash",
+            "interactive",
+        )
 
     @property
     def main_address(self) -> str:

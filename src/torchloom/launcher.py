@@ -23,6 +23,7 @@ from torchloom.errors import LaunchError, MisuseError
 # Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
 LAUNCHED_ENV = "TORCHLOOM_LAUNCHED"
 
+
 def shutdown_timeout() -> int:
     """Seconds the agent waits after SIGTERM before SIGKILL when it stops the ranks (a failed rank, Ctrl-C,
     SIGTERM): TORCHLOOM_SHUTDOWN_TIMEOUT, default 5. Raise it to give `loom.on_preempt()` time to checkpoint."""
@@ -99,8 +100,14 @@ def _run_function(loom: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> A
 
 
 def launch_function(
-    loom: Any, fn: Callable[..., Any], args: tuple[Any, ...], num_processes: int, num_nodes: int, node_rank: int,
-    address: str, port: int,
+    loom: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    num_processes: int,
+    num_nodes: int,
+    node_rank: int,
+    address: str,
+    port: int,
 ) -> Any:
     """Run `fn(loom, *args)` on every local rank; return rank 0's result or raise `LaunchError`."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -122,7 +129,11 @@ def launch_function(
 
 # What a rank reports when a collective broke because another rank died: a consequence, not the cause.
 _PEER_FAILURE_SIGNS = (
-    "closed by peer", "reset by peer", "remote worker crashing", "broken pipe", "communicator was aborted",
+    "closed by peer",
+    "reset by peer",
+    "remote worker crashing",
+    "broken pipe",
+    "communicator was aborted",
 )
 
 

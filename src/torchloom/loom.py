@@ -63,13 +63,19 @@ class Loom:
         loggers: Logger | list[Logger] | None = None,
     ) -> None:
         accelerator, devices, num_nodes, strategy, precision = command_line_defaults(
-            accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            strategy=strategy,
+            precision=precision,
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         self._launched = False
         self._preempted = False
         self._modules: list[LoomModule] = []
-        self._loggers: list[Logger] = [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+        self._loggers: list[Logger] = (
+            [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+        )
 
     # ---- where this rank is ----------------------------------------------------------------------------------
     @property
@@ -244,7 +250,9 @@ class Loom:
         out = []
         for loader in dataloaders:
             if not isinstance(loader, DataLoader):
-                raise MisuseError(f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}.")
+                raise MisuseError(
+                    f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
+                )
             if use_distributed_sampler and self.world_size > 1:
                 seed = int(os.environ.get("TORCHLOOM_SEED", 0))
                 loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
@@ -252,7 +260,9 @@ class Loom:
         return out[0] if len(out) == 1 else tuple(out)
 
     # ---- training calls --------------------------------------------------------------------------------------
-    def backward(self, tensor: torch.Tensor, *args: Any, model: LoomModule | None = None, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, *args: Any, model: LoomModule | None = None, **kwargs: Any
+    ) -> None:
         """`tensor.backward()` through the precision (loss scaling) and strategy."""
         self._strategy.backward(tensor, model.forward_module if model is not None else None, *args, **kwargs)
 
@@ -275,7 +285,11 @@ class Loom:
         optimizer = unwrap_optimizer(optimizer)
         if max_norm is not None:
             return self._strategy.clip_gradients_norm(
-                forward_module, optimizer, float(max_norm), norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+                forward_module,
+                optimizer,
+                float(max_norm),
+                norm_type=norm_type,
+                error_if_nonfinite=error_if_nonfinite,
             )
         self._strategy.clip_gradients_value(forward_module, optimizer, float(clip_val))  # type: ignore[arg-type]
         return None
@@ -340,14 +354,21 @@ class Loom:
             ) from error
 
     def load(
-        self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True,
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any] | None = None,
+        strict: bool = True,
         weights_only: bool = False,
     ) -> dict[str, Any]:
         """Restore the objects of `state` in place (plain values are replaced in `state`) and return the
         checkpoint's entries that `state` did not name. With no `state`, return everything."""
         self._require_launch("load")
         return self._strategy.load_checkpoint(
-            Path(path), state or {}, strict=strict, owner_of=self._owner_of(state or {}), weights_only=weights_only
+            Path(path),
+            state or {},
+            strict=strict,
+            owner_of=self._owner_of(state or {}),
+            weights_only=weights_only,
         )
 
     def load_raw(self, path: str | os.PathLike[str], obj: nn.Module | Optimizer, strict: bool = True) -> None:

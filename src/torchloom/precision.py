@@ -18,7 +18,14 @@ from torchloom.errors import ConfigurationError
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
-_ALIASES = {"32": "32-true", "64": "64-true", "bf16": "bf16-mixed", "16": "16-mixed", 32: "32-true", 64: "64-true"}
+_ALIASES = {
+    "32": "32-true",
+    "64": "64-true",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    32: "32-true",
+    64: "64-true",
+}
 
 
 def _apply_to_floats(data: Any, dtype: torch.dtype) -> Any:
@@ -43,7 +50,10 @@ class Precision:
             "bf16-true": torch.bfloat16,
             "16-true": torch.float16,
         }.get(name, torch.float32)
-        self.autocast_dtype: torch.dtype | None = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
+        self.autocast_dtype: torch.dtype | None = {
+            "bf16-mixed": torch.bfloat16,
+            "16-mixed": torch.float16,
+        }.get(name)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(device_type) if name == "16-mixed" else None
@@ -133,7 +143,11 @@ def select_precision(precision: str | int, accelerator_name: str) -> Precision:
         )
     if name == "16-mixed" and accelerator_name == "mps":
         raise ConfigurationError("precision='16-mixed' is not supported on MPS. Use '16-true' or '32-true'.")
-    if name in ("bf16-mixed", "bf16-true") and accelerator_name == "cuda" and not torch.cuda.is_bf16_supported():
+    if (
+        name in ("bf16-mixed", "bf16-true")
+        and accelerator_name == "cuda"
+        and not torch.cuda.is_bf16_supported()
+    ):
         raise ConfigurationError(
             f"precision={name!r} needs a GPU with bfloat16 support (Ampere or newer). Use '16-mixed' instead."
         )

@@ -12,7 +12,12 @@ class Progress:
     output not a terminal) it is a plain iterator whose `set_postfix` does nothing."""
 
     def __init__(
-        self, iterable: Iterable[Any], total: int | None, desc: str | None, show_bar: bool, is_global_zero: bool
+        self,
+        iterable: Iterable[Any],
+        total: int | None,
+        desc: str | None,
+        show_bar: bool,
+        is_global_zero: bool,
     ) -> None:
         self._iterable = iterable
         self._bar = None

@@ -60,9 +60,15 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     elif args.node_rank == 0:
         _check_port_free(address, port)
     return [
-        f"--nproc-per-node={nproc}", f"--nnodes={args.num_nodes}", f"--node-rank={args.node_rank}",
-        f"--master-addr={address}", f"--master-port={port}", "--max-restarts=0", "--monitor-interval=0.1",
-        str(script), *args.script_args,
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={args.num_nodes}",
+        f"--node-rank={args.node_rank}",
+        f"--master-addr={address}",
+        f"--master-port={port}",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        str(script),
+        *args.script_args,
     ]
 
 
@@ -73,8 +79,13 @@ def run(args: argparse.Namespace) -> int:
 
     from torchloom.launcher import _describe_failure, _exit_status
 
-    options = {"accelerator": args.accelerator, "devices": args.devices, "strategy": args.strategy,
-               "precision": args.precision, "num_nodes": str(args.num_nodes)}
+    options = {
+        "accelerator": args.accelerator,
+        "devices": args.devices,
+        "strategy": args.strategy,
+        "precision": args.precision,
+        "num_nodes": str(args.num_nodes),
+    }
     for name, value in options.items():
         if value is not None:
             os.environ[CLI_ENV[name]] = str(value)

@@ -183,8 +183,18 @@ class LoomDataLoader:
 
 # DataLoader.__init__ arguments that a rebuilt loader must keep.
 _LOADER_ARGS = (
-    "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
-    "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers", "pin_memory_device",
+    "batch_size",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
 )
 
 
@@ -206,7 +216,11 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
         )
     shuffle = isinstance(loader.sampler, RandomSampler)
     sampler = DistributedSampler(
-        loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+        loader.dataset,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
         drop_last=bool(loader.drop_last),
     )
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}

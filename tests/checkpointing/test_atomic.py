@@ -108,8 +108,11 @@ def _write_sharded(rank: int, world_size: int, root: str) -> None:
     loom.launch()
     model = loom.setup_module(Net())
     loom.save(f"{root}/sharded", {"model": model, "step": 1})
-    full = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block},
-                                                                            state_dict_type="full"))
+    full = Loom(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=FSDP2Strategy(shard_policy={Block}, state_dict_type="full"),
+    )
     full.launch()
     full.save(f"{root}/full.pt", {"model": model, "step": 1})
 
@@ -151,8 +154,14 @@ def _damage(good, tmp_path, how: str):
     raise AssertionError(how)
 
 
-DAMAGE = ["truncated shard", "missing shard", "garbage metadata", "garbage torchloom.json", "full truncated",
-          "full wrong file"]
+DAMAGE = [
+    "truncated shard",
+    "missing shard",
+    "garbage metadata",
+    "garbage torchloom.json",
+    "full truncated",
+    "full wrong file",
+]
 
 
 @pytest.mark.parametrize("how", DAMAGE)
@@ -193,7 +202,9 @@ def test_wrong_kind_of_path(good, tmp_path):
         loom.load(tmp_path / "absent", {"model": model})
     newer = tmp_path / "newer"
     shutil.copytree(good / "sharded", newer)
-    (newer / "torchloom.json").write_text((newer / "torchloom.json").read_text().replace('"version": 1', '"version": 99'))
+    (newer / "torchloom.json").write_text(
+        (newer / "torchloom.json").read_text().replace('"version": 1', '"version": 99')
+    )
     with pytest.raises(CheckpointError, match="newer torchloom"):
         loom.load(newer, {"model": model})
 
@@ -203,8 +214,11 @@ def _async_body(rank: int, world_size: int, root: str) -> dict:
 
     out = {}
     for fmt in ("sharded", "full"):
-        loom = Loom(accelerator="cpu", devices=world_size,
-                    strategy=FSDP2Strategy(shard_policy={Block}, state_dict_type=fmt))
+        loom = Loom(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=FSDP2Strategy(shard_policy={Block}, state_dict_type=fmt),
+        )
         loom.launch()
         torch.manual_seed(0)
         model = loom.setup_module(Net())
@@ -217,8 +231,10 @@ def _async_body(rank: int, world_size: int, root: str) -> dict:
         opt.step()
         fresh = loom.setup_module(Net())
         rest = loom.load(path, {"model": fresh})  # waits for the async save first
-        out[fmt] = {"snapshot": all(torch.equal(v, snapshot[k]) for k, v in full_state(fresh).items()),
-                    "step": rest["step"]}
+        out[fmt] = {
+            "snapshot": all(torch.equal(v, snapshot[k]) for k, v in full_state(fresh).items()),
+            "step": rest["step"],
+        }
 
         # A background write that fails is reported at the next save, on every rank.
         real = atomic.replace
@@ -246,7 +262,9 @@ def test_async_save(tmp_path):
     for result in run_ranks(_async_body, 2, str(tmp_path), timeout=120):
         for fmt, r in result.items():
             assert r["snapshot"] and r["step"] == 1, fmt
-            assert r["error"] and "previous asynchronous save failed" in r["error"] and "disk full" in r["error"], r
+            assert (
+                r["error"] and "previous asynchronous save failed" in r["error"] and "disk full" in r["error"]
+            ), r
             assert r["unpicklable"] and "'lock'" in r["unpicklable"], r
 
 

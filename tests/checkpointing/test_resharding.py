@@ -23,7 +23,9 @@ WRITERS = {"fsdp2": "units_plus_leftovers", "fsdp": "wrapped_root"}
 def _full_optimizer(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model.forward_module, opt.optimizer, options=StateDictOptions(full_state_dict=True))
+    state = get_optimizer_state_dict(
+        model.forward_module, opt.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
     return {f"{k}.{n}": v.clone() for k, s in state["state"].items() for n, v in s.items()}
 
 
@@ -39,8 +41,11 @@ def _write_body(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for flavour, layout in WRITERS.items():
         for fmt in ("sharded", "full"):
-            loom = Loom(accelerator="cpu", devices=world_size,
-                        strategy=layout_strategy(flavour, layout, state_dict_type=fmt))
+            loom = Loom(
+                accelerator="cpu",
+                devices=world_size,
+                strategy=layout_strategy(flavour, layout, state_dict_type=fmt),
+            )
             loom.launch()
             torch.manual_seed(0)
             with warnings.catch_warnings():
@@ -141,7 +146,9 @@ def test_replicated_leftovers_stored_once(written):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "torchloom", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_consolidate_then_plain_torch(written, tmp_path):
@@ -169,7 +176,9 @@ def test_consolidate_then_plain_torch(written, tmp_path):
     from safetensors.torch import load_file
 
     tensors = tmp_path / "weights.safetensors"
-    result = _cli("consolidate", str(root / "fsdp2-sharded"), str(tensors), "--model-only", "--format", "safetensors")
+    result = _cli(
+        "consolidate", str(root / "fsdp2-sharded"), str(tensors), "--model-only", "--format", "safetensors"
+    )
     assert result.returncode == 0, result.stderr
     model.load_state_dict(load_file(str(tensors)))
     assert _equal(model.state_dict(), expected[("fsdp2", "sharded")])
@@ -217,7 +226,9 @@ def test_strict_names_keys_and_shapes(written):
             loom.load(root / source, {"model": model})
         message = str(info.value)
         assert "extra.weight" in message and "extra.bias" in message  # missing keys, by name
-        with pytest.raises(CheckpointError, match=r"head.weight: checkpoint shape \(1, 16\) vs module shape \(2, 16\)"):
+        with pytest.raises(
+            CheckpointError, match=r"head.weight: checkpoint shape \(1, 16\) vs module shape \(2, 16\)"
+        ):
             loom.load(root / source, {"model": model}, strict=False)
         with pytest.raises(CheckpointError, match="no entries \\['nope'\\]"):
             loom.load(root / source, {"model": Net(), "nope": 1})

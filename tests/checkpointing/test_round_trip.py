@@ -38,8 +38,13 @@ def _step(loom, model, opt, seed: int) -> None:
 
 
 def _optimizer_state(model, opt) -> dict:
-    state = get_optimizer_state_dict(model.forward_module, opt.optimizer, options=StateDictOptions(full_state_dict=True))
-    return {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in state["state"].items()}
+    state = get_optimizer_state_dict(
+        model.forward_module, opt.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    return {
+        k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+        for k, s in state["state"].items()
+    }
 
 
 def _fresh(loom, flavour, layout, seed):
@@ -56,7 +61,11 @@ def _round_trip_body(rank: int, world_size: int, flavour: str, root: str) -> dic
     out = {}
     for layout in LAYOUTS:
         for fmt in ("sharded", "full"):
-            loom = Loom(accelerator="cpu", devices=world_size, strategy=layout_strategy(flavour, layout, state_dict_type=fmt))
+            loom = Loom(
+                accelerator="cpu",
+                devices=world_size,
+                strategy=layout_strategy(flavour, layout, state_dict_type=fmt),
+            )
             loom.launch()
             model, opt, sched = _fresh(loom, flavour, layout, seed=0)
             counter = Counter()
@@ -68,11 +77,16 @@ def _round_trip_body(rank: int, world_size: int, flavour: str, root: str) -> dic
             saved_params, saved_opt = full_state(model), _optimizer_state(model, opt)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                loom.save(path, {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 2})
+                loom.save(
+                    path,
+                    {"model": model, "optimizer": opt, "scheduler": sched, "counter": counter, "step": 2},
+                )
             _step(loom, model, opt, 99)
             continued = full_state(model)
 
-            model2, opt2, sched2 = _fresh(loom, flavour, layout, seed=1)  # different init: load must overwrite
+            model2, opt2, sched2 = _fresh(
+                loom, flavour, layout, seed=1
+            )  # different init: load must overwrite
             counter2 = Counter()
             state = {"model": model2, "optimizer": opt2, "scheduler": sched2, "counter": counter2}
             with warnings.catch_warnings(record=True) as caught_load:
@@ -83,16 +97,20 @@ def _round_trip_body(rank: int, world_size: int, flavour: str, root: str) -> dic
             out[(layout, fmt)] = {
                 "params": all(torch.equal(saved_params[k], loaded_params[k]) for k in saved_params),
                 "optimizer": all(
-                    torch.equal(saved_opt[k][n], loaded_opt[k][n]) if isinstance(saved_opt[k][n], torch.Tensor)
+                    torch.equal(saved_opt[k][n], loaded_opt[k][n])
+                    if isinstance(saved_opt[k][n], torch.Tensor)
                     else saved_opt[k][n] == loaded_opt[k][n]
-                    for k in saved_opt for n in saved_opt[k]
-                ) and set(saved_opt) == set(loaded_opt),
+                    for k in saved_opt
+                    for n in saved_opt[k]
+                )
+                and set(saved_opt) == set(loaded_opt),
                 "next_step": all(torch.equal(continued[k], v) for k, v in full_state(model2).items()),
                 "lr": (sched.get_last_lr(), sched2.get_last_lr()),
                 "counter": counter2.seen,
                 "rest": rest,
                 "warnings": [
-                    f"{w.category.__name__}: {w.message}" for w in [*caught, *caught_load]
+                    f"{w.category.__name__}: {w.message}"
+                    for w in [*caught, *caught_load]
                     if issubclass(w.category, (FutureWarning, DeprecationWarning))
                 ],
             }
@@ -122,8 +140,11 @@ def _before_setup_body(rank: int, world_size: int, root: str) -> dict:
     setup_module; and a plain module that is never set up."""
     out = {}
     for fmt in ("sharded", "full"):
-        loom = Loom(accelerator="cpu", devices=world_size, strategy=layout_strategy("fsdp", "units_plus_leftovers",
-                                                                                    state_dict_type=fmt))
+        loom = Loom(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=layout_strategy("fsdp", "units_plus_leftovers", state_dict_type=fmt),
+        )
         loom.launch()
         torch.manual_seed(0)
         with loom.init_module():

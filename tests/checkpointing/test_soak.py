@@ -102,12 +102,15 @@ def _run(root, kills: tuple[int, ...]) -> tuple[list[str], list[dict]]:
     script.write_text(SOAK_SCRIPT.format(tests=str(REPO / "tests")))
     outputs = []
     for _attempt in range(len(kills) + 1):
-        result, token = run_job([PYTHON, str(script), str(root), str(CYCLES), ",".join(map(str, kills))],
-                                timeout=240)
+        result, token = run_job(
+            [PYTHON, str(script), str(root), str(CYCLES), ",".join(map(str, kills))], timeout=240
+        )
         assert wait_no_strays(token) == []
         outputs.append(result.stdout)
         if result.returncode == 0:
-            reports = [json.loads(line[7:]) for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+            reports = [
+                json.loads(line[7:]) for line in result.stdout.splitlines() if line.startswith("REPORT ")
+            ]
             return outputs, reports
         assert "did not round-trip" not in result.stdout and "resumed state differs" not in result.stdout, (
             result.stdout
@@ -123,7 +126,9 @@ def test_checkpoint_soak(tmp_path):
     _, clean_reports = _run(tmp_path / "clean", ())
     outputs, reports = _run(tmp_path / "killed", KILLS)
     assert len(outputs) == len(KILLS) + 1  # each kill ended one attempt; the last attempt finished
-    resumed_at = [int(line.split()[1]) for out in outputs for line in out.splitlines() if line.startswith("RESUMED")]
+    resumed_at = [
+        int(line.split()[1]) for out in outputs for line in out.splitlines() if line.startswith("RESUMED")
+    ]
     assert resumed_at == list(KILLS)  # each restart resumed from the checkpoint before the killed save
     clean, killed = torch.load(tmp_path / "clean" / "final.pt"), torch.load(tmp_path / "killed" / "final.pt")
     assert all(torch.equal(clean[k], v) for k, v in killed.items())

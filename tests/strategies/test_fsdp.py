@@ -65,14 +65,21 @@ def test_parity_every_layout(flavour):
                 )
             # The norm before clipping is the global one (and clipping did trigger: MAX_NORM is below it).
             assert max(expected_norms) > MAX_NORM
-            torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(got["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5
+            )
         # Replicated leftovers are identical on every rank.
         for name, value in results[0][layout]["leftovers"].items():
             assert torch.equal(value, results[1][layout]["leftovers"][name]), (layout, name)
         root_is_unit = results[0][layout]["root_is_unit"]
         assert root_is_unit == (layout in ("wrapped_root", "leftovers_sharded")), layout
         if layout == "units_plus_leftovers":
-            assert set(results[0][layout]["leftovers"]) == {"embed.weight", "embed.bias", "head.weight", "head.bias"}
+            assert set(results[0][layout]["leftovers"]) == {
+                "embed.weight",
+                "embed.bias",
+                "head.weight",
+                "head.bias",
+            }
         if layout == "leftovers_sharded":
             assert results[0][layout]["leftovers"] == {}
 

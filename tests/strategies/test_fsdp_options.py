@@ -15,16 +15,30 @@ from torchloom.strategies import FSDP2Strategy, FSDPStrategy
 
 # name -> (strategy factory, precision, optimizer, lr)
 CONFIGS = {
-    "fsdp-shard_grad_op": (lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"), "32-true"),
-    "fsdp-no_shard": (lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="NO_SHARD"), "32-true"),
-    "fsdp-hybrid": (lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD"), "32-true"),
-    "fsdp-checkpointing": (
-        lambda: FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}), "32-true"
+    "fsdp-shard_grad_op": (
+        lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"),
+        "32-true",
     ),
-    "fsdp2-keep-after-forward": (lambda: FSDP2Strategy(shard_policy={Block}, reshard_after_forward=False), "32-true"),
+    "fsdp-no_shard": (
+        lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="NO_SHARD"),
+        "32-true",
+    ),
+    "fsdp-hybrid": (
+        lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD"),
+        "32-true",
+    ),
+    "fsdp-checkpointing": (
+        lambda: FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}),
+        "32-true",
+    ),
+    "fsdp2-keep-after-forward": (
+        lambda: FSDP2Strategy(shard_policy={Block}, reshard_after_forward=False),
+        "32-true",
+    ),
     "fsdp2-hybrid": (lambda: FSDP2Strategy(shard_policy={Block}, hybrid=True), "32-true"),
     "fsdp2-checkpointing": (
-        lambda: FSDP2Strategy(shard_policy={Block}, activation_checkpointing_policy={Block}), "32-true"
+        lambda: FSDP2Strategy(shard_policy={Block}, activation_checkpointing_policy={Block}),
+        "32-true",
     ),
     # Units for the blocks only: the fp32 replicated leftovers must work beside bf16 units.
     "fsdp-bf16-mixed": (lambda: FSDPStrategy(), "bf16-mixed"),
@@ -68,7 +82,9 @@ def test_option_parity(name):
     precision = CONFIGS[name][1]
     bf16 = precision == "bf16-mixed"
     expected, expected_norms = reference(
-        Net, optimizer_cls=lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), lr=0.1,
+        Net,
+        optimizer_cls=lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        lr=0.1,
         autocast=torch.bfloat16 if bf16 else None,
     )
     # bf16 keeps 8 bits of mantissa (relative error ~4e-3 per op); FSDP casts parameters to bf16 where the
@@ -77,8 +93,12 @@ def test_option_parity(name):
     tol = 2e-2 if bf16 else 1e-5
     for rank, result in enumerate(results):
         for key, value in expected.items():
-            torch.testing.assert_close(result["params"][key].float(), value, atol=tol, rtol=tol, msg=f"rank {rank} {key}")
-        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected_norms), atol=tol, rtol=tol)
+            torch.testing.assert_close(
+                result["params"][key].float(), value, atol=tol, rtol=tol, msg=f"rank {rank} {key}"
+            )
+        torch.testing.assert_close(
+            torch.tensor(result["norms"]), torch.tensor(expected_norms), atol=tol, rtol=tol
+        )
     assert results[0]["checkpointed"] == ("checkpointing" in name)
 
 

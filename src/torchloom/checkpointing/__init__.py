@@ -23,7 +23,12 @@ __all__ = ["save", "load", "load_module", "FORMAT_VERSION", "META_KEY", "OwnerLo
 
 
 def save(
-    strategy: Strategy, path: Path, state: dict[str, Any], owner_of: OwnerLookup, fmt: str, async_save: bool = False
+    strategy: Strategy,
+    path: Path,
+    state: dict[str, Any],
+    owner_of: OwnerLookup,
+    fmt: str,
+    async_save: bool = False,
 ) -> Future | None:
     if fmt == "sharded":
         return sharded.save(strategy, path, state, owner_of, async_save=async_save)
@@ -31,7 +36,11 @@ def save(
 
 
 def load(
-    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup,
+    strategy: Strategy,
+    path: Path,
+    state: dict[str, Any],
+    strict: bool,
+    owner_of: OwnerLookup,
     weights_only: bool = False,
 ) -> dict[str, Any]:
     path = atomic.recover(path)

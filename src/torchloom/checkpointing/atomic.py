@@ -78,7 +78,9 @@ def recover(path: Path) -> Path:
     """`path`, or if a two-rename swap was interrupted, the previous checkpoint it was moving aside."""
     if path.exists():
         return path
-    olds = sorted(path.parent.glob(f"{_glob_escape(f'.{path.name}{_OLD_TAG}')}*"), key=lambda p: p.stat().st_mtime)
+    olds = sorted(
+        path.parent.glob(f"{_glob_escape(f'.{path.name}{_OLD_TAG}')}*"), key=lambda p: p.stat().st_mtime
+    )
     return olds[-1] if olds else path
 
 

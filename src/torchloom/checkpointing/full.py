@@ -156,7 +156,11 @@ def read(path: Path, weights_only: bool = False) -> dict[str, Any]:
 
 
 def load(
-    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup,
+    strategy: Strategy,
+    path: Path,
+    state: dict[str, Any],
+    strict: bool,
+    owner_of: OwnerLookup,
     weights_only: bool = False,
 ) -> dict[str, Any]:
     checkpoint = read(path, weights_only=weights_only)

@@ -136,7 +136,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"Cannot read {str(meta_file)!r}: {exc}. The checkpoint's metadata is corrupt.") from exc
+        raise CheckpointError(
+            f"Cannot read {str(meta_file)!r}: {exc}. The checkpoint's metadata is corrupt."
+        ) from exc
     if not isinstance(meta, dict) or meta.get("format") != "sharded":
         raise CheckpointError(f"{str(meta_file)!r} is not torchloom checkpoint metadata.")
     if meta.get("version", 0) > FORMAT_VERSION:
@@ -196,7 +198,9 @@ def load(
         try:
             extra = torch.load(extra_file, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt.") from exc
+            raise CheckpointError(
+                f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt."
+            ) from exc
     kinds = meta.get("kinds") or {k: MODULE for k in stored}
     check_missing(state, list(kinds), strict)
 
@@ -208,7 +212,9 @@ def load(
             module = state_module(value)
             check_module_keys(strategy.module_state_shapes(module), stored.get(key, {}), strict, key)
             template[key] = {
-                k: v for k, v in strategy.module_state_dict(module, full=False).items() if k in stored.get(key, {})
+                k: v
+                for k, v in strategy.module_state_dict(module, full=False).items()
+                if k in stored.get(key, {})
             }
         else:
             optimizer = unwrap_optimizer(value)
@@ -256,7 +262,9 @@ def read_entries(path: Path, keys: list[str] | None = None) -> dict[str, Any]:
     try:
         with torch_internal_warnings_filtered():
             _load_state_dict(
-                out, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                out,
+                storage_reader=FileSystemReader(str(path)),
+                planner=_EmptyStateDictLoadPlanner(keys=keys),
                 no_dist=True,
             )
     except Exception as exc:  # noqa: BLE001

@@ -29,7 +29,13 @@ FORMAT_VERSION = 1
 # Finds the module whose parameters an optimizer updates (None: the optimizer has no known owner).
 OwnerLookup = Callable[[Optimizer], "nn.Module | None"]
 
-MODULE, OPTIMIZER, POSITIONAL_OPTIMIZER, STATEFUL, VALUE = "module", "optimizer", "optimizer-positional", "stateful", "value"
+MODULE, OPTIMIZER, POSITIONAL_OPTIMIZER, STATEFUL, VALUE = (
+    "module",
+    "optimizer",
+    "optimizer-positional",
+    "stateful",
+    "value",
+)
 
 
 # Warnings PyTorch raises from inside its own non-deprecated state-dict and DCP code paths when it meets FSDP1
@@ -40,7 +46,10 @@ _INTERNAL_WARNINGS = (
     (UserWarning, r"`_get_pg_default_device` will be deprecated"),
     (UserWarning, r"Multiple backends are registered with this ProcessGroup"),
     # torchloom reads a sharded checkpoint into one process on purpose (a plain model, or consolidate).
-    (UserWarning, r"torch.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load"),
+    (
+        UserWarning,
+        r"torch.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load",
+    ),
 )
 
 
@@ -119,7 +128,12 @@ def check_missing(state: dict[str, Any], available: list[str], strict: bool) -> 
 
 
 def restore_entry(
-    strategy: Strategy, state: dict[str, Any], key: str, saved: Any, strict: bool, owner_of: OwnerLookup,
+    strategy: Strategy,
+    state: dict[str, Any],
+    key: str,
+    saved: Any,
+    strict: bool,
+    owner_of: OwnerLookup,
     full: bool = True,
 ) -> None:
     """Load one saved entry into `state[key]` in place (plain values replace `state[key]`)."""
@@ -140,8 +154,10 @@ def restore_entry(
 
 
 def check_module_keys(
-    expected: dict[str, tuple[torch.Size, torch.dtype]], saved: dict[str, tuple[torch.Size, torch.dtype]],
-    strict: bool, name: str,
+    expected: dict[str, tuple[torch.Size, torch.dtype]],
+    saved: dict[str, tuple[torch.Size, torch.dtype]],
+    strict: bool,
+    name: str,
 ) -> None:
     """Name every missing/unexpected key (strict) and every shape or dtype mismatch."""
     missing = sorted(set(expected) - set(saved))
@@ -155,14 +171,21 @@ def check_module_keys(
     for key in sorted(set(saved) & set(expected)):
         (want_shape, want_dtype), (got_shape, got_dtype) = expected[key], saved[key]
         if tuple(want_shape) != tuple(got_shape):
-            mismatched.append(f"{key}: checkpoint shape {tuple(got_shape)} vs module shape {tuple(want_shape)}")
+            mismatched.append(
+                f"{key}: checkpoint shape {tuple(got_shape)} vs module shape {tuple(want_shape)}"
+            )
         elif want_dtype != got_dtype and strict:
             mismatched.append(f"{key}: checkpoint dtype {got_dtype} vs module dtype {want_dtype}")
     if mismatched:
         raise CheckpointError(
-            f"Entry {name!r} has tensors that do not fit the module: " + "; ".join(mismatched) + ". "
-            + ("Convert the module to the saved dtype, or pass strict=False to cast." if not any(
-                "shape" in m for m in mismatched) else "Load into the architecture the checkpoint was saved from.")
+            f"Entry {name!r} has tensors that do not fit the module: "
+            + "; ".join(mismatched)
+            + ". "
+            + (
+                "Convert the module to the saved dtype, or pass strict=False to cast."
+                if not any("shape" in m for m in mismatched)
+                else "Load into the architecture the checkpoint was saved from."
+            )
         )
 
 
@@ -175,7 +198,9 @@ def load_module(
 ) -> None:
     """Load a module's saved state after checking it against the module."""
     if not isinstance(saved, dict):
-        raise CheckpointError(f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict.")
+        raise CheckpointError(
+            f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict."
+        )
     expected = strategy.module_state_shapes(module)
     check_module_keys(expected, shapes_of(saved), strict, name)
     usable = {k: v for k, v in saved.items() if k in expected}

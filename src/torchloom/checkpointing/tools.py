@@ -15,10 +15,14 @@ from torchloom.errors import CheckpointError
 
 def _tensors(prefix: str, value: Any, out: list[dict[str, Any]]) -> None:
     if isinstance(value, torch.Tensor):
-        out.append({
-            "name": prefix, "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
-            "bytes": value.numel() * value.element_size(),
-        })
+        out.append(
+            {
+                "name": prefix,
+                "shape": list(value.shape),
+                "dtype": str(value.dtype).replace("torch.", ""),
+                "bytes": value.numel() * value.element_size(),
+            }
+        )
     elif isinstance(value, dict):
         for k, v in value.items():
             _tensors(f"{prefix}.{k}" if prefix else str(k), v, out)
@@ -39,13 +43,20 @@ def inspect(path: str | Path) -> dict[str, Any]:
         for entry, items in sharded.tensor_entries(md).items():
             for name, (shape, dtype) in items.items():
                 numel = int(torch.Size(shape).numel())
-                tensors.append({
-                    "name": f"{entry}.{name}", "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
-                    "bytes": numel * torch.empty((), dtype=dtype).element_size(),
-                })
+                tensors.append(
+                    {
+                        "name": f"{entry}.{name}",
+                        "shape": list(shape),
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "bytes": numel * torch.empty((), dtype=dtype).element_size(),
+                    }
+                )
         kinds = meta.get("kinds") or {}
         extra = [k for k, kind in kinds.items() if kind not in ("module", "optimizer")]
-        info = {"format": "sharded", **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")}}
+        info = {
+            "format": "sharded",
+            **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")},
+        }
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
     else:
         checkpoint = full.read(path)
@@ -55,8 +66,10 @@ def inspect(path: str | Path) -> dict[str, Any]:
             if key != META_KEY:
                 _tensors(key, value, tensors)
         extra = [k for k in checkpoint if k != META_KEY and kinds.get(k) not in ("module", "optimizer")]
-        info = {"format": "full" if meta else "plain torch file",
-                **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")}}
+        info = {
+            "format": "full" if meta else "plain torch file",
+            **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")},
+        }
     info["entries"] = kinds
     info["extra_entries"] = extra
     info["tensors"] = tensors
@@ -110,7 +123,11 @@ def consolidate(
     meta = sharded.read_meta(path)
     md = sharded.read_dcp_metadata(path)
     kinds = meta.get("kinds") or {k: MODULE for k in sharded.tensor_entries(md)}
-    wanted = [k for k, kind in kinds.items() if kind in ("module", "optimizer") and (not model_only or kind == MODULE)]
+    wanted = [
+        k
+        for k, kind in kinds.items()
+        if kind in ("module", "optimizer") and (not model_only or kind == MODULE)
+    ]
     result: dict[str, Any] = {}
     for key in _progress(wanted, "consolidating"):
         result.update(sharded.read_entries(path, keys=[key]))
@@ -118,14 +135,21 @@ def consolidate(
         extra = torch.load(path / sharded.EXTRA_FILE, map_location="cpu", weights_only=False)
         scaler = extra.pop("__grad_scaler__", None)
         result.update(extra)
-        result[META_KEY] = {**meta, "format": "full", "grad_scaler": scaler or {}, "consolidated_from": str(path)}
+        result[META_KEY] = {
+            **meta,
+            "format": "full",
+            "grad_scaler": scaler or {},
+            "consolidated_from": str(path),
+        }
     elif len(wanted) == 1:
         result = result[wanted[0]]
     if fmt == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError as exc:
-            raise CheckpointError("--format safetensors needs the safetensors package: pip install safetensors") from exc
+            raise CheckpointError(
+                "--format safetensors needs the safetensors package: pip install safetensors"
+            ) from exc
         if not model_only:
             raise CheckpointError("--format safetensors stores weights only: add --model-only.")
         tensors: dict[str, torch.Tensor] = {}

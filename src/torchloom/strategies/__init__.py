@@ -7,4 +7,11 @@ from torchloom.strategies.fsdp2 import FSDP2Strategy
 from torchloom.strategies.parallel import ParallelStrategy
 from torchloom.strategies.single_device import SingleDeviceStrategy
 
-__all__ = ["Strategy", "ParallelStrategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "FSDP2Strategy"]
+__all__ = [
+    "Strategy",
+    "ParallelStrategy",
+    "SingleDeviceStrategy",
+    "DDPStrategy",
+    "FSDPStrategy",
+    "FSDP2Strategy",
+]

@@ -18,7 +18,9 @@ from torch import nn
 _BUCKET_BYTES = 25 * 2**20
 
 
-def broadcast_tensors(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, src: int = 0) -> None:
+def broadcast_tensors(
+    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, src: int = 0
+) -> None:
     """Overwrite `tensors` in place with rank `src`'s values, a few large broadcasts instead of one per tensor."""
     for bucket in _buckets([t for t in tensors if t.numel() > 0 and not t.is_meta]):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
@@ -54,7 +56,9 @@ def _buckets(tensors: list[torch.Tensor], limit: int = _BUCKET_BYTES) -> list[li
 class ReplicatedGradSync:
     """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = _BUCKET_BYTES):
+    def __init__(
+        self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = _BUCKET_BYTES
+    ):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.enabled = True

@@ -41,7 +41,9 @@ def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = tuple(policy)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise ConfigurationError(f"{what} must be a set of nn.Module classes or a callable, got {policy!r}.")
+            raise ConfigurationError(
+                f"{what} must be a set of nn.Module classes or a callable, got {policy!r}."
+            )
         return lambda module: isinstance(module, classes)
     if isinstance(policy, type) and issubclass(policy, nn.Module):
         return lambda module: isinstance(module, policy)
@@ -59,7 +61,10 @@ def _init_fn(module: nn.Module) -> Callable[[], None] | None:
 
 
 def _has_own_state(module: nn.Module, meta_only: bool = True) -> bool:
-    tensors = [*module.parameters(recurse=False), *(b for b in module.buffers(recurse=False) if b is not None)]
+    tensors = [
+        *module.parameters(recurse=False),
+        *(b for b in module.buffers(recurse=False) if b is not None),
+    ]
     return any(t.is_meta for t in tensors) if meta_only else bool(tensors)
 
 
@@ -264,7 +269,9 @@ class ShardedStrategy(ParallelStrategy):
     def _layout_of(self, module: nn.Module) -> Layout:
         layout = self._layouts.get(id(module))
         if layout is None:
-            raise MisuseError("This module was not set up by this strategy. Pass the module from setup_module.")
+            raise MisuseError(
+                "This module was not set up by this strategy. Pass the module from setup_module."
+            )
         return layout
 
     @contextlib.contextmanager
@@ -282,7 +289,11 @@ class ShardedStrategy(ParallelStrategy):
             yield
 
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         assert self.precision is not None
@@ -321,14 +332,18 @@ class ShardedStrategy(ParallelStrategy):
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 if grad.numel() == 0:
                     continue
-                value = torch.linalg.vector_norm(grad.detach().to(torch.float64), norm_type).to(self.root_device)
+                value = torch.linalg.vector_norm(grad.detach().to(torch.float64), norm_type).to(
+                    self.root_device
+                )
                 contribution = value if inf else value**norm_type
                 shard_group = groups.get(id(p))
                 key = id(shard_group) if shard_group is not None else None
                 if key is None:
                     replicated = torch.maximum(replicated, contribution) if inf else replicated + contribution
                 else:
-                    partial[key] = torch.maximum(partial[key], contribution) if inf else partial[key] + contribution
+                    partial[key] = (
+                        torch.maximum(partial[key], contribution) if inf else partial[key] + contribution
+                    )
         total = replicated
         for g in order:
             value = partial[id(g)]

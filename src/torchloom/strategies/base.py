@@ -131,7 +131,11 @@ class Strategy:
         yield
 
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         assert self.precision is not None
@@ -178,15 +182,21 @@ class Strategy:
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
     ) -> Any:
-        return set_model_state_dict(module, state, options=self._state_dict_options(full, loading=True, strict=strict))
+        return set_model_state_dict(
+            module, state, options=self._state_dict_options(full, loading=True, strict=strict)
+        )
 
-    def optimizer_state_dict(self, module: nn.Module, optimizer: Optimizer, full: bool = True) -> dict[str, Any]:
+    def optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, full: bool = True
+    ) -> dict[str, Any]:
         return get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
 
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
-        set_optimizer_state_dict(module, optimizer, state, options=self._state_dict_options(full, loading=True))
+        set_optimizer_state_dict(
+            module, optimizer, state, options=self._state_dict_options(full, loading=True)
+        )
 
     @property
     def checkpoint_group(self) -> Any:
@@ -198,7 +208,9 @@ class Strategy:
     ) -> None:
         self.finish_pending_save()
         with torch_internal_warnings_filtered():
-            pending = checkpointing.save(self, path, state, owner_of, self.checkpoint_format, async_save=async_save)
+            pending = checkpointing.save(
+                self, path, state, owner_of, self.checkpoint_format, async_save=async_save
+            )
         if async_save and pending is None:
             pending = Future()
             pending.set_result(None)
@@ -208,7 +220,11 @@ class Strategy:
             atexit.register(self._wait_at_exit)
 
     def load_checkpoint(
-        self, path: Path, state: dict[str, Any], strict: bool, owner_of: checkpointing.OwnerLookup,
+        self,
+        path: Path,
+        state: dict[str, Any],
+        strict: bool,
+        owner_of: checkpointing.OwnerLookup,
         weights_only: bool = False,
     ) -> dict[str, Any]:
         self.finish_pending_save()

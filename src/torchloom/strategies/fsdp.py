@@ -70,7 +70,11 @@ class FSDPStrategy(ShardedStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        key = sharding_strategy.name if isinstance(sharding_strategy, ShardingStrategy) else str(sharding_strategy)
+        key = (
+            sharding_strategy.name
+            if isinstance(sharding_strategy, ShardingStrategy)
+            else str(sharding_strategy)
+        )
         if key.upper() not in SHARDING_STRATEGIES:
             raise ConfigurationError(
                 f"sharding_strategy={sharding_strategy!r} is not valid. Choose one of "
@@ -119,9 +123,13 @@ class FSDPStrategy(ShardedStrategy):
 
             if self.sharding_strategy == ShardingStrategy.HYBRID_SHARD:
                 shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
-                self._mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+                self._mesh = init_device_mesh(
+                    self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
+                )
             else:
-                self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+                self._mesh = init_device_mesh(
+                    self.root_device.type, (self.world_size,), mesh_dim_names=("shard",)
+                )
         return self._mesh
 
     def _param_init_fn(self, module: nn.Module) -> None:
@@ -148,7 +156,10 @@ class FSDPStrategy(ShardedStrategy):
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         self._require_group("init_module with strategy='fsdp'")
-        with super().module_init_context(empty_init), enable_wrap(wrapper_cls=self._make_unit, **self.unit_kwargs()):
+        with (
+            super().module_init_context(empty_init),
+            enable_wrap(wrapper_cls=self._make_unit, **self.unit_kwargs()),
+        ):
             yield
 
     # ---- making units ----------------------------------------------------------------------------------------
@@ -168,8 +179,12 @@ class FSDPStrategy(ShardedStrategy):
             fsdp = unit.module
             if fsdp.sharding_strategy == ShardingStrategy.NO_SHARD:
                 continue  # every rank holds the whole, already averaged, gradient
-            nested = {id(p) for sub in fsdp.modules() if sub is not fsdp and isinstance(sub, FSDP)
-                      for p in sub.parameters()}
+            nested = {
+                id(p)
+                for sub in fsdp.modules()
+                if sub is not fsdp and isinstance(sub, FSDP)
+                for p in sub.parameters()
+            }
             for p in fsdp.parameters():
                 if id(p) not in nested:
                     groups[id(p)] = fsdp.process_group

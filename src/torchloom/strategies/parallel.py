@@ -137,7 +137,9 @@ class ParallelStrategy(Strategy):
         self._require_group("broadcast")
         box = [obj]
         with self._collective("broadcast"):
-            dist.broadcast_object_list(box, src=src, device=self.root_device if self.backend == "nccl" else None)
+            dist.broadcast_object_list(
+                box, src=src, device=self.root_device if self.backend == "nccl" else None
+            )
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
