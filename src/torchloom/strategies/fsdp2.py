@@ -82,9 +82,13 @@ class FSDP2Strategy(ShardedStrategy):
                 if self.world_size % self.num_nodes:
                     raise ConfigurationError("hybrid=True needs the same number of processes on every node.")
                 shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
-                self._mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+                self._mesh = init_device_mesh(
+                    self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
+                )
             else:
-                self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+                self._mesh = init_device_mesh(
+                    self.root_device.type, (self.world_size,), mesh_dim_names=("shard",)
+                )
         return self._mesh
 
     def unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
@@ -132,7 +136,8 @@ class FSDP2Strategy(ShardedStrategy):
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
         # The root joins the mesh the user's units already use.
         mesh = next(
-            (p.device_mesh for u in layout.units for p in u.module.parameters() if isinstance(p, DTensor)), None
+            (p.device_mesh for u in layout.units for p in u.module.parameters() if isinstance(p, DTensor)),
+            None,
         )
         fully_shard(module, **self.unit_kwargs(mesh))
         return module
