@@ -108,3 +108,37 @@ def test_cpu_offload_on_cpu_is_refused_before_launch(cls):
 
     with pytest.raises(ConfigurationError, match="already runs on the CPU"):
         Loom(accelerator="cpu", devices=2, strategy=cls(cpu_offload=True))
+
+
+def _true_precision_body(rank: int, world_size: int, flavour: str) -> dict:
+    from fsdp_models import build_layout, layout_strategy
+
+    loom = Loom(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=layout_strategy(flavour, "units_plus_leftovers"),
+        precision="bf16-true",
+    )
+    loom.launch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = loom.setup_module(build_layout(loom, flavour, "units_plus_leftovers"))
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+    for _ in range(5):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loom.backward(loss)
+        loom.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "losses": losses}
+
+
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_bf16_true_with_hand_made_units_and_leftovers(flavour):
+    for result in run_ranks(_true_precision_body, 2, flavour, timeout=120):
+        assert result["dtypes"] == ["torch.bfloat16"]  # units and replicated leftovers alike
+        assert result["losses"][-1] < result["losses"][0]
