@@ -133,7 +133,7 @@ def _true_precision_body(rank: int, world_size: int, flavour: str) -> dict:
         loom.clip_gradients(model, opt, max_norm=1.0)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(float(loom.all_reduce(loss.detach())))  # the global loss: what training lowers
     return {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "losses": losses}
 
 
