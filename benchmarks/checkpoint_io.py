@@ -1,0 +1,266 @@
+"""Checkpoint I/O: torchloom's save and load against the raw torch.distributed.checkpoint calls, on 2 CPU ranks.
+
+The model is sharded with FSDP2 by hand (every block a unit, the head replicated), set up by torchloom; both
+sides save the same live model:
+
+    sharded save   loom.save(dir, {"model": model})                                   (state_dict_type="sharded")
+                   vs dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=dir)
+    sharded load   loom.load(dir, {"model": model})
+                   vs sd = get_model_state_dict(model); dcp.load(sd, ...); set_model_state_dict(model, sd)
+    full save      loom.save(file, {"model": model})                                  (state_dict_type="full")
+                   vs sd = get_model_state_dict(model, full_state_dict=True, cpu_offload=True); rank 0 torch.save
+    async save     time until loom.save(dir, ..., async_save=True) returns vs a synchronous loom.save(dir, ...)
+
+Every save goes to a new path (the previous one is deleted outside the timing). torchloom writes atomically (a
+temporary name, fsync, rename); DCP fsyncs its files too (FileSystemWriter(sync_files=True), the default), while
+raw torch.save does not fsync. A load reads the checkpoint its own side wrote just before, usually from the page
+cache. Goals: throughput torchloom/raw >= 0.95 (time raw/torchloom); async blocking time < 20% of a sync save.
+
+    python benchmarks/checkpoint_io.py             # ~269M parameters, a 1.0 GiB fp32 model
+    python benchmarks/checkpoint_io.py --tiny      # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _common import (  # noqa: E402
+    Net,
+    alternate,
+    header,
+    model_numel,
+    ratio_line,
+    ratios,
+    run_ranks,
+    summary,
+    table,
+    write_json,
+)
+
+THROUGHPUT_GOAL = ">= 0.95"
+ASYNC_GOAL = "< 0.2"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    import torchloom  # noqa: F401 - sets up its logger, which is quietened next
+    from torchloom import Loom
+    from torchloom.strategies import FSDP2Strategy
+
+    logging.getLogger("torchloom").setLevel(logging.WARNING)
+    strategy = FSDP2Strategy()
+    loom = Loom(accelerator="cpu", devices=world, strategy=strategy)
+    loom.launch()
+    with loom.init_module(empty_init=True):
+        model = Net(cfg["dim"], cfg["blocks"])
+    for block in model.blocks:
+        fully_shard(block)
+    model = loom.setup_module(model)
+    module = model.forward_module
+    base = Path(cfg["dir"])
+    counter = iter(range(10**6))
+    last: dict[str, Path] = {}
+
+    def fresh(kind: str, suffix: str = "") -> Path:
+        """A new path for this save; the previous one of this kind is deleted here, outside the timing."""
+        dist.barrier()
+        if rank == 0 and kind in last:
+            _remove(last[kind])
+        path = base / f"{kind}-{next(counter)}{suffix}"
+        last[kind] = path
+        dist.barrier()
+        return path
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        dist.barrier()
+        return elapsed
+
+    # ---- the sides -------------------------------------------------------------------------------------------
+    def loom_sharded_save() -> float:
+        path = fresh("loom-sharded")
+        strategy.state_dict_type = "sharded"
+        return timed(lambda: loom.save(path, {"model": model}))
+
+    def raw_sharded_save() -> float:
+        path = fresh("raw-sharded")
+        return timed(lambda: dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=str(path)))
+
+    def loom_sharded_load() -> float:
+        return timed(lambda: loom.load(last["loom-sharded"], {"model": model}))
+
+    def raw_sharded_load() -> float:
+        def load() -> None:
+            state = {"model": get_model_state_dict(module)}
+            dcp.load(state, checkpoint_id=str(last["raw-sharded"]))
+            set_model_state_dict(module, state["model"])
+
+        return timed(load)
+
+    def loom_full_save() -> float:
+        path = fresh("loom-full", ".pt")
+        strategy.state_dict_type = "full"
+        try:
+            return timed(lambda: loom.save(path, {"model": model}))
+        finally:
+            strategy.state_dict_type = "sharded"
+
+    def raw_full_save() -> float:
+        path = fresh("raw-full", ".pt")
+
+        def save() -> None:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(module, options=options)
+            if rank == 0:
+                torch.save({"model": state}, path)
+            dist.barrier()
+
+        return timed(save)
+
+    async_total: list[float] = []
+
+    def loom_async_save() -> float:
+        path = fresh("loom-async")
+        blocking = timed(lambda: loom.save(path, {"model": model}, async_save=True))
+        start = time.perf_counter()
+        strategy.finish_pending_save()  # the next save would wait here; not part of the blocking time
+        async_total.append(blocking + time.perf_counter() - start)
+        return blocking
+
+    def loom_sync_save() -> float:
+        path = fresh("loom-sync")
+        return timed(lambda: loom.save(path, {"model": model}))
+
+    # One untimed round of each, so that lazily built state (process groups, planners) is not timed.
+    for warm in (
+        loom_sharded_save,
+        raw_sharded_save,
+        loom_sharded_load,
+        raw_sharded_load,
+        loom_full_save,
+        raw_full_save,
+        loom_async_save,
+        loom_sync_save,
+    ):
+        warm()
+    async_total.clear()
+    repeats = cfg["repeats"]
+    out = {
+        "sharded_save": alternate({"torchloom": loom_sharded_save, "raw": raw_sharded_save}, repeats),
+        "sharded_load": alternate({"torchloom": loom_sharded_load, "raw": raw_sharded_load}, repeats),
+        "full_save": alternate({"torchloom": loom_full_save, "raw": raw_full_save}, repeats),
+        "async_save": alternate({"async": loom_async_save, "sync": loom_sync_save}, repeats),
+    }
+    out["async_total"] = list(async_total)
+    dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per side (alternating)")
+    parser.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: a temporary dir)"
+    )
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.dim, args.blocks, args.repeats = 128, 4, 2
+    numel = model_numel(args.dim, args.blocks)
+    nbytes = numel * 4
+    header(
+        "Checkpoint I/O: torchloom vs raw torch.distributed.checkpoint / torch.save, 2 CPU ranks (gloo)", args
+    )
+    print(
+        f"# model: {args.blocks} blocks of width {args.dim} (fully_shard each) + replicated head = "
+        f"{numel / 1e6:.1f}M parameters, {nbytes / 2**30:.2f} GiB fp32 (model weights only)",
+        flush=True,
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="torchloom-bench-", dir=args.dir))
+    try:
+        per_rank = run_ranks(
+            _rank, {"dim": args.dim, "blocks": args.blocks, "repeats": args.repeats, "dir": str(workdir)}
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def series(op: str, side: str) -> list[float]:
+        return [max(r[op][side][i] for r in per_rank) for i in range(args.repeats)]
+
+    rows, results = [], []
+    for op, label in (
+        ("sharded_save", "sharded save"),
+        ("sharded_load", "sharded load"),
+        ("full_save", "full save"),
+    ):
+        loom_t, raw_t = series(op, "torchloom"), series(op, "raw")
+        throughput = ratios(raw_t, loom_t)  # torchloom throughput / raw throughput
+        rows.append(
+            [
+                label,
+                summary(loom_t, "{:.2f}"),
+                summary(raw_t, "{:.2f}"),
+                f"{nbytes / 2**20 / min(loom_t):.0f} / {nbytes / 2**20 / min(raw_t):.0f}",
+                summary(throughput),
+            ]
+        )
+        results.append((f"checkpoint {label} throughput torchloom/raw", throughput, THROUGHPUT_GOAL))
+    async_t, sync_t = series("async_save", "async"), series("async_save", "sync")
+    total = [max(r["async_total"][i] for r in per_rank) for i in range(args.repeats)]
+    print()
+    print(
+        table(["operation", "torchloom s", "raw s", "best MiB/s torchloom / raw", "throughput ratio"], rows)
+    )
+    print()
+    print(
+        table(
+            ["sharded save", "seconds"],
+            [
+                ["async_save=True: blocking", summary(async_t, "{:.2f}")],
+                ["async_save=True: until written", summary(total, "{:.2f}")],
+                ["synchronous", summary(sync_t, "{:.2f}")],
+            ],
+        )
+    )
+    print()
+    out = [ratio_line(name, values, goal) for name, values, goal in results]
+    out.append(ratio_line("checkpoint async blocking/sync save", ratios(async_t, sync_t), ASYNC_GOAL))
+    write_json(
+        args.json, {"benchmark": "checkpoint_io", "settings": vars(args), "numel": numel, "ratios": out}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

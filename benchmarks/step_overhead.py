@@ -1,0 +1,231 @@
+"""Step overhead: a torchloom training step against the same step written with raw PyTorch, on 2 CPU ranks.
+
+The model is a stack of blocks, each its own FSDP unit made by hand, and a head outside every unit:
+
+    fsdp2  torchloom strategy="fsdp2", fully_shard(block) by hand, head kept in sync by torchloom
+           vs raw fully_shard(block) + one hand-written all-reduce of the head's gradients after backward
+    fsdp   torchloom strategy="fsdp", wrap(block) inside loom.init_module(), head kept in sync by torchloom
+           vs raw FullyShardedDataParallel(block) + the same hand-written all-reduce for the head
+    ddp    torchloom strategy="ddp" vs raw DistributedDataParallel(model)
+
+A step is forward, MSE loss, backward (with gradient sync), AdamW step, zero_grad. Both sides of a pair live in
+the same two processes and run alternately (ABBA), `--steps` steps per measurement after warm-up; the ratio
+torchloom/raw is taken per repeat. Goal: median ratio <= 1.03.
+
+    python benchmarks/step_overhead.py            # default size
+    python benchmarks/step_overhead.py --tiny     # smoke test, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _common import (  # noqa: E402
+    Net,
+    alternate,
+    batch,
+    header,
+    median,
+    model_numel,
+    ratio_line,
+    ratios,
+    run_ranks,
+    summary,
+    table,
+    write_json,
+)
+from torch import nn  # noqa: E402
+
+PAIRS = ("fsdp2", "fsdp", "ddp")
+GOAL = "<= 1.03"
+
+
+def _allreduce_grads(params: list[nn.Parameter], world: int) -> None:
+    """The raw loop's replicated-gradient sync: one flat all-reduce of every gradient, then average."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _broadcast(params: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p, src=0)
+
+
+def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import wrap
+
+    from torchloom import Loom
+
+    loom = Loom(accelerator="cpu", devices=2, strategy=pair)
+    loom.launch()
+    torch.manual_seed(0)
+    if pair == "fsdp":
+        with loom.init_module():
+            model = Net(cfg["dim"], cfg["blocks"], wrap=wrap)
+    else:
+        model = Net(cfg["dim"], cfg["blocks"])
+        if pair == "fsdp2":
+            for block in model.blocks:
+                fully_shard(block)
+    model = loom.setup_module(model)
+    optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return loom, model, optimizer
+
+
+def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, Any, list[nn.Parameter]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = Net(cfg["dim"], cfg["blocks"])
+    replicated: list[nn.Parameter] = []
+    if pair == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        replicated = list(model.head.parameters())
+        _broadcast(replicated)
+        forward = model
+    elif pair == "fsdp":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = FullyShardedDataParallel(
+                block, device_id=torch.device("cpu"), use_orig_params=True
+            )
+        replicated = list(model.head.parameters())
+        _broadcast(replicated)
+        forward = model
+    else:
+        forward = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(forward.parameters(), lr=1e-4)
+    return forward, optimizer, replicated
+
+
+def _measure_pair(
+    pair: str, cfg: dict[str, Any], world: int, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Any]:
+    loom, lmodel, lopt = _torchloom_side(pair, cfg)
+    rmodel, ropt, replicated = _raw_side(pair, cfg, world)
+
+    def loom_step() -> None:
+        loss = nn.functional.mse_loss(lmodel(x), y)
+        loom.backward(loss)
+        lopt.step()
+        lopt.zero_grad()
+
+    def raw_step() -> None:
+        loss = nn.functional.mse_loss(rmodel(x), y)
+        loss.backward()
+        if replicated:
+            _allreduce_grads(replicated, world)
+        ropt.step()
+        ropt.zero_grad()
+
+    def timed(step: Any) -> Any:
+        def measure() -> tuple[float, float]:
+            # The median of single steps: a step that another job on the machine preempted is dropped.
+            dist.barrier()
+            wall, cpu = [], []
+            for _ in range(cfg["steps"]):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                step()
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+            return median(wall), median(cpu)
+
+        return measure
+
+    for _ in range(cfg["warmup"]):
+        loom_step()
+        raw_step()
+    return alternate({"torchloom": timed(loom_step), "raw": timed(raw_step)}, cfg["repeats"])
+
+
+def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torchloom  # noqa: F401 - sets up its logger, which is quietened next
+
+    logging.getLogger("torchloom").setLevel(logging.WARNING)  # no sharding summaries between the tables
+    x, y = batch(rank, cfg["tokens"], cfg["dim"])
+    results: dict[str, Any] = {}
+    for pair in cfg["pairs"]:
+        results[pair] = _measure_pair(pair, cfg, world, x, y)
+        dist.barrier()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help="comma-separated subset of fsdp2,fsdp,ddp")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=512, help="rows per rank per step")
+    parser.add_argument("--steps", type=int, default=7, help="steps per measurement (their median counts)")
+    parser.add_argument("--repeats", type=int, default=12, help="measurements per side (alternating)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 8, 32, 3, 2, 1
+    pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    unknown = [p for p in pairs if p not in PAIRS]
+    if unknown:
+        parser.error(f"unknown pairs {unknown}; choose from {PAIRS}")
+    header("Step overhead: torchloom vs raw PyTorch, 2 CPU ranks (gloo), 1 thread each", args)
+    print(
+        f"# model: {args.blocks} blocks of width {args.dim} (each its own unit under fsdp/fsdp2) + a replicated "
+        f"head, {model_numel(args.dim, args.blocks) / 1e6:.1f}M parameters; {args.tokens} rows per rank; AdamW",
+        flush=True,
+    )
+    cfg = {k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "repeats", "warmup")}
+    cfg["pairs"] = pairs
+    per_rank = run_ranks(_rank, cfg)
+    rows, out = [], []
+    for pair in pairs:
+        # A repeat's wall time is the slower rank's (the step is done when both are); CPU time (all threads of
+        # the process) is summed over ranks: it counts work done and is less disturbed by other jobs.
+        def series(side: str, index: int, combine: Any, pair: str = pair) -> list[float]:
+            return [combine(r[pair][side][i][index] for r in per_rank) for i in range(args.repeats)]
+
+        loom_t, raw_t = series("torchloom", 0, max), series("raw", 0, max)
+        loom_c, raw_c = series("torchloom", 1, sum), series("raw", 1, sum)
+        rows.append(
+            [
+                pair,
+                summary([t * 1e3 for t in loom_t], "{:.1f}"),
+                summary([t * 1e3 for t in raw_t], "{:.1f}"),
+                summary(ratios(loom_t, raw_t)),
+                summary(ratios(loom_c, raw_c)),
+            ]
+        )
+        out.append((pair, ratios(loom_t, raw_t), ratios(loom_c, raw_c)))
+    print()
+    print(table(["pair", "torchloom ms/step", "raw ms/step", "wall ratio", "cpu-time ratio"], rows))
+    print()
+    results = []
+    for pair, wall, cpu in out:
+        results.append(ratio_line(f"step_time {pair} torchloom/raw", wall, GOAL))
+        results.append(ratio_line(f"step_cpu_time {pair} torchloom/raw", cpu, GOAL))
+    write_json(args.json, {"benchmark": "step_overhead", "settings": vars(args), "ratios": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
