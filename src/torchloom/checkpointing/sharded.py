@@ -34,6 +34,7 @@ from torchloom.checkpointing.state import (
     check_module_keys,
     collect_state,
     restore_entry,
+    shapes_of,
     torch_internal_warnings_filtered,
 )
 from torchloom.errors import CheckpointError
@@ -210,12 +211,10 @@ def load(
             continue
         if kinds[key] == MODULE:
             module = state_module(value)
-            check_module_keys(strategy.module_state_shapes(module), stored.get(key, {}), strict, key)
-            template[key] = {
-                k: v
-                for k, v in strategy.module_state_dict(module, full=False).items()
-                if k in stored.get(key, {})
-            }
+            # One state dict serves both the check and the template: each call walks the whole model.
+            current = strategy.module_state_dict(module, full=False)
+            check_module_keys(shapes_of(current), stored.get(key, {}), strict, key)
+            template[key] = {k: v for k, v in current.items() if k in stored.get(key, {})}
         else:
             optimizer = unwrap_optimizer(value)
             owner = owner_of(optimizer)
