@@ -1,6 +1,8 @@
-"""FSDP2 units made by hand without a root unit share one communication context, so that backward frees each
-unit's full-size reduce-scatter buffer as the next one starts instead of keeping all of them to the end (the
-whole model's gradients, unsharded; benchmarks/memory.py measures the difference)."""
+"""FSDP2 units made by hand without a root unit behave as they would under a root unit, so a per-block memory
+plan holds: each unit reshards its parameters after forward unless the user chose otherwise (FSDP2 leaves a
+root unsharded until backward, and without a root unit every block is a root), and all units share one
+communication context, so backward frees each unit's full-size reduce-scatter buffer as the next one starts
+instead of keeping all of them to the end. benchmarks/memory.py measures the difference."""
 
 from __future__ import annotations
 
@@ -16,31 +18,39 @@ share_comm_ctx = getattr(torch.distributed.fsdp, "share_comm_ctx", None)
 
 def _body(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
     loom.launch()
     torch.manual_seed(0)
     model = Net()
-    for block in model.blocks:
-        fully_shard(block)
+    for block in model.blocks[:-1]:
+        fully_shard(block)  # the default: torchloom makes it reshard after forward
+    fully_shard(model.blocks[-1], reshard_after_forward=False)  # the user's choice: kept
     model = loom.setup_module(model)
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    blocks = list(model.module.blocks)
+    contexts = {id(block._get_fsdp_state()._comm_ctx) for block in blocks}
     retained = []
-    contexts = {id(block._get_fsdp_state()._comm_ctx) for block in model.module.blocks}
-    for block in model.module.blocks:
+    for block in blocks:
         # After each unit's backward, count the reduce-scatter buffers its context still holds.
         block.register_full_backward_hook(
             lambda m, gi, go: retained.append(len(m._get_fsdp_state()._comm_ctx.reduce_scatter_states))
         )
+    sharded_after_forward = []
     for _ in range(2):
-        loom.backward(model(torch.randn(4, 6)).sum())
+        out = model(torch.randn(4, 6))
+        sharded_after_forward.append([all(isinstance(p, DTensor) for p in b.parameters()) for b in blocks])
+        loom.backward(out.sum())
         opt.step()
         opt.zero_grad()
-    return {"contexts": len(contexts), "max_retained": max(retained)}
+    return {"contexts": len(contexts), "max_retained": max(retained), "sharded": sharded_after_forward}
 
 
 @pytest.mark.skipif(share_comm_ctx is None, reason="torch.distributed.fsdp.share_comm_ctx needs torch >= 2.8")
-def test_hand_made_units_share_one_context():
+def test_hand_made_units_without_a_root_act_as_under_one():
     for result in run_ranks(_body, 2, timeout=120):
         assert result["contexts"] == 1
         assert result["max_retained"] <= 1
+        for sharded in result["sharded"]:
+            assert sharded == [True] * (len(sharded) - 1) + [False]

@@ -114,13 +114,20 @@ class FSDP2Strategy(ShardedStrategy):
         forward_module = super().setup_module(module)
         layout = self._layouts[id(forward_module)]
         if not layout.root_is_unit and len(layout.top_units) > 1:
-            # Without a root unit every top-level unit is an FSDP root with its own communication context, and
-            # each keeps its full-size reduce-scatter input alive until the end of backward: the whole model's
-            # gradients, unsharded, at the peak. One shared context frees each as the next unit's reduce-scatter
-            # starts, as under a root unit (benchmarks/memory.py measures it).
+            # Without a root unit every top-level unit is an FSDP root, and FSDP2 treats roots in ways that undo a
+            # per-block memory plan (benchmarks/memory.py measures both; a unit behaves as under a root unit after):
+            units = [unit.module for unit in layout.top_units]
+            for unit in units:
+                # A root left at fully_shard's default reshard_after_forward keeps its parameters unsharded from
+                # forward to backward: with every block a root, the whole model. Non-root units reshard.
+                if getattr(unit._get_fsdp_state(), "_auto_reshard_after_forward", False):
+                    unit.set_reshard_after_forward(True, recurse=False)
+            # Each root has its own communication context and keeps its full-size reduce-scatter input until
+            # the end of backward: the whole model's gradients, unsharded. One shared context frees each as the
+            # next unit's reduce-scatter starts.
             share_comm_ctx = getattr(torch.distributed.fsdp, "share_comm_ctx", None)  # torch >= 2.8
             if share_comm_ctx is not None:
-                share_comm_ctx([unit.module for unit in layout.top_units])
+                share_comm_ctx(units)
         return forward_module
 
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
