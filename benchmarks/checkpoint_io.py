@@ -9,6 +9,7 @@ sides save the same live model:
                    vs sd = get_model_state_dict(model); dcp.load(sd, ...); set_model_state_dict(model, sd)
     full save      loom.save(file, {"model": model})                                  (state_dict_type="full")
                    vs sd = get_model_state_dict(model, full_state_dict=True, cpu_offload=True); rank 0 torch.save
+                   (and the same raw save followed by an fsync of the file, as torchloom does, for reference)
     async save     time until loom.save(dir, ..., async_save=True) returns vs a synchronous loom.save(dir, ...)
 
 Every save goes to a new path (the previous one is deleted outside the timing). torchloom writes atomically (a
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -145,6 +147,21 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         return timed(save)
 
+    def raw_full_save_fsync() -> float:
+        path = fresh("raw-full-fsync", ".pt")
+
+        def save() -> None:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(module, options=options)
+            if rank == 0:
+                with open(path, "wb") as f:
+                    torch.save({"model": state}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            dist.barrier()
+
+        return timed(save)
+
     async_total: list[float] = []
 
     def loom_async_save() -> float:
@@ -167,6 +184,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         raw_sharded_load,
         loom_full_save,
         raw_full_save,
+        raw_full_save_fsync,
         loom_async_save,
         loom_sync_save,
     ):
@@ -176,7 +194,9 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     out = {
         "sharded_save": alternate({"torchloom": loom_sharded_save, "raw": raw_sharded_save}, repeats),
         "sharded_load": alternate({"torchloom": loom_sharded_load, "raw": raw_sharded_load}, repeats),
-        "full_save": alternate({"torchloom": loom_full_save, "raw": raw_full_save}, repeats),
+        "full_save": alternate(
+            {"torchloom": loom_full_save, "raw": raw_full_save, "raw_fsync": raw_full_save_fsync}, repeats
+        ),
         "async_save": alternate({"async": loom_async_save, "sync": loom_sync_save}, repeats),
     }
     out["async_total"] = list(async_total)
@@ -189,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="measurements per side (alternating)")
+    parser.add_argument("--repeats", type=int, default=4, help="measurements per side (alternating)")
     parser.add_argument(
         "--dir", default=None, help="where checkpoints are written (default: a temporary dir)"
     )
@@ -236,6 +256,18 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         results.append((f"checkpoint {label} throughput torchloom/raw", throughput, THROUGHPUT_GOAL))
+    loom_t, raw_t = series("full_save", "torchloom"), series("full_save", "raw_fsync")
+    fsync_ratio = ratios(raw_t, loom_t)
+    rows.append(
+        [
+            "full save, raw + fsync",
+            summary(loom_t, "{:.2f}"),
+            summary(raw_t, "{:.2f}"),
+            f"{nbytes / 2**20 / min(loom_t):.0f} / {nbytes / 2**20 / min(raw_t):.0f}",
+            summary(fsync_ratio),
+        ]
+    )
+    results.append(("checkpoint full save throughput torchloom/(raw + fsync)", fsync_ratio, None))
     async_t, sync_t = series("async_save", "async"), series("async_save", "sync")
     total = [max(r["async_total"][i] for r in per_rank) for i in range(args.repeats)]
     print()

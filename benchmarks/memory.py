@@ -1,10 +1,14 @@
 """Memory: peak resident memory per rank for 3 AdamW steps on 2 CPU ranks, against the analytical floor.
 
     (a)  torchloom "fsdp2", every block its own unit made by hand (fully_shard(block)), head replicated
-    (a') the same layout with raw fully_shard and a hand-written all-reduce for the head (torchloom's own cost)
+    (a') the same layout with raw fully_shard(block), left at its defaults, and a hand-written all-reduce for
+         the head. Without a root unit every block is an FSDP root, and FSDP2 keeps a root's parameters
+         unsharded from forward to backward and each root's reduce-scatter buffer to the end of backward;
+         torchloom gives hand-made units the behaviour they would have under a root unit.
     (b)  torchloom "fsdp2" with no units made and no policy: the root is the only unit
     (c)  torchloom "ddp"
     (a) glibc  (a) again, with glibc's malloc left at its defaults (see below)
+    (a) fsdp   (a) with torchloom "fsdp" (FullyShardedDataParallel): wrap(block) inside loom.init_module()
 
 Every configuration runs in fresh processes (peak RSS is a process's high-water mark, VmHWM). The sharded
 configurations build the model on the meta device (`loom.init_module(empty_init=True)`), so no rank ever holds
@@ -68,8 +72,9 @@ CONFIGS = {
     "b": "torchloom fsdp2, one root unit",
     "c": "torchloom ddp",
     "a_glibc": "(a) with glibc's default malloc settings",
+    "a_fsdp": "torchloom fsdp (FSDP1), per-block units by hand",
 }
-LABELS = {"a": "(a)", "a_raw": "(a')", "b": "(b)", "c": "(c)", "a_glibc": "(a) glibc"}
+LABELS = {"a": "(a)", "a_raw": "(a')", "b": "(b)", "c": "(c)", "a_glibc": "(a) glibc", "a_fsdp": "(a) fsdp"}
 # Allocations of at least this many bytes get pages of their own, returned to the system when freed.
 MMAP_THRESHOLD = 1 << 20
 
@@ -107,7 +112,8 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
     if config == "a_raw":
         dist.init_process_group("gloo")
     else:
-        loom = Loom(accelerator="cpu", devices=world, strategy="ddp" if config == "c" else "fsdp2")
+        strategy = {"c": "ddp", "a_fsdp": "fsdp"}.get(config, "fsdp2")
+        loom = Loom(accelerator="cpu", devices=world, strategy=strategy)
         loom.launch()
     dist.barrier()
     gc.collect()
@@ -120,6 +126,13 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
         if config == "a":
             for block in model.blocks:
                 fully_shard(block)
+        model = loom.setup_module(model)
+        optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    elif config == "a_fsdp":
+        from torch.distributed.fsdp.wrap import wrap
+
+        with loom.init_module(empty_init=True):
+            model = Net(dim, blocks, wrap=wrap)
         model = loom.setup_module(model)
         optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
     elif config == "c":
@@ -195,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.dim, args.blocks, args.tokens = 128, 8, 8
         if args.configs == ",".join(CONFIGS):
-            args.configs = "a,a_raw,b,c"  # "(a) glibc" differs from (a) only at full size
+            args.configs = "a,a_raw,b,c"  # "(a) glibc" and "(a) fsdp" add nothing at this size
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "a" not in configs or any(c not in CONFIGS for c in configs):
         parser.error(f"--configs must include 'a' and only name {', '.join(CONFIGS)}")
@@ -256,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             ratio_line("memory (a)/(c) per-block/ddp", [measured["a"]["peak"] / measured["c"]["peak"]])
         )
+    if "a_fsdp" in measured:
+        results.append(ratio_line("memory (a) fsdp/floor(a)", [measured["a_fsdp"]["peak"] / floor["total"]]))
     if "a_glibc" in measured:
         results.append(
             ratio_line("memory (a) glibc defaults/floor(a)", [measured["a_glibc"]["peak"] / floor["total"]])

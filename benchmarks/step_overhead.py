@@ -3,7 +3,9 @@
 The model is a stack of blocks, each its own FSDP unit made by hand, and a head outside every unit:
 
     fsdp2  torchloom strategy="fsdp2", fully_shard(block) by hand, head kept in sync by torchloom
-           vs raw fully_shard(block) + one hand-written all-reduce of the head's gradients after backward
+           vs raw fully_shard(block, reshard_after_forward=True) + one hand-written all-reduce of the head's
+           gradients after backward (torchloom makes hand-made units reshard after forward as under a root
+           unit; raw FSDP2 would keep every block, each a root here, unsharded until backward)
     fsdp   torchloom strategy="fsdp", wrap(block) inside loom.init_module(), head kept in sync by torchloom
            vs raw FullyShardedDataParallel(block) + the same hand-written all-reduce for the head
     ddp    torchloom strategy="ddp" vs raw DistributedDataParallel(model)
@@ -19,7 +21,9 @@ torchloom/raw is taken per repeat. Goal: median ratio <= 1.03.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -100,7 +104,9 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
     if pair == "fsdp2":
         mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+            # Explicit: left at its default, a unit that is a root (no root unit here) keeps its parameters
+            # unsharded from forward to backward; torchloom gives hand-made units non-root behaviour.
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
         replicated = list(model.head.parameters())
         _broadcast(replicated)
         forward = model
@@ -155,7 +161,26 @@ def _measure_pair(
     for _ in range(cfg["warmup"]):
         loom_step()
         raw_step()
-    return alternate({"torchloom": timed(loom_step), "raw": timed(raw_step)}, cfg["repeats"])
+    out: dict[str, Any] = alternate({"torchloom": timed(loom_step), "raw": timed(raw_step)}, cfg["repeats"])
+    out["own_python"] = _own_python_time(loom_step, cfg["steps"])
+    return out
+
+
+def _own_python_time(step: Any, steps: int) -> float:
+    """Seconds per step spent in torchloom's own Python code (cProfile's tottime of functions in torchloom's
+    files: not the torch calls they make, which the raw loop makes too). Independent of other jobs on the
+    machine; cProfile inflates it, so it is an upper bound."""
+    import torchloom
+
+    package = str(Path(torchloom.__file__).resolve().parent)
+    profile = cProfile.Profile()
+    dist.barrier()
+    profile.enable()
+    for _ in range(steps):
+        step()
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return sum(v[2] for key, v in stats.items() if key[0].startswith(package)) / steps
 
 
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -206,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
         loom_t, raw_t = series("torchloom", 0, max), series("raw", 0, max)
         loom_c, raw_c = series("torchloom", 1, sum), series("raw", 1, sum)
+        own = max(r[pair]["own_python"] for r in per_rank)
         rows.append(
             [
                 pair,
@@ -213,11 +239,24 @@ def main(argv: list[str] | None = None) -> int:
                 summary([t * 1e3 for t in raw_t], "{:.1f}"),
                 summary(ratios(loom_t, raw_t)),
                 summary(ratios(loom_c, raw_c)),
+                f"{own * 1e6:.0f} ({own / median(loom_t) * 100:.2f}%)",
             ]
         )
         out.append((pair, ratios(loom_t, raw_t), ratios(loom_c, raw_c)))
     print()
-    print(table(["pair", "torchloom ms/step", "raw ms/step", "wall ratio", "cpu-time ratio"], rows))
+    print(
+        table(
+            [
+                "pair",
+                "torchloom ms/step",
+                "raw ms/step",
+                "wall ratio",
+                "cpu-time ratio",
+                "torchloom's own Python us/step",
+            ],
+            rows,
+        )
+    )
     print()
     results = []
     for pair, wall, cpu in out:
