@@ -20,11 +20,13 @@ SCRIPT = textwrap.dedent(
         loom = Loom(precision="bf16-mixed") if "override" in sys.argv else Loom()
     loom.launch()
     total = loom.all_reduce(torch.tensor(float(loom.global_rank + 1)), reduce_op="sum")
-    print(json.dumps({
+    # One write per line: both ranks share stdout, and print() may split a line in two writes.
+    sys.stdout.write(json.dumps({
         "rank": loom.global_rank, "world": loom.world_size, "local": loom.local_rank, "node": loom.node_rank,
         "strategy": loom.strategy.name, "precision": loom.strategy.precision.name, "sum": float(total),
         "args": sys.argv[1:], "warnings": [str(w.message) for w in caught if "overrides" in str(w.message)],
-    }), flush=True)
+    }) + "\\n")
+    sys.stdout.flush()
     if "fail" in sys.argv and loom.global_rank == 1:
         raise ValueError("rank 1 cannot go on")
     loom.barrier()

@@ -91,8 +91,9 @@ SOAK_SCRIPT = textwrap.dedent(
     final = full_state(model)  # a collective: every rank
     if loom.global_rank == 0:
         torch.save(final, os.path.join(root, "final.pt"))
-    print("REPORT " + json.dumps({{"rank": loom.global_rank, "baseline": baseline, "end": end,
-                                   "leftovers": leftovers, "start": start}}), flush=True)
+    report = {{"rank": loom.global_rank, "baseline": baseline, "end": end, "leftovers": leftovers, "start": start}}
+    sys.stdout.write("REPORT " + json.dumps(report) + "\\n")  # one write: both ranks share stdout
+    sys.stdout.flush()
     """
 )
 
