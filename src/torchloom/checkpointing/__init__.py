@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from torchloom.checkpointing import atomic, full, sharded
 from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, OwnerLookup, load_module
-from torchloom.errors import CheckpointError
 
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
@@ -44,11 +43,7 @@ def load(
     weights_only: bool = False,
 ) -> dict[str, Any]:
     path = atomic.recover(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"No checkpoint at {str(path)!r}. Check the path: it is the file (or, for sharded checkpoints, "
-            "the directory) that loom.save wrote."
-        )
+    # A path that does not exist is reported by full.read, with the same words for both formats.
     if sharded.is_sharded_checkpoint(path):
         return sharded.load(strategy, path, state, strict, owner_of)
     return full.load(strategy, path, state, strict, owner_of, weights_only=weights_only)
