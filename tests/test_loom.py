@@ -361,6 +361,26 @@ def test_version_commands():
         assert proc.stdout.strip() == f"torchloom {torchloom.__version__}"
 
 
+def test_the_launching_process_imports_no_sharding_machinery():
+    # `python train.py` with loom.launch(), and `torchloom run`, run the script's top in a process that only starts
+    # ranks. FSDP, DTensor and torch.distributed.checkpoint take about a second to import (benchmarks/startup.py):
+    # configuring any strategy must not pull them in.
+    code = (
+        "import sys, torchloom, torchloom.cli, torchloom.run\n"
+        "from torch import nn\n"
+        "from torchloom import Loom\n"
+        "from torchloom.strategies import FSDPStrategy, FSDP2Strategy\n"
+        "for strategy in ('ddp', 'fsdp', 'fsdp2', FSDPStrategy(auto_wrap_policy={nn.Linear}, "
+        "sharding_strategy='SHARD_GRAD_OP'), FSDP2Strategy(shard_policy={nn.Linear}, hybrid=True)):\n"
+        "    Loom(accelerator='cpu', devices=2, strategy=strategy)\n"
+        "heavy = ('torch.distributed.fsdp', 'torch.distributed.tensor', 'torch.distributed.checkpoint')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 # ---- on 2 ranks --------------------------------------------------------------------------------------------------
 def _epochs(loader, n: int) -> list[list[int]]:
     return [[int(i) for batch in loader for i in batch[0]] for _ in range(n)]

@@ -7,12 +7,11 @@ parameters outside every unit need data-parallel treatment of their own.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 # Wrapper segments that FSDP1 and activation checkpointing insert into parameter names.
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -27,9 +26,14 @@ def clean_name(name: str) -> str:
 
 def unit_flavour(module: nn.Module) -> str | None:
     """ "fsdp" for a FullyShardedDataParallel instance, "fsdp2" for a `fully_shard`-ed module, else None."""
-    if isinstance(module, FSDP):
+    # Importing torch.distributed.fsdp costs about a second (it pulls in DTensor). A module can only be a unit if
+    # something already imported it, so a DDP job, and the launching process, never pay for it here.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return None
+    if isinstance(module, fsdp.FullyShardedDataParallel):
         return "fsdp"
-    if isinstance(module, FSDPModule):
+    if isinstance(module, fsdp.FSDPModule):
         return "fsdp2"
     return None
 

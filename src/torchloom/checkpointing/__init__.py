@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchloom.checkpointing import atomic, full, sharded
+from torchloom.checkpointing import atomic, full
 from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, OwnerLookup, load_module
 
 if TYPE_CHECKING:
@@ -30,6 +30,9 @@ def save(
     async_save: bool = False,
 ) -> Future | None:
     if fmt == "sharded":
+        # torch.distributed.checkpoint (about a second to import) is loaded when a sharded checkpoint is touched.
+        from torchloom.checkpointing import sharded
+
         return sharded.save(strategy, path, state, owner_of, async_save=async_save)
     return full.save(strategy, path, state, owner_of, async_save=async_save)
 
@@ -44,6 +47,8 @@ def load(
 ) -> dict[str, Any]:
     path = atomic.recover(path)
     # A path that does not exist is reported by full.read, with the same words for both formats.
-    if sharded.is_sharded_checkpoint(path):
+    if path.is_dir():  # a sharded checkpoint
+        from torchloom.checkpointing import sharded
+
         return sharded.load(strategy, path, state, strict, owner_of)
     return full.load(strategy, path, state, strict, owner_of, weights_only=weights_only)

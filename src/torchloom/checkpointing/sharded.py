@@ -47,10 +47,6 @@ META_FILE = "torchloom.json"
 EXTRA_FILE = "extra.pt"
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
-    return path.is_dir()
-
-
 def _dcp_kwargs(strategy: Strategy) -> dict[str, Any]:
     if strategy.is_distributed and dist.is_initialized():
         return {"process_group": strategy.checkpoint_group}

@@ -13,18 +13,20 @@ import math
 import warnings
 from collections.abc import Callable, Generator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.optim import Optimizer
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._replicated import ReplicatedGradSync, broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 log = logging.getLogger("torchloom")
 
@@ -357,6 +359,8 @@ class ShardedStrategy(ParallelStrategy):
         return self.state_dict_type
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> StateDictOptions:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         if not full:
             return StateDictOptions(**kwargs)
         # Saving gathers to rank 0 only, in CPU memory; loading reads each rank's shard from the (memory-mapped)

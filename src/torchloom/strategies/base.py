@@ -13,18 +13,11 @@ from collections.abc import Generator
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.optim import Optimizer
 
 from torchloom import checkpointing
@@ -33,6 +26,9 @@ from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import CheckpointError, MisuseError
 from torchloom.precision import Precision
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -164,24 +160,32 @@ class Strategy:
     # torch.distributed.checkpoint's state-dict API serves every strategy: keys are the original module's own
     # names, and optimizer state is keyed by parameter name rather than position. `full=False` asks for the
     # sharded form (DTensors) that the sharded checkpoint format writes; unsharded strategies have only one form.
+    # The API is imported on first use: it pulls in FSDP and DTensor (about a second), which the launching
+    # process and a job that never saves do not need.
 
     #: The checkpoint format `loom.save` writes: "full" (one file) or "sharded" (a directory).
     checkpoint_format: str = "full"
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> StateDictOptions:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         return StateDictOptions(**kwargs)
 
     def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return get_model_state_dict(module, options=self._state_dict_options(full))
 
     def module_state_shapes(self, module: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Global shape and dtype of every tensor in the module's state, on every rank."""
-        state = get_model_state_dict(module, options=self._state_dict_options(False))
+        state = self.module_state_dict(module, full=False)
         return {k: (v.shape, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
     ) -> Any:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         return set_model_state_dict(
             module, state, options=self._state_dict_options(full, loading=True, strict=strict)
         )
@@ -189,11 +193,15 @@ class Strategy:
     def optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, full: bool = True
     ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
 
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         set_optimizer_state_dict(
             module, optimizer, state, options=self._state_dict_options(full, loading=True)
         )

@@ -8,23 +8,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-)
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, enable_wrap
 
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+# torch.distributed.fsdp is imported where it is used, not here: it pulls in DTensor (about a second of start-up)
+# and this module is imported by `Loom(strategy="fsdp")` in the launching process too, which shards nothing.
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -70,22 +69,15 @@ class FSDPStrategy(ShardedStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
         )
-        key = (
-            sharding_strategy.name
-            if isinstance(sharding_strategy, ShardingStrategy)
-            else str(sharding_strategy)
-        )
-        if key.upper() not in SHARDING_STRATEGIES:
+        # A ShardingStrategy member or its name; kept as the name ("FULL_SHARD", ...).
+        key = str(getattr(sharding_strategy, "name", sharding_strategy)).upper()
+        if key not in SHARDING_STRATEGIES:
             raise ConfigurationError(
                 f"sharding_strategy={sharding_strategy!r} is not valid. Choose one of "
                 f"{', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
             )
-        self.sharding_strategy = ShardingStrategy[key.upper()]
+        self.sharding_strategy = key
         as_module_policy(auto_wrap_policy, "auto_wrap_policy")  # refuses what FSDP would fail on much later
-        if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
-            auto_wrap_policy = ModuleWrapPolicy(set(auto_wrap_policy))
-        elif isinstance(auto_wrap_policy, type) and issubclass(auto_wrap_policy, nn.Module):
-            auto_wrap_policy = ModuleWrapPolicy({auto_wrap_policy})
         self.auto_wrap_policy = auto_wrap_policy
         self.fsdp_kwargs = {"use_orig_params": True, **fsdp_kwargs}
         self._mesh: Any = None
@@ -99,10 +91,12 @@ class FSDPStrategy(ShardedStrategy):
         """The keyword arguments every FullyShardedDataParallel unit gets (device, mesh, sharding strategy, mixed
         precision, offload, meta-device init). `wrap()` inside `loom.init_module()` uses them already; pass them
         to units you construct yourself: `FSDP(block, **loom.strategy.unit_kwargs())`."""
+        from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+
         assert self.precision is not None
         kwargs: dict[str, Any] = {
             "device_id": self.root_device,
-            "sharding_strategy": self.sharding_strategy,
+            "sharding_strategy": ShardingStrategy[self.sharding_strategy],
             "param_init_fn": self._param_init_fn,
         }
         # A device mesh makes FSDP1 use DTensor (not the deprecated ShardedTensor) in sharded state dicts.
@@ -121,7 +115,7 @@ class FSDPStrategy(ShardedStrategy):
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            if self.sharding_strategy == ShardingStrategy.HYBRID_SHARD:
+            if self.sharding_strategy == "HYBRID_SHARD":
                 shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
                 self._mesh = init_device_mesh(
                     self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
@@ -148,6 +142,8 @@ class FSDPStrategy(ShardedStrategy):
 
     def _make_unit(self, module: nn.Module, **kwargs: Any) -> FSDP:
         """What `wrap(m)` calls inside `loom.init_module()`."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
         own = [*module.parameters(), *module.buffers()]
         if own and not any(t.is_meta for t in own):
             broadcast_tensors(own)
@@ -155,6 +151,8 @@ class FSDPStrategy(ShardedStrategy):
 
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        from torch.distributed.fsdp.wrap import enable_wrap
+
         self._require_group("init_module with strategy='fsdp'")
         with (
             super().module_init_context(empty_init),
@@ -164,9 +162,19 @@ class FSDPStrategy(ShardedStrategy):
 
     # ---- making units ----------------------------------------------------------------------------------------
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
-        return FSDP(module, auto_wrap_policy=self.auto_wrap_policy, **self.unit_kwargs())
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy = self.auto_wrap_policy
+        if isinstance(policy, (set, frozenset, list, tuple)):
+            policy = ModuleWrapPolicy(set(policy))
+        elif isinstance(policy, type) and issubclass(policy, nn.Module):
+            policy = ModuleWrapPolicy({policy})
+        return FSDP(module, auto_wrap_policy=policy, **self.unit_kwargs())
 
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
         return FSDP(module, **self.unit_kwargs())
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
@@ -174,6 +182,9 @@ class FSDPStrategy(ShardedStrategy):
             stack.enter_context(unit.module.no_sync())
 
     def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
         groups: dict[int, dist.ProcessGroup] = {}
         for unit in analyze(module).units:
             fsdp = unit.module

@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchloom._layout import Layout, Unit
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported where they are used, not here: together they
+# cost about a second of start-up, and this module is imported by `Loom(strategy="fsdp2")` in the launching
+# process too, which shards nothing.
 
 
 class FSDP2Strategy(ShardedStrategy):
@@ -95,6 +97,8 @@ class FSDP2Strategy(ShardedStrategy):
         """The keyword arguments torchloom passes to `fully_shard` (mesh, resharding, mixed precision, offload).
         Pass them to your own calls to give hand-made units the same configuration:
         `fully_shard(block, **loom.strategy.unit_kwargs())`."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
         assert self.precision is not None
         kwargs: dict[str, Any] = {
             "mesh": mesh or self.device_mesh,
@@ -125,12 +129,16 @@ class FSDP2Strategy(ShardedStrategy):
             # Each root has its own communication context and keeps its full-size reduce-scatter input until
             # the end of backward: the whole model's gradients, unsharded. One shared context frees each as the
             # next unit's reduce-scatter starts.
-            share_comm_ctx = getattr(torch.distributed.fsdp, "share_comm_ctx", None)  # torch >= 2.8
+            from torch.distributed import fsdp
+
+            share_comm_ctx = getattr(fsdp, "share_comm_ctx", None)  # torch >= 2.8
             if share_comm_ctx is not None:
                 share_comm_ctx(units)
         return forward_module
 
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
         kwargs = self.unit_kwargs()
         if self.shard_policy is not None:
             # named_modules() lists parents before children; reversed, every block is sharded before what holds it.
@@ -141,6 +149,9 @@ class FSDP2Strategy(ShardedStrategy):
         return module
 
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
         # The root joins the mesh the user's units already use.
         mesh = next(
             (p.device_mesh for u in layout.units for p in u.module.parameters() if isinstance(p, DTensor)),
@@ -155,6 +166,8 @@ class FSDP2Strategy(ShardedStrategy):
             stack.callback(unit.module.set_requires_gradient_sync, True)
 
     def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
+        from torch.distributed.tensor import DTensor, Shard
+
         groups: dict[int, dist.ProcessGroup] = {}
         for p in module.parameters():
             if not isinstance(p, DTensor):
@@ -181,6 +194,8 @@ class FSDP2Strategy(ShardedStrategy):
 
         Running it on the DTensors directly would be wrong on CPU: DTensor's random ops draw the same numbers
         for every shard there, so all shards of a weight would be identical copies."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         own = list(mod.named_parameters(recurse=False))
         originals = {}
         for name, param in own:
