@@ -7,7 +7,6 @@ reserved key `__torchloom__` holds metadata.
 
 from __future__ import annotations
 
-import os
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,10 +47,11 @@ def write_file(obj: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = atomic.temporary_sibling(path)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        # Unbuffered: torch hands over whole tensors, which need no second copy in a userspace buffer.
+        with open(tmp, "wb", buffering=0) as f:
+            out = atomic.WriteBehindFile(f)
+            torch.save(obj, out)
+            out.sync()
         atomic.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
