@@ -334,17 +334,31 @@ class Loom:
         self._strategy.barrier(name)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any], async_save: bool = False) -> None:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        async_save: bool = False,
+        fsync: bool = True,
+    ) -> None:
         """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
 
         The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
-        directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name and
-        swapped into place only when complete, so a crash mid-save never replaces a good checkpoint with a
-        broken one. With `async_save=True` the write continues in the background; the next save or load (or the
-        end of the process) waits for it and raises if it failed."""
+        directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
+        flushed to disk (fsync) and swapped into place only when complete, so neither a crash mid-save nor a
+        power loss afterwards replaces a good checkpoint with a broken one. With `async_save=True` the write
+        continues in the background; the next save or load (or the end of the process) waits for it and raises
+        if it failed.
+
+        `fsync=False` skips the flush to disk (as `torch.save` does, and DCP's `sync_files=False`): the save
+        returns once the data is in the operating system's cache, which is faster where the disk is slower
+        than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
+        loss or kernel crash soon after the save can."""
         self._require_launch("save")
         try:
-            self._strategy.save_checkpoint(Path(path), state, self._owner_of(state), async_save=async_save)
+            self._strategy.save_checkpoint(
+                Path(path), state, self._owner_of(state), async_save=async_save, fsync=fsync
+            )
         except CollectiveTimeoutError as error:
             # The collective that timed out is one inside save; what the user must change is the call to save.
             raise CollectiveTimeoutError(

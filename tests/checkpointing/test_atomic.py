@@ -271,10 +271,6 @@ def test_async_save(tmp_path):
             assert r["unpicklable"] and "'lock'" in r["unpicklable"], r
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__]))
-
-
 # ---- WriteBehindFile: the durable full save overlaps serialising with disk writes -------------------------------
 def _write_behind_save(obj: object, path: Path) -> None:
     with open(path, "wb", buffering=0) as f:
@@ -329,3 +325,60 @@ def test_write_behind_file_finishes_short_writes(tmp_path):
         torch.save(obj, out)
         out.sync()
     assert torch.equal(torch.load(path)["w"], obj["w"])
+
+
+# ---- fsync=False: no flush to disk, the same checkpoint ---------------------------------------------------------
+def _fsync_body(rank: int, world_size: int, root: str) -> dict:
+    import os
+
+    calls = {"n": 0}
+    real_fsync, real_sync = os.fsync, os.sync
+
+    def counting_fsync(fd: int) -> None:
+        calls["n"] += 1
+        real_fsync(fd)
+
+    def counting_sync() -> None:
+        calls["n"] += 1
+        real_sync()
+
+    os.fsync, os.sync = counting_fsync, counting_sync  # every caller (torchloom, DCP) looks them up on `os`
+    strategy = FSDP2Strategy(shard_policy={Block})
+    loom = Loom(accelerator="cpu", devices=2, strategy=strategy)
+    loom.launch()
+    torch.manual_seed(0)
+    model = loom.setup_module(Net())
+    want = full_state(model)
+    out: dict = {}
+    for fmt in ("full", "sharded"):
+        strategy.state_dict_type = fmt
+        for fsync in (True, False):
+            for async_save in (False, True):
+                path = Path(root) / f"{fmt}-{fsync}-{async_save}"
+                calls["n"] = 0
+                loom.save(path, {"model": model}, async_save=async_save, fsync=fsync)
+                strategy.finish_pending_save()
+                count = calls["n"]
+                fresh = loom.setup_module(Net())  # other weights until loaded
+                loom.load(path, {"model": fresh})
+                got = full_state(fresh)
+                same = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+                out[(fmt, fsync, async_save)] = (count, same)
+    return out
+
+
+def test_fsync_false_skips_every_flush_and_saves_the_same_checkpoint(tmp_path):
+    per_rank = run_ranks(_fsync_body, 2, str(tmp_path), timeout=180)
+    for fmt in ("full", "sharded"):
+        for async_save in (False, True):
+            # Durable by default: rank 0 flushes (and, sharded, DCP flushes each rank's shard file).
+            assert per_rank[0][(fmt, True, async_save)][0] > 0, (fmt, async_save)
+            for rank, result in enumerate(per_rank):
+                calls, same = result[(fmt, False, async_save)]
+                assert calls == 0, (fmt, async_save, rank)
+                assert same and result[(fmt, True, async_save)][1], (fmt, async_save, rank)
+    assert per_rank[1][("sharded", True, False)][0] > 0  # each rank's own shards are flushed too
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))

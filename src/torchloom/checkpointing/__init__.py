@@ -28,13 +28,14 @@ def save(
     owner_of: OwnerLookup,
     fmt: str,
     async_save: bool = False,
+    fsync: bool = True,
 ) -> Future | None:
     if fmt == "sharded":
         # torch.distributed.checkpoint (about a second to import) is loaded when a sharded checkpoint is touched.
         from torchloom.checkpointing import sharded
 
-        return sharded.save(strategy, path, state, owner_of, async_save=async_save)
-    return full.save(strategy, path, state, owner_of, async_save=async_save)
+        return sharded.save(strategy, path, state, owner_of, async_save=async_save, fsync=fsync)
+    return full.save(strategy, path, state, owner_of, async_save=async_save, fsync=fsync)
 
 
 def load(

@@ -127,8 +127,9 @@ def _exchange(a: Path, b: Path) -> bool:
     return result == 0
 
 
-def replace(tmp: Path, path: Path) -> None:
-    """Move the finished `tmp` to `path`, replacing whatever is there (file or directory) in one step."""
+def replace(tmp: Path, path: Path, fsync: bool = True) -> None:
+    """Move the finished `tmp` to `path`, replacing whatever is there (file or directory) in one step; with
+    `fsync`, also make the rename itself durable."""
     if not path.exists() and not path.is_symlink():
         os.rename(tmp, path)
     elif _exchange(tmp, path):
@@ -138,7 +139,8 @@ def replace(tmp: Path, path: Path) -> None:
         os.rename(path, old)
         os.rename(tmp, path)
         _remove(old)
-    fsync_dir(path.parent)
+    if fsync:
+        fsync_dir(path.parent)
 
 
 def recover(path: Path) -> Path:

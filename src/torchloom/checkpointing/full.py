@@ -42,17 +42,20 @@ def metadata(strategy: Strategy, fmt: str, kinds: dict[str, str]) -> dict[str, A
     }
 
 
-def write_file(obj: dict[str, Any], path: Path) -> None:
-    """Write `obj` beside `path`, flush it to disk, then swap it into place."""
+def write_file(obj: dict[str, Any], path: Path, fsync: bool = True) -> None:
+    """Write `obj` beside `path`, flush it to disk (unless `fsync=False`), then swap it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = atomic.temporary_sibling(path)
     try:
         # Unbuffered: torch hands over whole tensors, which need no second copy in a userspace buffer.
         with open(tmp, "wb", buffering=0) as f:
-            out = atomic.WriteBehindFile(f)
-            torch.save(obj, out)
-            out.sync()
-        atomic.replace(tmp, path)
+            if fsync:
+                out = atomic.WriteBehindFile(f)
+                torch.save(obj, out)
+                out.sync()
+            else:
+                torch.save(obj, f)
+        atomic.replace(tmp, path, fsync=fsync)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -79,7 +82,12 @@ def write_error(payload: dict[str, Any], path: Path, exc: BaseException) -> str:
 
 
 def save(
-    strategy: Strategy, path: Path, state: dict[str, Any], owner_of: OwnerLookup, async_save: bool = False
+    strategy: Strategy,
+    path: Path,
+    state: dict[str, Any],
+    owner_of: OwnerLookup,
+    async_save: bool = False,
+    fsync: bool = True,
 ) -> Future | None:
     """Every rank collects (sharded strategies gather to rank 0 here); rank 0 writes; every rank learns the
     outcome. With `async_save`, rank 0 writes a private copy in a background thread and returns its future."""
@@ -92,12 +100,12 @@ def save(
         snapshot = torch.utils._pytree.tree_map(
             lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, payload
         )
-        return _writer().submit(_write_or_explain, snapshot, path)
+        return _writer().submit(_write_or_explain, snapshot, path, fsync)
     error = None
     if strategy.global_rank == 0:
         try:
             atomic.remove_stale_temporaries(path)
-            write_file(payload, path)
+            write_file(payload, path, fsync=fsync)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = write_error(payload, path, exc)
     if strategy.is_distributed:
@@ -117,10 +125,10 @@ def _writer() -> ThreadPoolExecutor:
     return _WRITER
 
 
-def _write_or_explain(payload: dict[str, Any], path: Path) -> None:
+def _write_or_explain(payload: dict[str, Any], path: Path, fsync: bool) -> None:
     try:
         atomic.remove_stale_temporaries(path)
-        write_file(payload, path)
+        write_file(payload, path, fsync=fsync)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(write_error(payload, path, exc)) from exc
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchloom.checkpointing import atomic
@@ -54,7 +54,12 @@ def _dcp_kwargs(strategy: Strategy) -> dict[str, Any]:
 
 
 def save(
-    strategy: Strategy, path: Path, state: dict[str, Any], owner_of: OwnerLookup, async_save: bool = False
+    strategy: Strategy,
+    path: Path,
+    state: dict[str, Any],
+    owner_of: OwnerLookup,
+    async_save: bool = False,
+    fsync: bool = True,
 ) -> Future | None:
     """Write `state` as a sharded checkpoint at `path`. With `async_save`, return a future that completes once the
     checkpoint is in place (rank 0 swaps it in); the shards are staged in memory before this returns."""
@@ -80,8 +85,10 @@ def save(
     if error:
         raise CheckpointError(error)
     assert tmp is not None
+    # DCP flushes every shard file to disk itself (sync_files); rank 0 then flushes the rest before the swap.
+    writer = FileSystemWriter(str(tmp), sync_files=fsync)
     if async_save:
-        future = dcp.async_save(tensors, checkpoint_id=str(tmp), **_dcp_kwargs(strategy))
+        future = dcp.async_save(tensors, storage_writer=writer, **_dcp_kwargs(strategy))
         done: Future = Future()
 
         def finish(f: Future) -> None:
@@ -89,8 +96,9 @@ def save(
                 f.result()
                 if strategy.global_rank == 0:
                     # DCP's coordinator writes .metadata last, after every rank's shards: all are on disk.
-                    atomic.fsync_tree(tmp)
-                    atomic.replace(tmp, path)
+                    if fsync:
+                        atomic.fsync_tree(tmp)
+                    atomic.replace(tmp, path, fsync=fsync)
                 done.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - surfaces at the next save
                 done.set_exception(exc)
@@ -98,13 +106,14 @@ def save(
         future.add_done_callback(finish)
         return done
     try:
-        dcp.save(tensors, checkpoint_id=str(tmp), **_dcp_kwargs(strategy))
+        dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(strategy))
     except Exception as exc:
         raise CheckpointError(f"Writing the sharded checkpoint {str(path)!r} failed: {exc}") from exc
     if strategy.global_rank == 0:
         try:
-            atomic.fsync_tree(tmp)
-            atomic.replace(tmp, path)
+            if fsync:
+                atomic.fsync_tree(tmp)
+            atomic.replace(tmp, path, fsync=fsync)
         except Exception as exc:  # noqa: BLE001
             error = f"Cannot move the sharded checkpoint into place at {str(path)!r}: {exc}"
     if strategy.is_distributed:

@@ -212,12 +212,17 @@ class Strategy:
         return None
 
     def save_checkpoint(
-        self, path: Path, state: dict[str, Any], owner_of: checkpointing.OwnerLookup, async_save: bool = False
+        self,
+        path: Path,
+        state: dict[str, Any],
+        owner_of: checkpointing.OwnerLookup,
+        async_save: bool = False,
+        fsync: bool = True,
     ) -> None:
         self.finish_pending_save()
         with torch_internal_warnings_filtered():
             pending = checkpointing.save(
-                self, path, state, owner_of, self.checkpoint_format, async_save=async_save
+                self, path, state, owner_of, self.checkpoint_format, async_save=async_save, fsync=fsync
             )
         if async_save and pending is None:
             pending = Future()
