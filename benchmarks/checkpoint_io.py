@@ -13,7 +13,8 @@ sides save the same live model:
                    and loom.save(file, ..., fsync=False), which skips the flush to disk as raw torch.save does)
     async save     time until loom.save(dir, ..., async_save=True) returns vs a synchronous loom.save(dir, ...)
 
-Every save goes to a new path (the previous one is deleted outside the timing). torchloom writes atomically (a
+Every save goes to a new path (the previous one is deleted and the page cache's dirty data written out with
+`os.sync()`, outside the timing). torchloom writes atomically (a
 temporary name, fsync, rename); DCP fsyncs its files too (FileSystemWriter(sync_files=True), the default), while
 raw torch.save does not fsync. A durable save cannot be faster than the disk, while raw torch.save of a file that
 fits in the page cache returns at memory speed: where the disk is slower than serialising, "full save" can only
@@ -93,10 +94,13 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     last: dict[str, Path] = {}
 
     def fresh(kind: str, suffix: str = "") -> Path:
-        """A new path for this save; the previous one of this kind is deleted here, outside the timing."""
+        """A new path for this save; the previous one of this kind is deleted here, outside the timing, and what
+        earlier saves left in the page cache is written out, so that no save pays for another's writeback."""
         dist.barrier()
-        if rank == 0 and kind in last:
-            _remove(last[kind])
+        if rank == 0:
+            if kind in last:
+                _remove(last[kind])
+            os.sync()
         path = base / f"{kind}-{next(counter)}{suffix}"
         last[kind] = path
         dist.barrier()

@@ -242,7 +242,7 @@ def _async_body(rank: int, world_size: int, root: str) -> dict:
         # A background write that fails is reported at the next save, on every rank.
         real = atomic.replace
         if rank == 0:
-            atomic.replace = lambda *a: (_ for _ in ()).throw(OSError("disk full"))
+            atomic.replace = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
         loom.save(path, {"model": model}, async_save=True)
         try:
             loom.save(path, {"model": model})
@@ -273,7 +273,7 @@ def test_async_save(tmp_path):
 
 # ---- WriteBehindFile: the durable full save overlaps serialising with disk writes -------------------------------
 def _write_behind_save(obj: object, path: Path) -> None:
-    with open(path, "wb", buffering=0) as f:
+    with open(path, "wb") as f:
         out = atomic.WriteBehindFile(f)
         torch.save(obj, out)
         out.sync()

@@ -27,10 +27,10 @@ class WriteBehindFile:
     """A file opened for writing whose data starts going to disk while the rest is still being written.
 
     The final `fsync` that makes a checkpoint durable then waits only for the last few megabytes instead of the
-    whole file: serialising and disk writes overlap (on the development machine a 1 GiB durable save went from
-    1.25 s to 1.0 s; the disk writes 1.1 GB/s). Linux's `sync_file_range(SYNC_FILE_RANGE_WRITE)` starts the
-    writeback without waiting for it; it is only a hint, so elsewhere the class is a plain file and `sync()`
-    does all the work. `torch.save(obj, WriteBehindFile(f))` works because torch only calls `write`.
+    whole file: serialising and the disk's writes overlap instead of following each other (benchmarks/
+    checkpoint_io.py measures the result). Linux's `sync_file_range(SYNC_FILE_RANGE_WRITE)` starts the writeback
+    without waiting for it; it is only a hint, so elsewhere the class is a plain file and `sync()` does all the
+    work. `torch.save(obj, WriteBehindFile(f))` works because torch only calls `write`.
     """
 
     def __init__(self, file: BinaryIO) -> None:
@@ -41,7 +41,8 @@ class WriteBehindFile:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        # A single write(2) stops at about 2 GiB, and torch ignores a short count: loop until all is written.
+        # An unbuffered file's write(2) stops at about 2 GiB, and torch ignores a short count: loop until all is
+        # written. (A buffered file, what torchloom passes, loops itself.)
         done = 0
         while done < len(view):
             done += self._file.write(view[done:])

@@ -47,8 +47,7 @@ def write_file(obj: dict[str, Any], path: Path, fsync: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = atomic.temporary_sibling(path)
     try:
-        # Unbuffered: torch hands over whole tensors, which need no second copy in a userspace buffer.
-        with open(tmp, "wb", buffering=0) as f:
+        with open(tmp, "wb") as f:
             if fsync:
                 out = atomic.WriteBehindFile(f)
                 torch.save(obj, out)

@@ -363,10 +363,10 @@ class ShardedStrategy(ParallelStrategy):
 
         if not full:
             return StateDictOptions(**kwargs)
-        # Saving gathers to rank 0 only, in CPU memory; loading reads each rank's shard from the (memory-mapped)
-        # full tensors every rank has. On CPU there is nothing to offload, and FSDP1's offloading path crashes
-        # there (the bug that breaks Lightning Fabric's full checkpoints on CPU): every rank gathers instead.
-        offload = not loading and self.root_device.type != "cpu"
+        # Saving gathers to rank 0 only, in CPU memory, so no other rank holds a full copy; loading reads each
+        # rank's shard from the (memory-mapped) full tensors every rank has. FSDP1's offloading path crashes on
+        # CPU (the bug that breaks Lightning Fabric's full checkpoints on CPU): there every rank gathers instead.
+        offload = not loading and (self.root_device.type != "cpu" or self.flavour == "fsdp2")
         return StateDictOptions(full_state_dict=True, cpu_offload=offload, **kwargs)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
