@@ -9,6 +9,13 @@ The model is a stack of blocks, each its own FSDP unit made by hand, and a head 
     fsdp   torchloom strategy="fsdp", wrap(block) inside loom.init_module(), head kept in sync by torchloom
            vs raw FullyShardedDataParallel(block) + the same hand-written all-reduce for the head
     ddp    torchloom strategy="ddp" vs raw DistributedDataParallel(model)
+    fsdp2-accum-clip
+           the fsdp2 pair with `--accumulate` micro-batches per step and gradient clipping, the two places where
+           torchloom does work of its own: loom.no_backward_sync + loom.clip_gradients(max_norm=1) vs
+           set_requires_gradient_sync(False) on every block for all but the last micro-batch, the head's
+           all-reduce after the last, and a hand-written global norm (the blocks' sharded norm via
+           `get_total_norm(...).full_tensor()`, combined with the head's) + `clip_grads_with_norm_`. The two
+           sides' norms are checked to agree before timing.
 
 A step is forward, MSE loss, backward (with gradient sync), AdamW step, zero_grad. Both sides of a pair live in
 the same two processes and run alternately (ABBA), `--steps` steps per measurement after warm-up; the ratio
@@ -49,7 +56,8 @@ from _common import (  # noqa: E402
 )
 from torch import nn  # noqa: E402
 
-PAIRS = ("fsdp2", "fsdp", "ddp")
+ACCUM = "fsdp2-accum-clip"
+PAIRS = ("fsdp2", "fsdp", "ddp", ACCUM)
 GOAL = "<= 1.03"
 
 
@@ -65,6 +73,22 @@ def _allreduce_grads(params: list[nn.Parameter], world: int) -> None:
         offset += g.numel()
 
 
+def _clip_by_global_norm(sharded: list[nn.Parameter], replicated: list[nn.Parameter], max_norm: float) -> Any:
+    """The raw loop's clipping for sharded blocks plus a replicated head: the blocks' norm is a DTensor (each
+    rank holds a partial sum) made whole with one all-reduce; the head's gradient is the same on every rank."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    sharded_norm = get_total_norm([p.grad for p in sharded if p.grad is not None])
+    if isinstance(sharded_norm, DTensor):
+        sharded_norm = sharded_norm.full_tensor()
+    head_norm = get_total_norm([p.grad for p in replicated if p.grad is not None])
+    total = torch.sqrt(sharded_norm**2 + head_norm**2)
+    clip_grads_with_norm_(sharded, max_norm, total)
+    clip_grads_with_norm_(replicated, max_norm, total)
+    return total
+
+
 def _broadcast(params: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p in params:
@@ -77,7 +101,7 @@ def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
 
     from torchloom import Loom
 
-    loom = Loom(accelerator="cpu", devices=2, strategy=pair)
+    loom = Loom(accelerator="cpu", devices=2, strategy="fsdp2" if pair == ACCUM else pair)
     loom.launch()
     torch.manual_seed(0)
     if pair == "fsdp":
@@ -85,7 +109,7 @@ def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
             model = Net(cfg["dim"], cfg["blocks"], wrap=wrap)
     else:
         model = Net(cfg["dim"], cfg["blocks"])
-        if pair == "fsdp2":
+        if pair in ("fsdp2", ACCUM):
             for block in model.blocks:
                 fully_shard(block)
     model = loom.setup_module(model)
@@ -101,7 +125,7 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
     torch.manual_seed(0)
     model = Net(cfg["dim"], cfg["blocks"])
     replicated: list[nn.Parameter] = []
-    if pair == "fsdp2":
+    if pair in ("fsdp2", ACCUM):
         mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
             # Explicit: left at its default, a unit that is a root (no root unit here) keeps its parameters
@@ -144,6 +168,11 @@ def _measure_pair(
         ropt.step()
         ropt.zero_grad()
 
+    if pair == ACCUM:
+        loom_step, raw_step = _accumulating_steps(
+            cfg["accumulate"], lmodel, lopt, loom, rmodel, ropt, replicated, world, x, y
+        )
+
     def timed(step: Any) -> Any:
         def measure() -> tuple[float, float]:
             # The median of single steps: a step that another job on the machine preempted is dropped.
@@ -164,6 +193,51 @@ def _measure_pair(
     out: dict[str, Any] = alternate({"torchloom": timed(loom_step), "raw": timed(raw_step)}, cfg["repeats"])
     out["own_python"] = _own_python_time(loom_step, cfg["steps"])
     return out
+
+
+def _accumulating_steps(
+    accumulate: int,
+    lmodel: Any,
+    lopt: Any,
+    loom: Any,
+    rmodel: nn.Module,
+    ropt: Any,
+    replicated: list[nn.Parameter],
+    world: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[Any, Any]:
+    """The ACCUM pair's two steps: `accumulate` micro-batches, sync on the last, clip to norm 1, AdamW."""
+    micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
+    head = {id(p) for p in replicated}
+    sharded = [p for p in rmodel.parameters() if id(p) not in head]
+    norms: dict[str, torch.Tensor] = {}
+
+    def loom_step() -> None:
+        for i, (xi, yi) in enumerate(micro):
+            with loom.no_backward_sync(lmodel, enabled=i < accumulate - 1):
+                loom.backward(nn.functional.mse_loss(lmodel(xi), yi) / accumulate)
+        norms["torchloom"] = loom.clip_gradients(lmodel, lopt, max_norm=1.0)
+        lopt.step()
+        lopt.zero_grad()
+
+    def raw_step() -> None:
+        for i, (xi, yi) in enumerate(micro):
+            last = i == accumulate - 1
+            for block in rmodel.blocks:
+                block.set_requires_gradient_sync(last)
+            (nn.functional.mse_loss(rmodel(xi), yi) / accumulate).backward()
+        _allreduce_grads(replicated, world)
+        norms["raw"] = _clip_by_global_norm(sharded, replicated, 1.0)
+        ropt.step()
+        ropt.zero_grad()
+
+    # Both sides start from the same weights: their first norms must agree, or the comparison is not fair.
+    loom_step()
+    raw_step()
+    if not torch.allclose(norms["torchloom"], norms["raw"], rtol=1e-4):
+        raise RuntimeError(f"the two sides disagree on the gradient norm: {norms}")
+    return loom_step, raw_step
 
 
 def _own_python_time(step: Any, steps: int) -> float:
@@ -198,13 +272,18 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
-    parser.add_argument("--pairs", default=",".join(PAIRS), help="comma-separated subset of fsdp2,fsdp,ddp")
+    parser.add_argument(
+        "--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}"
+    )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=512, help="rows per rank per step")
     parser.add_argument("--steps", type=int, default=7, help="steps per measurement (their median counts)")
     parser.add_argument("--repeats", type=int, default=12, help="measurements per side (alternating)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--accumulate", type=int, default=4, help=f"micro-batches per step in the {ACCUM} pair"
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -219,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         f"head, {model_numel(args.dim, args.blocks) / 1e6:.1f}M parameters; {args.tokens} rows per rank; AdamW",
         flush=True,
     )
-    cfg = {k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "repeats", "warmup")}
+    cfg = {
+        k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "repeats", "warmup", "accumulate")
+    }
     cfg["pairs"] = pairs
     per_rank = run_ranks(_rank, cfg)
     rows, out = [], []

@@ -47,6 +47,24 @@ META_FILE = "torchloom.json"
 EXTRA_FILE = "extra.pt"
 
 
+def _blocking_stager() -> Any:
+    """What `dcp.async_save` stages with when given no storage writer: one plain copy of the shards to CPU
+    memory before it returns. Handed a writer (needed to choose `sync_files`), it would stage with the writer's
+    own slower copy instead (benchmarks/checkpoint_io.py saw 2-3x the blocking time). None before torch 2.9."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+
+
 def _dcp_kwargs(strategy: Strategy) -> dict[str, Any]:
     if strategy.is_distributed and dist.is_initialized():
         return {"process_group": strategy.checkpoint_group}
@@ -88,11 +106,14 @@ def save(
     # DCP flushes every shard file to disk itself (sync_files); rank 0 then flushes the rest before the swap.
     writer = FileSystemWriter(str(tmp), sync_files=fsync)
     if async_save:
-        future = dcp.async_save(tensors, storage_writer=writer, **_dcp_kwargs(strategy))
+        stager = _blocking_stager()
+        future = dcp.async_save(tensors, storage_writer=writer, async_stager=stager, **_dcp_kwargs(strategy))
         done: Future = Future()
 
         def finish(f: Future) -> None:
             try:
+                if stager is not None:
+                    stager.close()
                 f.result()
                 if strategy.global_rank == 0:
                     # DCP's coordinator writes .metadata last, after every rank's shards: all are on disk.

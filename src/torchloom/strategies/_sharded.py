@@ -308,9 +308,15 @@ class ShardedStrategy(ParallelStrategy):
                 "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # One fused multiply per device and dtype (what torch.nn.utils.clip_grads_with_norm_ does), on the local
+        # pieces of sharded gradients.
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
         with torch.no_grad():
-            for g in grads:
-                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            for (device, dtype), tensors in by_kind.items():
+                torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
         return total
 
     def _total_norm(self, module: nn.Module, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
@@ -324,9 +330,8 @@ class ShardedStrategy(ParallelStrategy):
         for g in groups.values():
             if all(g is not seen for seen in order):
                 order.append(g)
-        partial = {id(g): torch.zeros((), dtype=torch.float64, device=self.root_device) for g in order}
-        replicated = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        inf = math.isinf(norm_type)
+        # The local gradient pieces, by where their norms meet: each shard group, or None for the replicated.
+        pieces: dict[int | None, list[torch.Tensor]] = {None: [], **{id(g): [] for g in order}}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -334,21 +339,20 @@ class ShardedStrategy(ParallelStrategy):
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 if grad.numel() == 0:
                     continue
-                value = torch.linalg.vector_norm(grad.detach().to(torch.float64), norm_type).to(
-                    self.root_device
-                )
-                contribution = value if inf else value**norm_type
                 shard_group = groups.get(id(p))
-                key = id(shard_group) if shard_group is not None else None
-                if key is None:
-                    replicated = torch.maximum(replicated, contribution) if inf else replicated + contribution
-                else:
-                    partial[key] = (
-                        torch.maximum(partial[key], contribution) if inf else partial[key] + contribution
-                    )
-        total = replicated
+                pieces[id(shard_group) if shard_group is not None else None].append(grad.detach())
+        inf = math.isinf(norm_type)
+
+        def contribution(tensors: list[torch.Tensor]) -> torch.Tensor:
+            # torch's own fused per-tensor norms, as clip_grad_norm_ computes them; combined in float64.
+            if not tensors:
+                return torch.zeros((), dtype=torch.float64, device=self.root_device)
+            norm = torch.nn.utils.get_total_norm(tensors, norm_type).to(self.root_device, torch.float64)
+            return norm if inf else norm**norm_type
+
+        total = contribution(pieces[None])  # replicated: the same on every rank, counted once
         for g in order:
-            value = partial[id(g)]
+            value = contribution(pieces[id(g)])
             dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
             total = torch.maximum(total, value) if inf else total + value
         return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
