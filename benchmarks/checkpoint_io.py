@@ -136,41 +136,23 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         return timed(load)
 
-    def loom_full_save() -> float:
-        path = fresh("loom-full", ".pt")
+    def loom_full_save(fsync: bool = True) -> float:
+        path = fresh(f"loom-full-{fsync}", ".pt")
         strategy.state_dict_type = "full"
         try:
-            return timed(lambda: loom.save(path, {"model": model}))
+            return timed(lambda: loom.save(path, {"model": model}, fsync=fsync))
         finally:
             strategy.state_dict_type = "sharded"
 
-    def loom_full_save_no_fsync() -> float:
-        path = fresh("loom-full-nofsync", ".pt")
-        strategy.state_dict_type = "full"
-        try:
-            return timed(lambda: loom.save(path, {"model": model}, fsync=False))
-        finally:
-            strategy.state_dict_type = "sharded"
-
-    def raw_full_save() -> float:
-        path = fresh("raw-full", ".pt")
+    def raw_full_save(fsync: bool = False) -> float:
+        path = fresh(f"raw-full-{fsync}", ".pt")
 
         def save() -> None:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(module, options=options)
-            if rank == 0:
+            if rank == 0 and not fsync:
                 torch.save({"model": state}, path)
-            dist.barrier()
-
-        return timed(save)
-
-    def raw_full_save_fsync() -> float:
-        path = fresh("raw-full-fsync", ".pt")
-
-        def save() -> None:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state = get_model_state_dict(module, options=options)
-            if rank == 0:
+            elif rank == 0:
                 with open(path, "wb") as f:
                     torch.save({"model": state}, f)
                     f.flush()
@@ -219,9 +201,9 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         loom_sharded_load,
         raw_sharded_load,
         loom_full_save,
-        loom_full_save_no_fsync,
+        lambda: loom_full_save(fsync=False),
         raw_full_save,
-        raw_full_save_fsync,
+        lambda: raw_full_save(fsync=True),
         loom_async_save,
         raw_async_save,
         loom_sync_save,
@@ -236,8 +218,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             {
                 "torchloom": loom_full_save,
                 "raw": raw_full_save,
-                "raw_fsync": raw_full_save_fsync,
-                "torchloom_no_fsync": loom_full_save_no_fsync,
+                "raw_fsync": lambda: raw_full_save(fsync=True),
+                "torchloom_no_fsync": lambda: loom_full_save(fsync=False),
             },
             repeats,
         ),
