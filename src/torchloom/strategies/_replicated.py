@@ -5,15 +5,25 @@ the root. torchloom treats them like DDP does: same values on every rank at setu
 gradients averaged over all ranks after every synchronising backward. Gradients are packed into fixed buckets
 and each bucket's all-reduce starts as soon as its last gradient is ready, so communication overlaps the rest of
 backward; buckets start in the same order on every rank, and the end of backward waits for all of them.
+
+Every backward run through `loom.backward` is one *round*: it starts from a clean state and, whatever happens
+inside it, issues every bucket's all-reduce exactly once on every rank. That is what keeps ranks aligned when a
+rank's backward reaches no leftover at all (a branch not taken, an expert not routed to), or only some of them,
+or raises midway (an out-of-memory error the user catches before retrying): the missing buckets are sent at the
+end of the round, so the ranks never wait in collectives that their peers will not issue.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from torchloom.errors import MisuseError
 
 _BUCKET_BYTES = 25 * 2**20
 
@@ -53,23 +63,40 @@ def _buckets(tensors: list[torch.Tensor], limit: int = _BUCKET_BYTES) -> list[li
     return buckets
 
 
-class ReplicatedGradSync:
-    """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False."""
+class PeerBackwardFailedError(MisuseError):
+    """Another rank's backward failed in the round in which this rank's succeeded."""
 
-    def __init__(
-        self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = _BUCKET_BYTES
-    ):
+
+@dataclass
+class _Round:
+    """What one backward has done so far: buckets still waiting for gradients, the next bucket to start, and
+    the all-reduces in flight."""
+
+    missing: list[int]
+    managed: bool  # started by `loom.backward` (which ends it), or by the first hook of a plain `.backward()`
+    graph_task: int = -1
+    next: int = 0
+    pending: list[tuple[list[nn.Parameter], torch.Tensor, dist.Work]] = field(default_factory=list)
+
+
+class ReplicatedGradSync:
+    """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False.
+
+    `begin()` before and `end(error)` after a backward make it one round (what `loom.backward` does). A plain
+    `loss.backward()` also works: its first hook starts a round and queues the end of it on autograd's engine.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.enabled = True
         trainable = [p for p in params if p.requires_grad]
         # Gradients become ready roughly in reverse order of definition, as in DDP.
-        self.buckets = _buckets(list(reversed(trainable)), bucket_bytes)
+        self.buckets = _buckets(list(reversed(trainable)), bucket_bytes or _BUCKET_BYTES)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._missing = [len(b) for b in self.buckets]
-        self._next = 0
-        self._pending: list[tuple[list[nn.Parameter], torch.Tensor, dist.Work]] = []
-        self._callback_queued = False
+        # Hooks run on autograd's threads (one per device): the round is shared between them.
+        self._lock = threading.Lock()
+        self._round: _Round | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
 
     def remove(self) -> None:
@@ -77,40 +104,101 @@ class ReplicatedGradSync:
             handle.remove()
         self._handles = []
 
+    # ---- one round per backward --------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a round; a round left open by a plain backward that raised is closed first."""
+        stale = self._round
+        if stale is not None:
+            self._end(stale, failed=True)
+        self._round = self._new_round(managed=True)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End the round `begin` started: send every bucket not yet sent, wait, and write the averages.
+
+        After a failed backward (`error`), this rank sends zeros so the other ranks' collectives still match,
+        and keeps its own gradients untouched. Where the failure is the process group's own (a peer died, a
+        collective timed out), nothing more is sent: the group is broken."""
+        current, self._round = self._round, None
+        if current is None:
+            return
+        if error is not None and isinstance(error, dist.DistError):
+            return
+        self._end(current, failed=error is not None)
+
+    def _new_round(self, managed: bool) -> _Round:
+        return _Round(missing=[len(b) for b in self.buckets], managed=managed)
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.enabled:
             return
-        if not self._callback_queued:
-            # Runs once at the very end of this backward pass, after every hook.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
-        self._missing[self._bucket_of[id(param)]] -= 1
-        self._launch(force=False)
+        with self._lock:
+            current = self._round
+            if current is not None and not current.managed:
+                if current.graph_task != torch._C._current_graph_task_id():
+                    # A plain backward that raised never ran its end-of-backward callback.
+                    self._round = None
+                    self._end(current, failed=True)
+                    current = None
+            if current is None:
+                current = self._round = self._new_round(managed=False)
+                current.graph_task = torch._C._current_graph_task_id()
+                # Runs once at the very end of this backward pass, after every hook.
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_plain_backward)
+            current.missing[self._bucket_of[id(param)]] -= 1
+            self._launch(current, force=False)
 
-    def _launch(self, force: bool) -> None:
-        # Strictly in bucket order: collectives must be issued in the same order on every rank.
-        while self._next < len(self.buckets) and (force or self._missing[self._next] == 0):
-            bucket = self.buckets[self._next]
-            parts = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in bucket
-            ]
+    def _end_plain_backward(self) -> None:
+        current, self._round = self._round, None
+        if current is not None:
+            self._end(current, failed=False)
+
+    def _launch(self, current: _Round, force: bool, failed: bool = False) -> None:
+        # Strictly in bucket order: collectives must be issued in the same order on every rank. The last bucket
+        # is only ever sent at the end of the round, so it can carry whether this rank's backward failed.
+        last = len(self.buckets) - 1
+        while current.next <= last and (
+            force or (current.next < last and current.missing[current.next] == 0)
+        ):
+            bucket = self.buckets[current.next]
+            if failed:
+                parts = [torch.zeros_like(p).reshape(-1) for p in bucket]
+            else:
+                parts = [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                    for p in bucket
+                ]
             # One extra element per parameter records whether any rank produced a gradient for it, so a
-            # parameter unused everywhere keeps grad=None as it would without torchloom.
-            used = torch.tensor(
-                [float(p.grad is not None) for p in bucket], dtype=parts[0].dtype, device=parts[0].device
-            )
-            flat = torch.cat([*parts, used])
+            # parameter unused everywhere keeps grad=None as it would without torchloom; one more counts the
+            # ranks whose backward failed.
+            flags = [0.0 if failed else float(p.grad is not None) for p in bucket]
+            flags.append(float(failed and current.next == last))
+            flags_t = torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device)
+            flat = torch.cat([*parts, flags_t])
             flat.div_(self.world_size)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._pending.append((bucket, flat, work))
-            self._next += 1
+            current.pending.append((bucket, flat, work))
+            current.next += 1
 
-    def _finish(self) -> None:
-        self._launch(force=True)
+    def _end(self, current: _Round, failed: bool) -> None:
+        if not self.buckets:
+            return
+        self._launch(current, force=True, failed=failed)
+        for _, _, work in current.pending:
+            work.wait()
+        if failed:
+            return
+        _, last_flat, _ = current.pending[-1]
+        peers_failed = round(last_flat[-1].item() * self.world_size)
+        if peers_failed:
+            raise PeerBackwardFailedError(
+                f"{peers_failed} other rank(s) failed their backward pass while this rank's succeeded, so the "
+                "gradients of the replicated parameters cannot be averaged for this step. A backward that can "
+                "fail (e.g. out of memory) must be retried on every rank or on none: catch this error too, or "
+                "agree first, e.g. `retry = loom.all_reduce(torch.tensor(float(failed)), reduce_op='max')`."
+            )
         with torch.no_grad():
-            for bucket, flat, work in self._pending:
-                work.wait()
-                used = flat[-len(bucket) :].tolist()  # one device sync per bucket, not per parameter
+            for bucket, flat, _ in current.pending:
+                used = flat[-len(bucket) - 1 : -1].tolist()  # one device sync per bucket, not per parameter
                 offset = 0
                 for i, p in enumerate(bucket):
                     averaged = flat[offset : offset + p.numel()].view_as(p)
@@ -121,7 +209,3 @@ class ReplicatedGradSync:
                         p.grad = averaged.clone()
                     else:
                         p.grad.copy_(averaged)
-        self._pending = []
-        self._missing = [len(b) for b in self.buckets]
-        self._next = 0
-        self._callback_queued = False

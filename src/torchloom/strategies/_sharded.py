@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.strategies._replicated import ReplicatedGradSync, broadcast_tensors
+from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy
 
 if TYPE_CHECKING:
@@ -275,6 +275,28 @@ class ShardedStrategy(ParallelStrategy):
                 "This module was not set up by this strategy. Pass the module from setup_module."
             )
         return layout
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
+        # Each backward is one round of the leftover gradient sync on every rank, whether or not this rank's
+        # backward reaches the leftovers, and whether or not it completes.
+        rounds = [sync for sync in self._grad_syncs.values() if sync.enabled]
+        for sync in rounds:
+            sync.begin()
+        try:
+            super().backward(tensor, module, **kwargs)
+        except BaseException as error:
+            for sync in rounds:
+                sync.end(error)
+            raise
+        # End every round before raising, so no round is left open on this rank alone.
+        errors = []
+        for sync in rounds:
+            try:
+                sync.end()
+            except PeerBackwardFailedError as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
