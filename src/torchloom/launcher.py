@@ -8,20 +8,30 @@ rank with its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any
 
 from torchloom.errors import LaunchError, MisuseError
 
 # Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
 LAUNCHED_ENV = "TORCHLOOM_LAUNCHED"
+# The agent's pid, so a rank's first code can tell whether its launcher is still the one waiting for it.
+AGENT_PID_ENV = "TORCHLOOM_AGENT_PID"
+# Each rank starts here (see that file): it dies with the launcher from its first instant, not only from
+# `loom.launch()` on. Linux only: elsewhere there is no parent-death signal to ask for.
+_BOOT = str(Path(__file__).with_name("_rank_boot.py"))
+_BOOTS = sys.platform.startswith("linux")
 
 
 def shutdown_timeout() -> int:
@@ -68,6 +78,9 @@ def launch_script(num_processes: int, num_nodes: int, node_rank: int, address: s
     command = script_command()
     config = _launch_config(num_processes, num_nodes, node_rank, address, port)
     os.environ[LAUNCHED_ENV] = "1"
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if _BOOTS:
+        command = ["-S", _BOOT, *command]
     try:
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
@@ -91,12 +104,15 @@ def _run_function(loom: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> A
     # Runs in each spawned rank: the pickled Loom learns its rank from the agent's environment.
     loom._setup_rank()
     try:
-        return fn(loom, *args)
-    except Exception as error:
+        result = fn(loom, *args)
+    except BaseException as error:
+        loom.strategy.failed = True
         if _is_peer_failure(f"{type(error).__name__}: {error}"):
             # The agent stops this rank meanwhile, as soon as it sees the peer's failure.
             time.sleep(_PEER_FAILURE_GRACE)
         raise
+    loom.close()  # every rank finished: end the job together, not at interpreter exit
+    return result
 
 
 def launch_function(
@@ -114,17 +130,44 @@ def launch_function(
     from torch.distributed.launcher.api import elastic_launch
 
     config = _launch_config(num_processes, num_nodes, node_rank, address, port)
-    previous = os.environ.get(LAUNCHED_ENV)
+    previous = {key: os.environ.get(key) for key in (LAUNCHED_ENV, AGENT_PID_ENV)}
     os.environ[LAUNCHED_ENV] = "1"
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
     try:
-        results = elastic_launch(config, _run_function)(loom, fn, args)
+        with _spawned_ranks_boot():
+            results = elastic_launch(config, _run_function)(loom, fn, args)
     except ChildFailedError as error:
         rank, failure = _root_failure(error)
         raise LaunchError(_describe_failure(error), rank=rank, exitcode=failure.exitcode) from None
     finally:
-        if previous is None:
-            os.environ.pop(LAUNCHED_ENV, None)
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return results.get(0) if results else None
+
+
+@contextlib.contextmanager
+def _spawned_ranks_boot() -> Generator[None, None, None]:
+    """Inside, processes started with multiprocessing's spawn method (how the agent starts `launch(fn)`'s
+    ranks) begin in `_rank_boot.py`. multiprocessing takes one executable path and no extra arguments, so
+    the path is a two-line shell script in a temporary directory."""
+    if not _BOOTS:
+        yield
+        return
+    import multiprocessing.spawn as mp_spawn
+
+    with tempfile.TemporaryDirectory(prefix="torchloom-") as tmp:
+        wrapper = Path(tmp) / "python"
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S {shlex.quote(_BOOT)} "$@"\n')
+        wrapper.chmod(0o755)
+        previous = mp_spawn.get_executable()
+        mp_spawn.set_executable(str(wrapper))
+        try:
+            yield
+        finally:
+            mp_spawn.set_executable(previous)
 
 
 # What a rank reports when a collective broke because another rank died: a consequence, not the cause.

@@ -71,6 +71,7 @@ class Loom:
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         self._launched = False
+        self._closed = False
         self._preempted = False
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = (
@@ -144,6 +145,31 @@ class Loom:
         self._launched = True
         launcher.record_errors_in_rank()
         self._strategy.setup_environment()
+
+    def close(self) -> None:
+        """End this process's part of the job: wait for a pending asynchronous save (raising if it failed),
+        then, with several processes, wait until every rank has called `close` (at most `timeout`) and destroy
+        the process group. Every rank must call it; later calls do nothing.
+
+        It runs by itself when the interpreter exits normally, and at the end of `with Loom(...) as loom:`.
+        Ending together matters: a rank that tears down its connections while a peer is still inside a
+        collective makes that peer abort, so a finished job would exit non-zero."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._strategy.finish_pending_save()
+        finally:
+            self._strategy.teardown()
+
+    def __enter__(self) -> Loom:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # After an exception, peers may be inside a collective this rank will never join: do not wait for
+        # them (the launcher stops the job); interpreter exit still waits for a pending save.
+        if exc_type is None:
+            self.close()
 
     def _require_launch(self, what: str) -> None:
         if self._strategy.is_distributed and not self._launched:

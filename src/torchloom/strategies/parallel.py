@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 from collections.abc import Generator
 from datetime import timedelta
@@ -71,11 +72,21 @@ class ParallelStrategy(Strategy):
             timeout=self.timeout,
             **kwargs,
         )
-        atexit.register(_destroy_group_at_exit)
+        atexit.register(self._teardown_at_exit)
+
+    #: Set when this rank's work ended in an exception: its exit then does not wait for the other ranks.
+    failed: bool = False
 
     def teardown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Wait until every rank is done (at most `exit_timeout()`), then destroy the process group."""
+        shutdown_process_group(self.world_size, min(self.timeout, exit_timeout()))
+
+    def _teardown_at_exit(self) -> None:
+        # A rank dying of an exception skips this: the launcher stops the job anyway, and its peers may be stuck
+        # in a collective that will never complete, so waiting for them would only delay the failure.
+        if self.failed or getattr(sys, "last_value", None) is not None:
+            return
+        self.teardown()
 
     def _require_group(self, what: str) -> None:
         if not dist.is_initialized():
@@ -167,12 +178,72 @@ class ParallelStrategy(Strategy):
                 dist.barrier()
 
 
-def _destroy_group_at_exit() -> None:
-    """Destroy the process group while the interpreter is still whole. Left to interpreter teardown, gloo's
-    worker threads can abort a rank that finished fine ("terminate called without an active exception", exit
-    SIGABRT; pytorch/pytorch#190489). Skipped when the rank dies of an uncaught exception: the agent stops the
-    job anyway, and tearing down a group whose peers are stuck in a collective can block."""
-    if getattr(sys, "last_value", None) is not None:
+def exit_timeout() -> timedelta:
+    """How long a finished rank waits for the others at the end of the job: TORCHLOOM_EXIT_TIMEOUT seconds,
+    default 60 (never more than `Loom(timeout=...)`). A rank that exits with an error does not wait."""
+    return timedelta(seconds=float(os.environ.get("TORCHLOOM_EXIT_TIMEOUT", "60")))
+
+
+def _exit_store() -> Any:
+    """The job's key-value store, which every launcher (torchrun, torchloom's agent, SLURM with env://) sets up
+    before the process group and which needs no collective to use. Private in torch; None where it is missing."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def agree_to_exit(world_size: int, timeout: timedelta) -> list[int]:
+    """Wait, through the store, until every rank has arrived here or `timeout` has passed; return the ranks
+    known to have arrived (all of them, unless the wait timed out or the store is gone).
+
+    Destroying the process group while a peer is still inside a collective breaks that peer's connections,
+    and gloo aborts it ("terminate called without an active exception"). Once every rank is here, every
+    collective of the job is over, so the group can go. The store keeps working when a process group is
+    wedged, and a bounded wait means a peer that is already gone cannot hang this rank's exit."""
+    store = _exit_store()
+    if store is None or world_size == 1:
+        return list(range(world_size))
+    rank = dist.get_rank()
+    prefix = f"torchloom/exit/{_EXIT_ROUNDS.setdefault('n', 0)}"
+    _EXIT_ROUNDS["n"] += 1
+    try:
+        store.set(f"{prefix}/rank{rank}", "1")
+        if store.add(f"{prefix}/arrived", 1) == world_size:
+            store.set(f"{prefix}/done", "1")
+        store.wait([f"{prefix}/done"], timeout)
+        return list(range(world_size))
+    except (RuntimeError, dist.DistError):
+        # Timed out, or the store's host (rank 0 or the agent) is already gone: report who made it.
+        arrived = []
+        for other in range(world_size):
+            try:
+                if store.check([f"{prefix}/rank{other}"]):
+                    arrived.append(other)
+            except (RuntimeError, dist.DistError):
+                return [rank]
+        return arrived
+
+
+_EXIT_ROUNDS: dict[str, int] = {}
+
+
+def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
+    """End this rank's part of the job: agree with the other ranks that all are done (bounded by `timeout`),
+    then destroy the process group while the interpreter is still whole.
+
+    Left to interpreter teardown, gloo's worker threads can still be releasing the last collective's tensors
+    when Python finalises; a thread that then needs the GIL is ended inside a C++ destructor and the rank dies of
+    SIGABRT after finishing its work (pytorch/pytorch#190489)."""
+    if not dist.is_initialized():
         return
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    arrived = agree_to_exit(world_size, timeout)
+    if len(arrived) < world_size:
+        missing = sorted(set(range(world_size)) - set(arrived))
+        print(
+            f"torchloom: rank {dist.get_rank()} finished, but rank(s) {missing} did not reach the end of the job "
+            f"within {timeout}; destroying the process group without them.",
+            file=sys.stderr,
+            flush=True,
+        )
+    dist.destroy_process_group()
