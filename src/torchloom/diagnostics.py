@@ -106,7 +106,9 @@ class CollectiveRecord:
         if self.last is not None:
             seq, name, shapes, detail, file, line, function, new_path, new_site, new_shape = self.last
             out.update(seq=seq, name=name, shapes=_describe_shapes(shapes), detail=detail, file=file)
-            out.update(line=line, function=function, new_path=new_path, new_site=new_site, new_shape=new_shape)
+            out.update(
+                line=line, function=function, new_path=new_path, new_site=new_site, new_shape=new_shape
+            )
         else:
             out.update(seq=0, name=None)
         out["stack"] = _user_stack(frame)
@@ -134,9 +136,15 @@ def _user_stack(frame: Any) -> list[str]:
     start-up (runpy, multiprocessing) before the user's first frame."""
     if frame is None:
         return []
-    frames = [f for f in traceback.extract_stack(frame) if not f.filename.startswith(_INTERNAL)]
-    while frames and frames[0].filename.startswith(_STDLIB):
-        frames.pop(0)
+    frames, in_library = [], True  # the start-up frames count as library code
+    for f in traceback.extract_stack(frame):
+        if f.filename.startswith(_INTERNAL):
+            in_library = True
+        elif not (
+            in_library and f.filename.startswith(_STDLIB)
+        ):  # contextlib under torchloom is not the user's
+            frames.append(f)
+            in_library = False
     return [line.rstrip("\n") for line in traceback.format_list(frames)]
 
 
@@ -236,13 +244,16 @@ def explain(failed: str, timed_out: bool) -> str | None:
             store.set(_key(f"answer/{rank}"), json.dumps(mine))
             if store.add(_key("requests"), 1) != 1:
                 return _wait_for(store, _key("culprit"), _ANSWER_SECONDS + 2.0)
-            answers = _collect(store, world_size, _ANSWER_SECONDS if timed_out else _ANSWER_SECONDS / 2)
-            culprit = _culprit(answers, world_size, evidence_only=not timed_out)
+            answers, published = _collect(
+                store, world_size, _ANSWER_SECONDS if timed_out else _ANSWER_SECONDS / 2
+            )
+            culprit = _culprit(answers, published, world_size, evidence_only=not timed_out)
             if culprit is None and not timed_out:
                 store.set(_key("culprit"), "")
                 return None
             culprit = culprit or "culprit: none found: every rank that answered is in the same collective"
-            print(_report(answers, world_size, rank, failed, culprit), file=sys.stderr, flush=True)
+            report = _report(answers, published, world_size, rank, failed, culprit)
+            print(report, file=sys.stderr, flush=True)
             store.set(_key("culprit"), culprit)
             return culprit
         except Exception:  # noqa: BLE001 - the store went away meanwhile: fail with PyTorch's own error
@@ -275,8 +286,8 @@ def _wait_for(store: Any, key: str, seconds: float) -> str | None:
     return None
 
 
-def _collect(store: Any, world_size: int, seconds: float) -> dict[int, dict[str, Any]]:
-    """Every rank's answer; for a rank that gives none in time, what it last published (marked so)."""
+def _collect(store: Any, world_size: int, seconds: float) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Every rank's answer, and what every rank last published."""
     answers: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + seconds
     while True:
@@ -286,10 +297,11 @@ def _collect(store: Any, world_size: int, seconds: float) -> dict[int, dict[str,
         if len(answers) == world_size or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
+    published = {}
     for r in range(world_size):
-        if r not in answers and store.check([_key(f"published/{r}")]):
-            answers[r] = json.loads(store.get(_key(f"published/{r}")))
-    return answers
+        if store.check([_key(f"published/{r}")]):
+            published[r] = json.loads(store.get(_key(f"published/{r}")))
+    return answers, published
 
 
 def _where(rec: dict[str, Any]) -> str:
@@ -319,41 +331,58 @@ def _current_line(rec: dict[str, Any]) -> str:
     return "an unknown place"
 
 
-def _culprit(answers: dict[int, dict[str, Any]], world_size: int, evidence_only: bool) -> str | None:
+def _culprit(
+    answers: dict[int, Any], published: dict[int, Any], world_size: int, evidence_only: bool
+) -> str | None:
     """The `culprit:` line: which rank(s) broke step with the others, and how. With `evidence_only`, only a
     mismatch the records prove (a peer that died may have died for reasons of its own)."""
-    live = {r: a for r, a in answers.items() if a["how"] != "published"}
-    silent = [r for r in range(world_size) if r not in live]
-    waiting = {r: a for r, a in live.items() if a["inside"]}
+    silent = [r for r in range(world_size) if r not in answers]
+    waiting = {r: a for r, a in answers.items() if a["inside"]}
     if not waiting:
         return None
-    target = max(a["seq"] for a in waiting.values())
-    ahead = {r: a for r, a in waiting.items() if a["seq"] == target}
+    # The first collective that did not complete everywhere.
+    target = min(a["seq"] for a in waiting.values())
+    ref = waiting[min(r for r, a in waiting.items() if a["seq"] == target)]
     # A live rank outside every collective, behind the others: stuck in its own code.
-    behind = sorted(r for r, a in live.items() if not a["inside"] and a["seq"] < target)
+    behind = sorted(r for r, a in answers.items() if not a["inside"] and a["seq"] < target)
     if behind and not evidence_only:
-        ref = ahead[min(ahead)]
         r = behind[0]
-        last = f"its last collective was {_call(live[r])} at {_where(live[r])}" if live[r]["name"] else ""
+        last = (
+            f"its last collective was {_call(answers[r])} at {_where(answers[r])}"
+            if answers[r]["name"]
+            else ""
+        )
         return (
             f"culprit: {_ranks(behind)} never reached {ref['name']} #{target} ({_where(ref)}); "
-            f"{'it is' if len(behind) == 1 else f'rank {r} is'} in user code at {_current_line(live[r])}"
+            f"{'it is' if len(behind) == 1 else f'rank {r} is'} in user code at {_current_line(answers[r])}"
             + (f" ({last})" if last else "")
         )
-    mismatch = _mismatch(ahead)
+    # What each rank did at `target`: its answer, or, for a rank past it or dead, what it published then (a
+    # mismatched call is a new path for at least one rank, so it was published).
+    at = {r: a for r, a in answers.items() if a["seq"] == target}
+    at.update({r: p for r, p in published.items() if r not in at and p["seq"] == target})
+    mismatch = _mismatch(at)
     if mismatch:
         return mismatch
-    # Every live rank agrees. A rank that does not answer died, or is blocked in native code holding the GIL;
-    # what it published last may still show that it broke step.
     for r in silent:
-        clue = _dead_clue(answers[r], ahead[min(ahead)]) if r in answers else None
+        clue = _dead_clue(published[r], ref) if r in published else None
         if clue:
             return clue
-    if silent and not evidence_only:
+    if evidence_only:
+        return None
+    ahead = sorted(r for r, a in answers.items() if a["seq"] > target)
+    if ahead:
+        a = answers[ahead[0]]
+        return (
+            f"culprit: {_ranks(ahead)} went past {ref['name']} #{target} ({_where(ref)}) without the others "
+            f"(their collectives no longer line up); {'it is' if len(ahead) == 1 else f'rank {ahead[0]} is'} "
+            f"in {_call(a)} at {_where(a)}"
+        )
+    if silent:
         r = silent[0]
         gone = "its process died, or it is blocked in native code holding the GIL"
-        if r in answers:
-            gone += f"; it last recorded {_call(answers[r])} at {_where(answers[r])}"
+        if r in published:
+            gone += f"; it last recorded {_call(published[r])} at {_where(published[r])}"
         return f"culprit: {_ranks(silent)} did not answer ({gone})"
     return None
 
@@ -398,35 +427,33 @@ def _mismatch(ahead: dict[int, dict[str, Any]]) -> str | None:
 def _dead_clue(pub: dict[str, Any], ref: dict[str, Any]) -> str | None:
     """A rank that died without answering, seen through what it last published (`pub`) and a live rank
     (`ref`)."""
-    same = pub["seq"] == ref["seq"]
-    if same and (pub["name"], pub["shapes"], pub["detail"]) != (ref["name"], ref["shapes"], ref["detail"]):
-        return _mismatch({pub["rank"]: pub, ref["rank"]: ref})
-    # The dead rank published nothing since: it repeated a path it had taken before. The live rank took a new
-    # one at the same call site: its shapes changed there, and gloo aborted the peer that received them.
-    if pub["seq"] < ref["seq"] and ref["new_shape"] and (pub["file"], pub["line"]) == (ref["file"], ref["line"]):
+    # The dead rank published nothing since: it repeated paths it had taken before. The live rank took a new
+    # one, with shapes it never passed there: gloo aborts the peer that receives more than it expects.
+    if pub["seq"] < ref["seq"] and ref["new_shape"] and not ref["new_site"]:
         return (
             f"culprit: rank {ref['rank']} passed {ref['shapes']} to {ref['name']} #{ref['seq']} at {_where(ref)}, "
-            f"shapes it never passed there before; rank {pub['rank']} died in that collective (it last passed "
-            f"{pub['shapes']} there, in {pub['name']} #{pub['seq']})"
+            f"shapes it never passed there before; rank {pub['rank']} died in that collective (it repeated "
+            f"earlier calls since {pub['name']} #{pub['seq']} at {_where(pub)})"
         )
     return None
 
 
-def _report(answers: dict[int, dict[str, Any]], world_size: int, me: int, failed: str, culprit: str) -> str:
+def _report(
+    answers: dict[int, Any], published: dict[int, Any], world_size: int, me: int, failed: str, culprit: str
+) -> str:
     lines = [f"torchloom desync report (rank {me}: {failed})"]
     for r in range(world_size):
         a = answers.get(r)
         if a is None:
-            lines.append(f"rank {r}: no answer and nothing recorded (its process died before its first collective)")
-            continue
-        if a["how"] == "published":
-            state = f"no answer (process died?); last recorded: {_call(a)} at {_where(a)}"
+            pub = published.get(r)
+            last = f"; last new call: {_call(pub)} at {_where(pub)}" if pub else ""
+            lines.append(f"rank {r}: no answer (its process died, or it is blocked in native code){last}")
+            a = pub or {"stack": []}
         elif a["inside"]:
-            state = f"in {_call(a)} at {_where(a)}"
+            lines.append(f"rank {r} (pid {a['pid']}): in {_call(a)} at {_where(a)}")
         else:
             last = f"; last collective: {_call(a)} at {_where(a)}" if a["name"] else ""
-            state = f"in user code at {_current_line(a)}{last}"
-        lines.append(f"rank {r} (pid {a['pid']}): {state}")
+            lines.append(f"rank {r} (pid {a['pid']}): in user code at {_current_line(a)}{last}")
         lines.extend("    " + line for block in a["stack"] for line in block.splitlines())
     lines.append(culprit)
     return "\n".join(lines)
