@@ -181,3 +181,57 @@ def test_a_rank_killed_by_a_shape_mismatch_is_named(tmp_path):
         f"before; rank 0 died in that collective (it repeated earlier calls since all_reduce #4 at train.py:{a})"
     )
     assert "CollectiveMismatchError" in outputs[1]
+
+
+def test_the_record_notes_the_users_call_site_shapes_and_new_paths():
+    import sys
+
+    import torch
+
+    from torchloom.diagnostics import CollectiveRecord
+
+    record = CollectiveRecord()
+    here = sys._getframe().f_lineno + 3
+    flags = []
+    for size in (2, 2, 2, 5):
+        with record("all_reduce", {"loss": torch.ones(size), "step": 1}):
+            flags.append(record.last[-3:])
+    seq, name, shapes, _, file, line, function, *_ = record.last
+    assert (seq, name, file, line, function) == (4, "all_reduce", __file__, here, record.last[6])
+    assert function == "test_the_record_notes_the_users_call_site_shapes_and_new_paths"
+    assert shapes == ((torch.Size([5]), torch.float32),) and not record.inside
+    # (new path, new site, new shapes): the first call, the first repeat of the site, a repeat, new shapes.
+    assert flags == [(True, True, True), (True, False, False), (False, False, False), (False, False, True)]
+
+
+def _answer(rank: int, name: str, seq: int, shapes: str = "", inside: bool = True, **extra) -> dict:
+    return {
+        "rank": rank,
+        "how": "answered",
+        "inside": inside,
+        "pid": 1,
+        "seq": seq,
+        "name": name,
+        "shapes": shapes,
+        "detail": "",
+        "file": "/x/train.py",
+        "line": {"all_reduce": 10, "barrier": 20}[name],
+        "function": "main",
+        "new_path": False,
+        "new_site": False,
+        "new_shape": False,
+        "stack": [],
+        **extra,
+    }
+
+
+def test_with_more_ranks_the_minority_is_the_culprit():
+    from torchloom.diagnostics import _culprit
+
+    answers = {0: _answer(0, "all_reduce", 7), 1: _answer(1, "barrier", 7), 2: _answer(2, "all_reduce", 7)}
+    assert _culprit(answers, {}, 3, evidence_only=False) == (
+        "culprit: rank 1 never reached all_reduce #7 (train.py:10); it is in barrier #7 at train.py:20"
+    )
+    # A peer that died without a record of a mismatch died for reasons of its own: no report.
+    del answers[1]
+    assert _culprit(answers, {}, 3, evidence_only=True) is None

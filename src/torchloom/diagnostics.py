@@ -77,9 +77,9 @@ class CollectiveRecord:
         new_path, new_site, new_shape = path not in seen, site not in seen, shape not in seen
         self.seq += 1
         self._site = site
-        self.last = (self.seq, name, shapes, detail, code.co_filename, site[1], code.co_name)
-        self.last += (new_path, new_site, new_shape)
+        self.last = (self.seq, name, shapes, detail, *site, code.co_name, new_path, new_site, new_shape)
         self.inside = True
+        # Past the cap the set stops growing: such a rank's later paths all count as new, but are not published.
         if (new_path or new_shape) and self._published < _MAX_PUBLISHED:
             seen.update((path, site, shape))
             self._published += 1
@@ -269,6 +269,8 @@ def _deferring_sigterm() -> Generator[None, None, None]:
         return
     caught: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    if previous is None:  # a handler installed outside Python: the default is the closest we can restore
+        previous = signal.SIG_DFL
     try:
         yield
     finally:
