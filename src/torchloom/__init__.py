@@ -10,6 +10,7 @@ import logging as _logging
 from torchloom._describe import describe
 from torchloom.errors import (
     CheckpointError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigurationError,
     LaunchError,
@@ -44,6 +45,7 @@ __all__ = [
     "MisuseError",
     "CheckpointError",
     "CollectiveTimeoutError",
+    "CollectiveMismatchError",
     "LaunchError",
     "__version__",
 ]

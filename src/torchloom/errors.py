@@ -30,3 +30,7 @@ class LaunchError(TorchloomError, RuntimeError):
 
 class CollectiveTimeoutError(TorchloomError, TimeoutError):
     """A collective waited longer than `Loom(timeout=...)` for the other ranks."""
+
+
+class CollectiveMismatchError(TorchloomError, RuntimeError):
+    """Ranks called different collectives, or passed different shapes to one; the message names the culprit."""

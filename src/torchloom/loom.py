@@ -16,9 +16,10 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from torchloom import checkpointing, launcher
+from torchloom import checkpointing, diagnostics, launcher
 from torchloom._layout import clean_name
 from torchloom.connector import command_line_defaults, configure
+from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import CollectiveTimeoutError, MisuseError
 from torchloom.loggers import Logger, to_float
@@ -145,6 +146,8 @@ class Loom:
         self._launched = True
         launcher.record_errors_in_rank()
         self._strategy.setup_environment()
+        if self._strategy.is_distributed and self.world_size > 1:
+            diagnostics.start(self.global_rank, self.world_size)
 
     def close(self) -> None:
         """End this process's part of the job: wait for a pending asynchronous save (raising if it failed),
@@ -342,22 +345,27 @@ class Loom:
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
         """Reduce tensors (or nested dicts/lists of them) over all ranks: "mean", "sum", "max", "min"."""
         self._require_launch("all_reduce")
-        return self._strategy.all_reduce(data, reduce_op)
+        # Every collective entered here is recorded (see `diagnostics`): a hang can then say who is where.
+        with _record("all_reduce", data):
+            return self._strategy.all_reduce(data, reduce_op)
 
     def all_gather(self, data: Any) -> Any:
         """Gather tensors from all ranks; each tensor comes back stacked with a leading world-size dimension."""
         self._require_launch("all_gather")
-        return self._strategy.all_gather(data)
+        with _record("all_gather", data):
+            return self._strategy.all_gather(data)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send any picklable object from rank `src` to every rank."""
         self._require_launch("broadcast")
-        return self._strategy.broadcast(obj, src)
+        with _record("broadcast", detail=f"src={src}"):
+            return self._strategy.broadcast(obj, src)
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every rank reaches this point."""
         self._require_launch("barrier")
-        self._strategy.barrier(name)
+        with _record("barrier"):
+            self._strategy.barrier(name)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save(
@@ -382,9 +390,10 @@ class Loom:
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
         try:
-            self._strategy.save_checkpoint(
-                Path(path), state, self._owner_of(state), async_save=async_save, fsync=fsync
-            )
+            with _record("save"):
+                self._strategy.save_checkpoint(
+                    Path(path), state, self._owner_of(state), async_save=async_save, fsync=fsync
+                )
         except CollectiveTimeoutError as error:
             # The collective that timed out is one inside save; what the user must change is the call to save.
             raise CollectiveTimeoutError(
@@ -403,13 +412,14 @@ class Loom:
         """Restore the objects of `state` in place (plain values are replaced in `state`) and return the
         checkpoint's entries that `state` did not name. With no `state`, return everything."""
         self._require_launch("load")
-        return self._strategy.load_checkpoint(
-            Path(path),
-            state or {},
-            strict=strict,
-            owner_of=self._owner_of(state or {}),
-            weights_only=weights_only,
-        )
+        with _record("load"):
+            return self._strategy.load_checkpoint(
+                Path(path),
+                state or {},
+                strict=strict,
+                owner_of=self._owner_of(state or {}),
+                weights_only=weights_only,
+            )
 
     def load_raw(self, path: str | os.PathLike[str], obj: nn.Module | Optimizer, strict: bool = True) -> None:
         """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer."""
@@ -462,7 +472,8 @@ class Loom:
         flag = torch.tensor(1.0 if self._preempted else 0.0, device=self.device)
         if self._strategy.is_distributed:
             self._require_launch("should_stop")
-            flag = self._strategy.all_reduce(flag, reduce_op="max")
+            with _record("should_stop"):
+                flag = self._strategy.all_reduce(flag, reduce_op="max")
         return bool(flag.item() > 0)
 
     # ---- logging and progress --------------------------------------------------------------------------------

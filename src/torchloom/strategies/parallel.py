@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchloom.errors import CollectiveTimeoutError, MisuseError
+from torchloom import diagnostics
+from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, MisuseError
+from torchloom.launcher import _is_peer_failure
 from torchloom.strategies.base import Strategy, _reduce_op
 
 
@@ -79,6 +81,7 @@ class ParallelStrategy(Strategy):
 
     def teardown(self) -> None:
         """Wait until every rank is done (at most `exit_timeout()`), then destroy the process group."""
+        diagnostics.stop()
         shutdown_process_group(self.world_size, min(self.timeout, exit_timeout()))
 
     def _teardown_at_exit(self) -> None:
@@ -98,18 +101,32 @@ class ParallelStrategy(Strategy):
     # ---- collectives -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _collective(self, name: str) -> Generator[None, None, None]:
-        """Turn a collective's timeout into an error that names it and says what to do."""
+        """Turn a collective's timeout into an error that names it and says what to do. A timeout, or a peer that
+        died in the collective, first gets the ranks' desync report, whose culprit line the error repeats."""
         try:
             yield
         except RuntimeError as error:
             text = str(error).lower()
-            if "timed out" not in text and "timeout" not in text:
+            timed_out = "timed out" in text or "timeout" in text
+            if not timed_out and not _is_peer_failure(text):
                 raise
+            what = f"loom.{name}() on rank {self.global_rank}"
+            failed = f"{what} timed out after {self.timeout}" if timed_out else f"{what} lost a peer"
+            culprit = diagnostics.explain(failed, timed_out)
+            if not timed_out:
+                if culprit is None:
+                    raise  # the peer died for reasons of its own; the launcher reports that rank
+                raise CollectiveMismatchError(
+                    f"{failed}: the ranks called mismatched collectives (gloo aborts a rank that receives more "
+                    f"data than it expects). {culprit}. Make every rank call the same collectives, with the same "
+                    f"shapes, in the same order. PyTorch said: {error}"
+                ) from error
+            found = f" {culprit}." if culprit else ""
             raise CollectiveTimeoutError(
-                f"loom.{name}() on rank {self.global_rank} timed out after {self.timeout}: another rank did not "
-                f"reach the same {name} in time (stuck in a loop, much slower, or it called a different collective). "
-                f"Make every rank call {name} at the same point; if one rank legitimately needs longer (e.g. a long "
-                f"evaluation on rank 0), raise Loom(timeout=...). PyTorch said: {error}"
+                f"{failed}: another rank did not reach the same {name} in time (stuck in a loop, much slower, or "
+                f"it called a different collective).{found} Make every rank call {name} at the same point; if one "
+                f"rank legitimately needs longer (e.g. a long evaluation on rank 0), raise Loom(timeout=...). "
+                f"PyTorch said: {error}"
             ) from error
 
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:

@@ -1,0 +1,461 @@
+"""The collective record and the desync report: when ranks stop agreeing, say which rank is at fault and where.
+
+Every collective a rank enters through `Loom` is recorded (name, sequence number, tensor shapes and dtypes, and
+the user's call site): a few attribute writes and set look-ups, always on. When a collective fails (it timed
+out, or a peer died in it), the failing rank asks every rank, through the job's TCP store (which outlives a
+wedged process group), for its last collective and its main thread's Python stack. A watchdog thread per rank
+answers, so a rank stuck in user code or in another collective answers too. The first rank to ask prints one
+report, `torchloom desync report`, ending in a `culprit:` line, which its exception repeats.
+
+A rank can also die in a mismatched collective before it can answer (gloo aborts a rank that receives more bytes
+than it expects). So the first time a rank takes a new path through its collectives (a call site after another
+it never followed, or new shapes at a call site), it writes that record to the store before entering: rare
+after the first step, and enough for the report to name the shapes a dead rank passed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_TORCHLOOM_DIR = str(Path(__file__).resolve().parent) + os.sep
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+# A call site is the first frame outside these: the user's line, not the library code that serves it.
+_INTERNAL = (_TORCHLOOM_DIR, _TORCH_DIR)
+_STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+
+# How often a watchdog looks for a report request (one store round trip, ~40 us), and how long the asking
+# rank waits for the answers. A live rank answers within one poll; the wait is for a rank that never will.
+_POLL_SECONDS = 0.5
+_ANSWER_SECONDS = 3.0
+# A rank publishes at most this many new paths: code whose shapes change every call must not talk to the
+# store every call.
+_MAX_PUBLISHED = 1000
+
+
+class CollectiveRecord:
+    """What this rank last asked of the others. `with record("all_reduce", data):` around a collective."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        # One tuple, replaced whole, so the watchdog thread never reads half an update:
+        # (seq, name, shapes, detail, file, line, function, new_path, new_site, new_shape).
+        self.last: tuple[Any, ...] | None = None
+        self.inside = False
+        self._site: tuple[str, int] | None = None
+        self._seen: set[Any] = set()
+        self._published = 0
+        self.store: Any = None
+        self.rank = 0
+        self.world_size = 1
+
+    def __call__(self, name: str, data: Any = None, detail: str = "") -> CollectiveRecord:
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+            frame = frame.f_back
+        code = frame.f_code
+        site = (code.co_filename, frame.f_lineno)
+        shapes = _shapes(data)
+        # New paths are what a desync looks like from one rank: a call site it never reached right after the
+        # previous one (a skipped or extra collective), or shapes it never passed at this site.
+        seen = self._seen
+        path, shape = (self._site, site), (site, shapes, detail)
+        new_path, new_site, new_shape = path not in seen, site not in seen, shape not in seen
+        self.seq += 1
+        self._site = site
+        self.last = (self.seq, name, shapes, detail, *site, code.co_name, new_path, new_site, new_shape)
+        self.inside = True
+        # Past the cap the set stops growing: such a rank's later paths all count as new, but are not published.
+        if (new_path or new_shape) and self._published < _MAX_PUBLISHED:
+            seen.update((path, site, shape))
+            self._published += 1
+            self._publish(frame)
+        return self
+
+    def __enter__(self) -> CollectiveRecord:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.inside = False
+
+    def _publish(self, frame: Any) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(_key(f"published/{self.rank}"), json.dumps(self.snapshot(frame, "published")))
+        except Exception:  # noqa: BLE001 - a diagnostic must never break training
+            self.store = None
+
+    def snapshot(self, frame: Any, how: str) -> dict[str, Any]:
+        """This rank's last collective and the user's stack from `frame`, as the report needs it."""
+        out: dict[str, Any] = {"rank": self.rank, "how": how, "inside": self.inside, "pid": os.getpid()}
+        if self.last is not None:
+            seq, name, shapes, detail, file, line, function, new_path, new_site, new_shape = self.last
+            out.update(seq=seq, name=name, shapes=_describe_shapes(shapes), detail=detail, file=file)
+            out.update(
+                line=line, function=function, new_path=new_path, new_site=new_site, new_shape=new_shape
+            )
+        else:
+            out.update(seq=0, name=None)
+        out["stack"] = _user_stack(frame)
+        return out
+
+
+RECORD = CollectiveRecord()
+
+
+def _shapes(data: Any) -> tuple[Any, ...]:
+    if isinstance(data, torch.Tensor):
+        return ((data.shape, data.dtype),)
+    if data is None:
+        return ()
+    leaves = torch.utils._pytree.tree_leaves(data)
+    return tuple((t.shape, t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _describe_shapes(shapes: tuple[Any, ...]) -> str:
+    return ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in shapes)
+
+
+def _user_stack(frame: Any) -> list[str]:
+    """The frames of `frame`'s stack that are the user's: not torchloom's or torch's, and not the interpreter's
+    start-up (runpy, multiprocessing) before the user's first frame."""
+    if frame is None:
+        return []
+    frames, in_library = [], True  # the start-up frames count as library code
+    for f in traceback.extract_stack(frame):
+        if f.filename.startswith(_INTERNAL):
+            in_library = True
+        elif not (
+            in_library and f.filename.startswith(_STDLIB)
+        ):  # contextlib under torchloom is not the user's
+            frames.append(f)
+            in_library = False
+    return [line.rstrip("\n") for line in traceback.format_list(frames)]
+
+
+def _key(name: str) -> str:
+    # A restarted elastic job shares the agent's store with its previous attempt: keep their keys apart.
+    return f"torchloom/desync/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+# ---- the watchdog --------------------------------------------------------------------------------------------
+_watchdog: _Watchdog | None = None
+
+
+class _Watchdog(threading.Thread):
+    """Answers a report request with this rank's record and its main thread's stack, whatever the main thread
+    is doing: a blocking collective releases the GIL, and pure-Python code yields it every few milliseconds."""
+
+    def __init__(self, main_thread_id: int) -> None:
+        super().__init__(name="torchloom-desync-watchdog", daemon=True)
+        self._main = main_thread_id
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        store = RECORD.store
+        request, answer = _key("requests"), _key(f"answer/{RECORD.rank}")
+        while not self._stop_event.wait(_POLL_SECONDS):
+            try:
+                if not dist.is_initialized() or RECORD.store is None:
+                    return
+                if store.check([request]):
+                    # A main thread that failed itself has answered already, more precisely.
+                    if not store.check([answer]):
+                        frame = sys._current_frames().get(self._main)
+                        store.set(answer, json.dumps(RECORD.snapshot(frame, "answered")))
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=2 * _POLL_SECONDS)
+
+
+def start(rank: int, world_size: int) -> None:
+    """Connect this rank to the job's store and start its watchdog (once per process)."""
+    global _watchdog
+    RECORD.rank, RECORD.world_size = rank, world_size
+    if _watchdog is not None and _watchdog.is_alive():
+        return
+    RECORD.store = _connect()
+    if RECORD.store is None:
+        return
+    _watchdog = _Watchdog(threading.main_thread().ident or 0)
+    _watchdog.start()
+    # Registered after the process group's own exit hook, so it runs first: the watchdog stops polling a store
+    # before the group (and, on rank 0, the store's server) goes away.
+    atexit.register(stop)
+
+
+def stop() -> None:
+    """Stop the watchdog and let go of the store (process-group teardown, and the end of the process)."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+    RECORD.store = None
+
+
+def _connect() -> Any:
+    """A client of the store the process group was made with (`env://`: MASTER_ADDR and MASTER_PORT; under an
+    elastic agent, the agent's own store). A client of our own, through public API, rather than the group's
+    private default store: its requests never queue behind the group's."""
+    import torch.distributed as dist
+
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        return None
+    try:
+        return dist.TCPStore(address, int(port), is_master=False, timeout=timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - no report then, but training goes on
+        return None
+
+
+# ---- the report ----------------------------------------------------------------------------------------------
+def explain(failed: str, timed_out: bool) -> str | None:
+    """On a rank whose collective `failed` (timed out, or a peer died in it): gather every rank's record through
+    the store and print one desync report on the first rank to ask. Returns the `culprit:` line, or None when
+    the failure is no desync (a peer that died for its own reasons)."""
+    store, rank, world_size = RECORD.store, RECORD.rank, RECORD.world_size
+    if store is None:
+        return None
+    with _deferring_sigterm():
+        try:
+            mine = RECORD.snapshot(sys._getframe(1), "failed")
+            store.set(_key(f"answer/{rank}"), json.dumps(mine))
+            if store.add(_key("requests"), 1) != 1:
+                return _wait_for(store, _key("culprit"), _ANSWER_SECONDS + 2.0)
+            answers, published = _collect(
+                store, world_size, _ANSWER_SECONDS if timed_out else _ANSWER_SECONDS / 2
+            )
+            culprit = _culprit(answers, published, world_size, evidence_only=not timed_out)
+            if culprit is None and not timed_out:
+                store.set(_key("culprit"), "")
+                return None
+            culprit = culprit or "culprit: none found: every rank that answered is in the same collective"
+            report = _report(answers, published, world_size, rank, failed, culprit)
+            print(report, file=sys.stderr, flush=True)
+            store.set(_key("culprit"), culprit)
+            return culprit
+        except Exception:  # noqa: BLE001 - the store went away meanwhile: fail with PyTorch's own error
+            return None
+
+
+@contextlib.contextmanager
+def _deferring_sigterm() -> Generator[None, None, None]:
+    """Hold off SIGTERM while the report is gathered and printed: the agent stops every rank as soon as one
+    fails, and the report is worth the few seconds. Delivered (to the previous handler) afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    if previous is None:  # a handler installed outside Python: the default is the closest we can restore
+        previous = signal.SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_for(store: Any, key: str, seconds: float) -> str | None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if store.check([key]):
+            return store.get(key).decode() or None
+        time.sleep(0.05)
+    return None
+
+
+def _collect(store: Any, world_size: int, seconds: float) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Every rank's answer, and what every rank last published."""
+    answers: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + seconds
+    while True:
+        for r in range(world_size):
+            if r not in answers and store.check([_key(f"answer/{r}")]):
+                answers[r] = json.loads(store.get(_key(f"answer/{r}")))
+        if len(answers) == world_size or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    published = {}
+    for r in range(world_size):
+        if store.check([_key(f"published/{r}")]):
+            published[r] = json.loads(store.get(_key(f"published/{r}")))
+    return answers, published
+
+
+def _where(rec: dict[str, Any]) -> str:
+    return f"{os.path.basename(rec['file'])}:{rec['line']}" if rec.get("file") else "?"
+
+
+def _call(rec: dict[str, Any]) -> str:
+    """`all_reduce #7 ((4,) float32)` or `barrier #7`."""
+    if not rec.get("name"):
+        return "no collective yet"
+    extra = ", ".join(x for x in (rec.get("shapes"), rec.get("detail")) if x)
+    return f"{rec['name']} #{rec['seq']}" + (f" ({extra})" if extra else "")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _current_line(rec: dict[str, Any]) -> str:
+    """Where a rank's main thread is, from its innermost user frame: `train.py:42 in load_batch`."""
+    for line in reversed(rec.get("stack") or []):
+        head = line.strip().splitlines()[0]
+        if head.startswith("File "):
+            file, rest = head[len('File "') :].split('", line ', 1)
+            number, function = rest.split(", in ", 1)
+            return f"{os.path.basename(file)}:{number} in {function}"
+    return "an unknown place"
+
+
+def _culprit(
+    answers: dict[int, Any], published: dict[int, Any], world_size: int, evidence_only: bool
+) -> str | None:
+    """The `culprit:` line: which rank(s) broke step with the others, and how. With `evidence_only`, only a
+    mismatch the records prove (a peer that died may have died for reasons of its own)."""
+    silent = [r for r in range(world_size) if r not in answers]
+    waiting = {r: a for r, a in answers.items() if a["inside"]}
+    if not waiting:
+        return None
+    # The first collective that did not complete everywhere.
+    target = min(a["seq"] for a in waiting.values())
+    ref = waiting[min(r for r, a in waiting.items() if a["seq"] == target)]
+    # A live rank outside every collective, behind the others: stuck in its own code.
+    behind = sorted(r for r, a in answers.items() if not a["inside"] and a["seq"] < target)
+    if behind and not evidence_only:
+        r = behind[0]
+        last = (
+            f"its last collective was {_call(answers[r])} at {_where(answers[r])}"
+            if answers[r]["name"]
+            else ""
+        )
+        return (
+            f"culprit: {_ranks(behind)} never reached {ref['name']} #{target} ({_where(ref)}); "
+            f"{'it is' if len(behind) == 1 else f'rank {r} is'} in user code at {_current_line(answers[r])}"
+            + (f" ({last})" if last else "")
+        )
+    # What each rank did at `target`: its answer, or, for a rank past it or dead, what it published then (a
+    # mismatched call is a new path for at least one rank, so it was published).
+    at = {r: a for r, a in answers.items() if a["seq"] == target}
+    at.update({r: p for r, p in published.items() if r not in at and p["seq"] == target})
+    mismatch = _mismatch(at)
+    if mismatch:
+        return mismatch
+    for r in silent:
+        clue = _dead_clue(published[r], ref) if r in published else None
+        if clue:
+            return clue
+    if evidence_only:
+        return None
+    ahead = sorted(r for r, a in answers.items() if a["seq"] > target)
+    if ahead:
+        a = answers[ahead[0]]
+        return (
+            f"culprit: {_ranks(ahead)} went past {ref['name']} #{target} ({_where(ref)}) without the others "
+            f"(their collectives no longer line up); {'it is' if len(ahead) == 1 else f'rank {ahead[0]} is'} "
+            f"in {_call(a)} at {_where(a)}"
+        )
+    if silent:
+        r = silent[0]
+        gone = "its process died, or it is blocked in native code holding the GIL"
+        if r in published:
+            gone += f"; it last recorded {_call(published[r])} at {_where(published[r])}"
+        return f"culprit: {_ranks(silent)} did not answer ({gone})"
+    return None
+
+
+def _mismatch(ahead: dict[int, dict[str, Any]]) -> str | None:
+    """Ranks at the same sequence number in different collectives, or with different shapes."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for r, a in sorted(ahead.items()):
+        groups.setdefault((a["name"], a["shapes"], a["detail"]), []).append(r)
+    if len(groups) < 2:
+        return None
+    # The odd one out: the minority when there is one; otherwise the ranks that took a path they never took
+    # before (a skipped or extra call, or new shapes), while the others repeat what they did every step.
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    if sizes[0] > sizes[1]:
+        majority = max(groups.values(), key=len)
+        odd = sorted(r for r in ahead if r not in majority)
+    else:
+        odd = sorted(r for r, a in ahead.items() if a["new_path"] or a["new_shape"])
+        if not odd or len(odd) == len(ahead):
+            odd = sorted(ahead)[1:]
+        majority = [r for r in ahead if r not in odd]
+    ref = ahead[majority[0]] if majority else ahead[min(ahead)]
+    r = odd[0]
+    a = ahead[r]
+    if a["name"] != ref["name"]:
+        if a["new_site"]:
+            return (
+                f"culprit: {_ranks(odd)} called an extra {a['name']} #{a['seq']} at {_where(a)}, which "
+                f"{_ranks(majority)} did not call (it is in {_call(ref)} at {_where(ref)})"
+            )
+        return (
+            f"culprit: {_ranks(odd)} never reached {ref['name']} #{ref['seq']} ({_where(ref)}); "
+            f"{'it is' if len(odd) == 1 else f'rank {r} is'} in {_call(a)} at {_where(a)}"
+        )
+    return (
+        f"culprit: {_ranks(odd)} passed {a['shapes'] or a['detail']} to {a['name']} #{a['seq']} at {_where(a)}, "
+        f"where {_ranks(majority)} passed {ref['shapes'] or ref['detail']} ({_where(ref)})"
+    )
+
+
+def _dead_clue(pub: dict[str, Any], ref: dict[str, Any]) -> str | None:
+    """A rank that died without answering, seen through what it last published (`pub`) and a live rank
+    (`ref`)."""
+    # The dead rank published nothing since: it repeated paths it had taken before. The live rank took a new
+    # one, with shapes it never passed there: gloo aborts the peer that receives more than it expects.
+    if pub["seq"] < ref["seq"] and ref["new_shape"] and not ref["new_site"]:
+        return (
+            f"culprit: rank {ref['rank']} passed {ref['shapes']} to {ref['name']} #{ref['seq']} at {_where(ref)}, "
+            f"shapes it never passed there before; rank {pub['rank']} died in that collective (it repeated "
+            f"earlier calls since {pub['name']} #{pub['seq']} at {_where(pub)})"
+        )
+    return None
+
+
+def _report(
+    answers: dict[int, Any], published: dict[int, Any], world_size: int, me: int, failed: str, culprit: str
+) -> str:
+    lines = [f"torchloom desync report (rank {me}: {failed})"]
+    for r in range(world_size):
+        a = answers.get(r)
+        if a is None:
+            pub = published.get(r)
+            last = f"; last new call: {_call(pub)} at {_where(pub)}" if pub else ""
+            lines.append(f"rank {r}: no answer (its process died, or it is blocked in native code){last}")
+            a = pub or {"stack": []}
+        elif a["inside"]:
+            lines.append(f"rank {r} (pid {a['pid']}): in {_call(a)} at {_where(a)}")
+        else:
+            last = f"; last collective: {_call(a)} at {_where(a)}" if a["name"] else ""
+            lines.append(f"rank {r} (pid {a['pid']}): in user code at {_current_line(a)}{last}")
+        lines.extend("    " + line for block in a["stack"] for line in block.splitlines())
+    lines.append(culprit)
+    return "\n".join(lines)
