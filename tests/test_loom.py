@@ -87,9 +87,46 @@ def test_more_gpus_than_exist(monkeypatch):
         Loom(accelerator="cuda", devices=3)
 
 
-def test_fp16_mixed_is_refused_on_cpu():
-    with pytest.raises(ConfigurationError, match=r"16-mixed.*not supported on CPU.*bf16-mixed"):
-        Loom(accelerator="cpu", precision="16-mixed")
+def test_fp16_mixed_on_cpu_autocasts_scales_and_skips_overflow():
+    loom = Loom(accelerator="cpu", precision="16-mixed")
+    scaler = loom.strategy.precision.scaler
+    assert type(scaler) is torch.amp.GradScaler  # one process: torch's own scaler
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = model.module(x)
+    assert expected.dtype == torch.float16
+    out = model(x)
+    assert out.dtype == torch.float32 and torch.equal(out, expected.float())
+    # A finite step: gradients come back unscaled for clipping, the step is taken.
+    before = [p.detach().clone() for p in model.parameters()]
+    loom.backward(out.pow(2).mean())  # small gradients: at the initial scale 2**16 they fit in fp16
+    norm = loom.clip_gradients(model, opt, max_norm=1e6)
+    assert torch.isfinite(norm) and float(norm) < 1e3  # unscaled (the scale is 65536)
+    opt.step()
+    assert scaler.get_scale() == 2.0**16
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.zero_grad()
+    # An overflow: clip_gradients does not raise while a scaler is active; the step is skipped, the scale halved.
+    before = [p.detach().clone() for p in model.parameters()]
+    loom.backward(model(x).pow(2).mean())
+    next(model.parameters()).grad[0, 0] = float("inf")
+    assert not torch.isfinite(loom.clip_gradients(model, opt, max_norm=1.0))
+    opt.step()
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_nonfinite_norm_still_raises_without_a_scaler():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loom.backward(model(torch.randn(3, 4)).sum())
+    next(model.parameters()).grad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        loom.clip_gradients(model, opt, max_norm=1.0)
+    assert not torch.isfinite(loom.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False))
 
 
 @pytest.mark.parametrize("devices", [0, -1, "two", 1.5])

@@ -90,6 +90,7 @@ class ShardedStrategy(ParallelStrategy):
     supports_meta_init = True
     #: Sharding replaces parameters, so optimizers must be created after setup_module.
     replaces_parameters = True
+    sharded_gradients = True
     #: Whether activation checkpointing goes on before the units are made (FSDP2) or after (FSDP1).
     _checkpoint_before_sharding = True
 
@@ -302,11 +303,15 @@ class ShardedStrategy(ParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = self._total_norm(module, optimizer, float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
-                "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
-            )
+        if not torch.isfinite(total):
+            # The norm is the same on every rank, so every rank takes the same branch.
+            if self.precision.skip_step_for_nonfinite_norm(optimizer):
+                return total  # fp16 overflow: the loss scaler skips this step on every rank
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                    "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+                )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # One fused multiply per device and dtype (what torch.nn.utils.clip_grads_with_norm_ does), on the local
         # pieces of sharded gradients.

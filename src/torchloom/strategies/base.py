@@ -108,6 +108,8 @@ class Strategy:
     supports_meta_init: bool = False
     #: Whether `setup_module` replaces the module's parameters (sharding), so optimizers must come after it.
     replaces_parameters: bool = False
+    #: Whether ranks hold different pieces of the gradients, so fp16 loss scaling must agree over ranks.
+    sharded_gradients: bool = False
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/wrap `module` and return what the forward should run through."""
@@ -137,9 +139,18 @@ class Strategy:
         assert self.precision is not None
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-        )
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        if not torch.isfinite(total):
+            if self.precision.skip_step_for_nonfinite_norm(optimizer):
+                return total  # fp16 overflow: the loss scaler skips this step
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                    "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+                )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
         assert self.precision is not None
