@@ -70,6 +70,27 @@ def _has_own_state(module: nn.Module, meta_only: bool = True) -> bool:
     return any(t.is_meta for t in tensors) if meta_only else bool(tensors)
 
 
+def materialize_meta(
+    module: nn.Module, device: torch.device, param_device: torch.device | None = None
+) -> None:
+    """Allocate `module`'s own meta-device parameters (on `param_device`, default `device`) and buffers (on
+    `device`), uninitialised, and leave its real tensors alone (`to_empty` would wipe them). Parameters keep
+    their identity: FSDP2 holds on to its sharded DTensors."""
+    for name, param in list(module._parameters.items()):
+        if param is None or not param.is_meta:
+            continue
+        empty = nn.Parameter(
+            torch.empty_like(param, device=param_device or device), requires_grad=param.requires_grad
+        )
+        if type(param.data) is not torch.Tensor:  # a DTensor: swap, as nn.Module._apply does for subclasses
+            torch.utils.swap_tensors(param, empty)
+        else:
+            module._parameters[name] = empty  # what to_empty does: a meta tensor cannot take real data
+    for name, buf in list(module._buffers.items()):
+        if buf is not None and buf.is_meta:
+            module._buffers[name] = torch.empty_like(buf, device=device)
+
+
 def meta_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules whose own parameters/buffers are on the meta device; each must know how to initialise itself."""
     found = [(name, m) for name, m in module.named_modules() if _has_own_state(m)]
@@ -194,6 +215,7 @@ class ShardedStrategy(ParallelStrategy):
                 self._apply_activation_checkpointing(forward_module)
         self._materialize(forward_module, pending_init)
         layout = analyze(forward_module)
+        self._place_outside_units(layout)
         self._layouts[id(forward_module)] = layout
         self._replicate_leftovers(forward_module, layout)
         # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
@@ -240,8 +262,20 @@ class ShardedStrategy(ParallelStrategy):
         with torch.no_grad():
             for _, mod in outside:
                 # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
-                mod.to_empty(device=self.root_device, recurse=False)
+                materialize_meta(mod, self.root_device)
                 _init_fn(mod)()  # type: ignore[misc]
+
+    def _place_outside_units(self, layout: Layout) -> None:
+        """Move every parameter and buffer outside the units to the device. `fully_shard` and
+        `FSDP(device_id=)` move only what their unit owns, so a model built on the CPU and sharded by hand keeps
+        its leftovers there, and the broadcasts that follow would fail under NCCL."""
+        device = self.root_device
+        with torch.no_grad():
+            for _, tensor in [*layout.leftovers, *layout.leftover_buffers]:
+                if not tensor.is_meta and tensor.device != device:
+                    tensor.data = tensor.data.to(
+                        device
+                    )  # in place: the module and the user keep the same object
 
     def _replicate_leftovers(self, module: nn.Module, layout: Layout) -> None:
         if not layout.leftovers:

@@ -98,10 +98,15 @@ class Strategy:
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Modules created inside land on the right device and dtype. `empty_init=True` skips initialisation
-        work (meta device for strategies that can materialise, otherwise the target device without copies)."""
-        device = torch.device("meta") if empty_init and self.supports_meta_init else self.root_device
+        work: strategies that can materialise create parameters on the meta device (buffers stay real, so the
+        ones computed in `__init__`, such as rotary `inv_freq`, keep their values); others create everything on
+        the target device without copies."""
         assert self.precision is not None
-        with device, self.precision.module_init_context():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.root_device)
+            if empty_init and self.supports_meta_init:
+                stack.enter_context(parameters_on_meta())
+            stack.enter_context(self.precision.module_init_context())
             yield
 
     #: Whether `setup_module` can materialise a model created on the meta device.
@@ -302,6 +307,46 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Generator[None, None, None]:
+    """Parameters registered inside move to the meta device as they are registered; buffers do not (what
+    `accelerate.init_empty_weights(include_buffers=False)` does). Modules call `reset_parameters()` after
+    registering their parameters, so that initialisation runs on meta and costs nothing; only the empty tensor
+    a module allocates for one parameter exists for a moment."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        param = module._parameters.get(name)
+        # Plain tensors only: a DTensor registered here is fully_shard's, already sharded.
+        if param is not None and not param.is_meta and type(param.data) is torch.Tensor:
+            extra = dict(param.__dict__)  # attributes some libraries hang on parameters
+            meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(extra)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def real_parameters() -> Generator[None, None, None]:
+    """Inside `parameters_on_meta()`: register parameters as they are, for a wrapper such as FSDP1 that
+    re-registers views of its own (real) flat parameter."""
+    patched = nn.Module.register_parameter
+    nn.Module.register_parameter = _REGISTER_PARAMETER  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = patched  # type: ignore[method-assign]
+
+
+_REGISTER_PARAMETER = nn.Module.register_parameter
 
 
 def _reduce_op(name: str) -> dist.ReduceOp:
