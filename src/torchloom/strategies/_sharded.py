@@ -215,7 +215,7 @@ class ShardedStrategy(ParallelStrategy):
                 self._apply_activation_checkpointing(forward_module)
         self._materialize(forward_module, pending_init)
         layout = analyze(forward_module)
-        self._place_outside_units(layout)
+        self._place_outside_units(forward_module, layout)
         self._layouts[id(forward_module)] = layout
         self._replicate_leftovers(forward_module, layout)
         # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
@@ -265,17 +265,17 @@ class ShardedStrategy(ParallelStrategy):
                 materialize_meta(mod, self.root_device)
                 _init_fn(mod)()  # type: ignore[misc]
 
-    def _place_outside_units(self, layout: Layout) -> None:
+    def _place_outside_units(self, module: nn.Module, layout: Layout) -> None:
         """Move every parameter and buffer outside the units to the device. `fully_shard` and
         `FSDP(device_id=)` move only what their unit owns, so a model built on the CPU and sharded by hand keeps
         its leftovers there, and the broadcasts that follow would fail under NCCL."""
         device = self.root_device
-        with torch.no_grad():
-            for _, tensor in [*layout.leftovers, *layout.leftover_buffers]:
-                if not tensor.is_meta and tensor.device != device:
-                    tensor.data = tensor.data.to(
-                        device
-                    )  # in place: the module and the user keep the same object
+        inside = {id(m) for unit in layout.units for m in unit.module.modules()}
+        for mod in module.modules():
+            own = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
+            if id(mod) not in inside and any(not t.is_meta and t.device != device for t in own):
+                # nn.Module.to's own conversion, on this module's tensors only: in place where it can be.
+                mod._apply(lambda t: t if t.is_meta else t.to(device), recurse=False)
 
     def _replicate_leftovers(self, module: nn.Module, layout: Layout) -> None:
         if not layout.leftovers:
