@@ -118,6 +118,32 @@ def test_fp16_mixed_on_cpu_autocasts_scales_and_skips_overflow():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_bf16_capability_is_checked_in_the_rank_not_in_loom(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def no_cuda_in_loom(*args, **kwargs):
+        raise AssertionError("Loom() must not touch CUDA: it may run in the launching process")
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", no_cuda_in_loom)
+    loom = Loom(accelerator="cuda", devices=2, strategy="ddp", precision="bf16-mixed")
+    precision = loom.strategy.precision
+    # In the rank, once its GPU is current: emulation does not count (a pre-Ampere GPU only emulates bf16).
+    asked = []
+
+    def is_bf16_supported(including_emulation=True):
+        asked.append(including_emulation)
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100")
+    with pytest.raises(ConfigurationError, match=r"bf16-mixed.*native bfloat16.*V100.*'16-mixed'"):
+        precision.check_device(torch.device("cuda", 1))
+    assert asked == [False]
+    precision.check_device(torch.device("cpu"))  # CPUs are not asked
+
+
 def test_nonfinite_norm_still_raises_without_a_scaler():
     loom = Loom(accelerator="cpu")
     model = loom.setup_module(Net())

@@ -191,6 +191,20 @@ class Precision:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
 
+    def check_device(self, device: torch.device) -> None:
+        """Refuse bf16 on a GPU without native bfloat16 (pre-Ampere GPUs only emulate it, slowly). Called in the
+        rank once its device is current: asking in `Loom()` would create a CUDA context in the launching
+        process (which must not initialise CUDA before it starts the ranks) and on GPU 0 in every rank."""
+        if self.name not in ("bf16-mixed", "bf16-true") or device.type != "cuda":
+            return
+        with torch.cuda.device(device):  # the question is about this rank's GPU, whichever is current
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        if not native:
+            raise ConfigurationError(
+                f"precision={self.name!r} needs a GPU with native bfloat16 support (Ampere or newer); "
+                f"{torch.cuda.get_device_name(device)} only emulates it. Use '16-mixed' instead."
+            )
+
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
 
@@ -206,14 +220,6 @@ def select_precision(
         )
     if name == "16-mixed" and accelerator_name == "mps":
         raise ConfigurationError("precision='16-mixed' is not supported on MPS. Use '16-true' or '32-true'.")
-    if (
-        name in ("bf16-mixed", "bf16-true")
-        and accelerator_name == "cuda"
-        and not torch.cuda.is_bf16_supported()
-    ):
-        raise ConfigurationError(
-            f"precision={name!r} needs a GPU with bfloat16 support (Ampere or newer). Use '16-mixed' instead."
-        )
     if name == "64-true" and accelerator_name == "mps":
         raise ConfigurationError("precision='64-true' is not supported on MPS (no float64). Use '32-true'.")
     return Precision(name, "cuda" if accelerator_name == "cuda" else accelerator_name, sharded_gradients)

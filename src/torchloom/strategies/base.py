@@ -88,8 +88,9 @@ class Strategy:
 
     def setup_environment(self) -> None:
         """Called once per rank by `Loom.launch()` before the user's code runs."""
-        assert self.accelerator is not None
+        assert self.accelerator is not None and self.precision is not None
         self.accelerator.setup_device(self.root_device)
+        self.precision.check_device(self.root_device)
 
     def teardown(self) -> None:
         """Release what `setup_environment` took."""
@@ -119,6 +120,8 @@ class Strategy:
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/wrap `module` and return what the forward should run through."""
         self._check_not_meta(module)
+        assert self.precision is not None
+        self.precision.check_device(self.root_device)  # one process may never call launch()
         return module.to(self.root_device)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
