@@ -76,9 +76,7 @@ class AgreedGradScaler(torch.amp.GradScaler):
             for (device, _), tensors in by_kind.items():
                 if device not in found_on:
                     found_on[device] = torch.zeros_like(found_inf, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    tensors, found_on[device], inv_scale.to(device)
-                )
+                _torch_compat.unscale_and_check(tensors, found_on[device], inv_scale.to(device))
             for found in found_on.values():
                 if found is not found_inf:
                     torch.maximum(found_inf, found.to(found_inf.device), out=found_inf)

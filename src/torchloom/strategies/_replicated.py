@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchloom import _torch_compat
+
 _BUCKET_BYTES = 25 * 2**20
 
 
@@ -82,7 +84,7 @@ class ReplicatedGradSync:
             return
         if not self._callback_queued:
             # Runs once at the very end of this backward pass, after every hook.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            _torch_compat.queue_backward_callback(self._finish)
             self._callback_queued = True
         self._missing[self._bucket_of[id(param)]] -= 1
         self._launch(force=False)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy, materialize_meta
@@ -124,7 +125,7 @@ class FSDP2Strategy(ShardedStrategy):
             for unit in units:
                 # A root left at fully_shard's default reshard_after_forward keeps its parameters unsharded from
                 # forward to backward: with every block a root, the whole model. Non-root units reshard.
-                if getattr(unit._get_fsdp_state(), "_auto_reshard_after_forward", False):
+                if _torch_compat.fsdp2_auto_reshard_after_forward(unit):
                     unit.set_reshard_after_forward(True, recurse=False)
             # Each root has its own communication context and keeps its full-size reduce-scatter input until
             # the end of backward: the whole model's gradients, unsharded. One shared context frees each as the
