@@ -144,6 +144,30 @@ def test_bf16_capability_is_checked_in_the_rank_not_in_loom(monkeypatch):
     precision.check_device(torch.device("cpu"))  # CPUs are not asked
 
 
+def test_agreed_grad_scaler_matches_torch_in_one_process():
+    from torchloom.precision import AgreedGradScaler
+
+    results = []
+    for cls in (torch.amp.GradScaler, AgreedGradScaler):
+        torch.manual_seed(0)
+        dense, sparse = nn.Linear(3, 2), nn.Embedding(5, 3, sparse=True)
+        opt = torch.optim.SGD([*dense.parameters(), *sparse.parameters()], lr=0.1)
+        scaler = cls("cpu")
+        for poison in (False, True, False):
+            scaler.scale(dense(sparse(torch.tensor([1, 1, 4]))).sum()).backward()
+            if poison:
+                dense.bias.grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append((scaler.get_scale(), [p.detach().clone() for p in opt.param_groups[0]["params"]]))
+    (scale_a, params_a), (scale_b, params_b) = results
+    assert scale_a == scale_b == 2.0**15
+    # Equal up to summation order (the sparse gradient is coalesced before unscaling, as torch does for fp16).
+    for a, b in zip(params_a, params_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_nonfinite_norm_still_raises_without_a_scaler():
     loom = Loom(accelerator="cpu")
     model = loom.setup_module(Net())

@@ -67,9 +67,11 @@ class AgreedGradScaler(torch.amp.GradScaler):
                     grad = param.grad
                     if grad is None:
                         continue
+                    if grad.is_sparse:  # as GradScaler does: check the coalesced values (duplicates summed)
+                        param.grad = grad = grad.coalesce()
                     local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's own shard
                     if local.is_sparse:
-                        local = local.coalesce()._values()
+                        local = local._values()
                     if local.numel():
                         by_kind.setdefault((local.device, local.dtype), []).append(local)
             found_on: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
