@@ -87,9 +87,96 @@ def test_more_gpus_than_exist(monkeypatch):
         Loom(accelerator="cuda", devices=3)
 
 
-def test_fp16_mixed_is_refused_on_cpu():
-    with pytest.raises(ConfigurationError, match=r"16-mixed.*not supported on CPU.*bf16-mixed"):
-        Loom(accelerator="cpu", precision="16-mixed")
+def test_fp16_mixed_on_cpu_autocasts_scales_and_skips_overflow():
+    loom = Loom(accelerator="cpu", precision="16-mixed")
+    scaler = loom.strategy.precision.scaler
+    assert type(scaler) is torch.amp.GradScaler  # one process: torch's own scaler
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = model.module(x)
+    assert expected.dtype == torch.float16
+    out = model(x)
+    assert out.dtype == torch.float32 and torch.equal(out, expected.float())
+    # A finite step: gradients come back unscaled for clipping, the step is taken.
+    before = [p.detach().clone() for p in model.parameters()]
+    loom.backward(out.pow(2).mean())  # small gradients: at the initial scale 2**16 they fit in fp16
+    norm = loom.clip_gradients(model, opt, max_norm=1e6)
+    assert torch.isfinite(norm) and float(norm) < 1e3  # unscaled (the scale is 65536)
+    opt.step()
+    assert scaler.get_scale() == 2.0**16
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.zero_grad()
+    # An overflow: clip_gradients does not raise while a scaler is active; the step is skipped, the scale halved.
+    before = [p.detach().clone() for p in model.parameters()]
+    loom.backward(model(x).pow(2).mean())
+    next(model.parameters()).grad[0, 0] = float("inf")
+    assert not torch.isfinite(loom.clip_gradients(model, opt, max_norm=1.0))
+    opt.step()
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_bf16_capability_is_checked_in_the_rank_not_in_loom(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def no_cuda_in_loom(*args, **kwargs):
+        raise AssertionError("Loom() must not touch CUDA: it may run in the launching process")
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", no_cuda_in_loom)
+    loom = Loom(accelerator="cuda", devices=2, strategy="ddp", precision="bf16-mixed")
+    precision = loom.strategy.precision
+    # In the rank, once its GPU is current: emulation does not count (a pre-Ampere GPU only emulates bf16).
+    asked = []
+
+    def is_bf16_supported(including_emulation=True):
+        asked.append(including_emulation)
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100")
+    with pytest.raises(ConfigurationError, match=r"bf16-mixed.*native bfloat16.*V100.*'16-mixed'"):
+        precision.check_device(torch.device("cuda", 1))
+    assert asked == [False]
+    precision.check_device(torch.device("cpu"))  # CPUs are not asked
+
+
+def test_agreed_grad_scaler_matches_torch_in_one_process():
+    from torchloom.precision import AgreedGradScaler
+
+    results = []
+    for cls in (torch.amp.GradScaler, AgreedGradScaler):
+        torch.manual_seed(0)
+        dense, sparse = nn.Linear(3, 2), nn.Embedding(5, 3, sparse=True)
+        opt = torch.optim.SGD([*dense.parameters(), *sparse.parameters()], lr=0.1)
+        scaler = cls("cpu")
+        for poison in (False, True, False):
+            scaler.scale(dense(sparse(torch.tensor([1, 1, 4]))).sum()).backward()
+            if poison:
+                dense.bias.grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append((scaler.get_scale(), [p.detach().clone() for p in opt.param_groups[0]["params"]]))
+    (scale_a, params_a), (scale_b, params_b) = results
+    assert scale_a == scale_b == 2.0**15
+    # Equal up to summation order (the sparse gradient is coalesced before unscaling, as torch does for fp16).
+    for a, b in zip(params_a, params_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_nonfinite_norm_still_raises_without_a_scaler():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loom.backward(model(torch.randn(3, 4)).sum())
+    next(model.parameters()).grad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        loom.clip_gradients(model, opt, max_norm=1.0)
+    assert not torch.isfinite(loom.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False))
 
 
 @pytest.mark.parametrize("devices", [0, -1, "two", 1.5])

@@ -180,11 +180,6 @@ def precision_fp16(tmp: Path) -> None:
     cpu(precision="fp16")
 
 
-@mistake(ConfigurationError, "precision='16-mixed' (fp16 autocast", "Use precision='bf16-mixed' on CPU")
-def precision_16_mixed_on_cpu(tmp: Path) -> None:
-    cpu(precision="16-mixed")
-
-
 @mistake(ConfigurationError, "devices=0 is not valid on CPU", "pass a positive int (e.g. devices=2)")
 def devices_zero(tmp: Path) -> None:
     cpu(devices=0)

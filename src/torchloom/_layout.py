@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from torchloom import _torch_compat
+
 # Wrapper segments that FSDP1 and activation checkpointing insert into parameter names.
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -127,10 +129,10 @@ def _global_numel(param: torch.Tensor) -> int:
 def _fsdp1_unit_size(unit: Unit) -> None:
     # FSDP1 (use_orig_params) exposes each original parameter as a 1-D slice of this rank's shard; the flat
     # parameter remembers the original sizes.
-    flat = getattr(unit.module, "_flat_param", None)
-    if flat is not None and getattr(flat, "_numels", None) is not None:
-        unit.num_params = len(flat._numels)
-        unit.numel = int(sum(flat._numels))
+    numels = _torch_compat.fsdp1_flat_param_numels(unit.module)
+    if numels is not None:
+        unit.num_params = len(numels)
+        unit.numel = sum(numels)
 
 
 def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: int = 2) -> str:

@@ -89,8 +89,8 @@ def configure(
         env = detect_environment(num_processes, num_nodes)
     world_size = env.world_size()
 
-    prec = select_precision(precision, acc.name)
     instance = _select_strategy(strategy, world_size)
+    prec = select_precision(precision, acc.name, sharded_gradients=instance.sharded_gradients)
     if timeout is not None:
         if not isinstance(timeout, timedelta):
             raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")

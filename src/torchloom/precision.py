@@ -2,6 +2,10 @@
 
 Strategies that own their own mixed precision (FSDP) read `param_dtype` / `reduce_dtype` from here instead of
 using autocast; see the precision table in README.md.
+
+Loss scaling: one process, and DDP (whose gradients are the same on every rank), use torch's `GradScaler`. Under
+FSDP each rank holds only its shard of most gradients, so an inf can appear on one rank alone; `AgreedGradScaler`
+takes the found-inf decision over all ranks, so every rank skips the same steps and lowers the scale together.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from collections.abc import Generator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from torchloom import _torch_compat
 from torchloom.errors import ConfigurationError
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -37,11 +43,57 @@ def _apply_to_floats(data: Any, dtype: torch.dtype) -> Any:
     return torch.utils._pytree.tree_map(cast, data)
 
 
+class AgreedGradScaler(torch.amp.GradScaler):
+    """A GradScaler for sharded gradients: unscales the local pieces of DTensor gradients (FSDP2) next to plain
+    ones (FSDP1 shards, replicated leftovers), and takes the found-inf decision over every rank of `group`.
+
+    torch's own ShardedGradScaler does not fit: it hands DTensor and plain gradients of one device to a single
+    fused kernel (which refuses the mix), and all-reduces one found-inf tensor per device, a collective whose count
+    may differ between ranks (a rank without gradients on some device)."""
+
+    def __init__(self, device: str = "cuda", group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        #: The ranks that must agree; None: all of them (the default group).
+        self.group = group
+
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        # Master weights are fp32 under "16-mixed", so fp16 gradients are allowed as FSDP's own scaler allows them.
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if grad.is_sparse:  # as GradScaler does: check the coalesced values (duplicates summed)
+                        param.grad = grad = grad.coalesce()
+                    local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's own shard
+                    if local.is_sparse:
+                        local = local._values()
+                    if local.numel():
+                        by_kind.setdefault((local.device, local.dtype), []).append(local)
+            found_on: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
+            for (device, _), tensors in by_kind.items():
+                if device not in found_on:
+                    found_on[device] = torch.zeros_like(found_inf, device=device)
+                _torch_compat.unscale_and_check(tensors, found_on[device], inv_scale.to(device))
+            for found in found_on.values():
+                if found is not found_inf:
+                    torch.maximum(found_inf, found.to(found_inf.device), out=found_inf)
+        # Exactly one collective per unscale on every rank, even one that holds no gradient at all.
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+        return {found_inf.device: found_inf}
+
+
 class Precision:
     """One of the precision strings. `param_dtype` is the dtype parameters live in; `autocast_dtype` the dtype
-    forward computes in (None: no autocast)."""
+    forward computes in (None: no autocast). `sharded_gradients`: a strategy whose ranks hold different pieces
+    of the gradients (FSDP), which needs the loss scaler that agrees over ranks."""
 
-    def __init__(self, name: str, device_type: str) -> None:
+    def __init__(self, name: str, device_type: str, sharded_gradients: bool = False) -> None:
         self.name = name
         self.device_type = device_type
         self.param_dtype: torch.dtype = {
@@ -55,9 +107,10 @@ class Precision:
             "16-mixed": torch.float16,
         }.get(name)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-        self.scaler: torch.amp.GradScaler | None = (
-            torch.amp.GradScaler(device_type) if name == "16-mixed" else None
-        )
+        self.scaler: torch.amp.GradScaler | None = None
+        if name == "16-mixed":
+            scaler_cls = AgreedGradScaler if sharded_gradients else torch.amp.GradScaler
+            self.scaler = scaler_cls(device_type)
 
     @property
     def is_mixed(self) -> bool:
@@ -107,9 +160,22 @@ class Precision:
         """Bring fp16-scaled gradients back to true scale before clipping (once per step)."""
         if self.scaler is None:
             return
-        state = self.scaler._per_optimizer_states[id(optimizer)]
+        state = _torch_compat.grad_scaler_optimizer_state(self.scaler, optimizer)
         if state["stage"].name != "UNSCALED":
             self.scaler.unscale_(optimizer)
+
+    def skip_step_for_nonfinite_norm(self, optimizer: Optimizer) -> bool:
+        """Clipping met a non-finite gradient norm. With loss scaling that is the scaler's business: make sure
+        this step is skipped (and the scale lowered) and return True. Without a scaler return False.
+
+        The norm is the same on every rank, so every rank takes the same decision; it normally agrees with the
+        scaler's own found-inf already, and also covers a norm that overflowed from finite gradients."""
+        if self.scaler is None:
+            return False
+        state = _torch_compat.grad_scaler_optimizer_state(self.scaler, optimizer)
+        for found_inf in state["found_inf_per_device"].values():
+            found_inf.fill_(1.0)
+        return True
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         if self.scaler is None:
@@ -125,32 +191,35 @@ class Precision:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
 
+    def check_device(self, device: torch.device) -> None:
+        """Refuse bf16 on a GPU without native bfloat16 (pre-Ampere GPUs only emulate it, slowly). Called in the
+        rank once its device is current: asking in `Loom()` would create a CUDA context in the launching
+        process (which must not initialise CUDA before it starts the ranks) and on GPU 0 in every rank."""
+        if self.name not in ("bf16-mixed", "bf16-true") or device.type != "cuda":
+            return
+        with torch.cuda.device(device):  # the question is about this rank's GPU, whichever is current
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        if not native:
+            raise ConfigurationError(
+                f"precision={self.name!r} needs a GPU with native bfloat16 support (Ampere or newer); "
+                f"{torch.cuda.get_device_name(device)} only emulates it. Use '16-mixed' instead."
+            )
+
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
 
 
-def select_precision(precision: str | int, accelerator_name: str) -> Precision:
-    """Validate `precision=` against the accelerator and build it."""
+def select_precision(
+    precision: str | int, accelerator_name: str, sharded_gradients: bool = False
+) -> Precision:
+    """Validate `precision=` against the accelerator and build it (`sharded_gradients`: see `Precision`)."""
     name = _ALIASES.get(precision, precision)
     if name not in PRECISIONS:
         raise ConfigurationError(
             f"Unknown precision {precision!r}. Valid precisions: {', '.join(repr(p) for p in PRECISIONS)}."
         )
-    if name == "16-mixed" and accelerator_name == "cpu":
-        raise ConfigurationError(
-            "precision='16-mixed' (fp16 autocast with loss scaling) is not supported on CPU. "
-            "Use precision='bf16-mixed' on CPU, or run on CUDA."
-        )
     if name == "16-mixed" and accelerator_name == "mps":
         raise ConfigurationError("precision='16-mixed' is not supported on MPS. Use '16-true' or '32-true'.")
-    if (
-        name in ("bf16-mixed", "bf16-true")
-        and accelerator_name == "cuda"
-        and not torch.cuda.is_bf16_supported()
-    ):
-        raise ConfigurationError(
-            f"precision={name!r} needs a GPU with bfloat16 support (Ampere or newer). Use '16-mixed' instead."
-        )
     if name == "64-true" and accelerator_name == "mps":
         raise ConfigurationError("precision='64-true' is not supported on MPS (no float64). Use '32-true'.")
-    return Precision(name, "cuda" if accelerator_name == "cuda" else accelerator_name)
+    return Precision(name, "cuda" if accelerator_name == "cuda" else accelerator_name, sharded_gradients)

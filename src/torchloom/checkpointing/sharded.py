@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchloom import _torch_compat
 from torchloom.checkpointing import atomic
 from torchloom.checkpointing.full import metadata, write_error
 from torchloom.checkpointing.state import (
@@ -289,19 +290,13 @@ def read_entries(path: Path, keys: list[str] | None = None) -> dict[str, Any]:
     without a process group (what `torchloom consolidate` and `load` of unnamed entries use)."""
     # What torch's own `format_utils.dcp_to_torch_save` does, without writing a file: read every stored tensor
     # whole, in this process, into a state dict that needs no template.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     read_dcp_metadata(path)
     out: dict[str, Any] = {}
     try:
         with torch_internal_warnings_filtered():
-            _load_state_dict(
-                out,
-                storage_reader=FileSystemReader(str(path)),
-                planner=_EmptyStateDictLoadPlanner(keys=keys),
-                no_dist=True,
-            )
+            _torch_compat.load_whole_checkpoint(out, FileSystemReader(str(path)), keys)
+    except _torch_compat.TorchAPIMissing:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"Reading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
     return out

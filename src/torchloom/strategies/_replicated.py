@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchloom import _torch_compat
 from torchloom.errors import MisuseError
 
 _BUCKET_BYTES = 25 * 2**20
@@ -134,16 +135,16 @@ class ReplicatedGradSync:
         with self._lock:
             current = self._round
             if current is not None and not current.managed:
-                if current.graph_task != torch._C._current_graph_task_id():
+                if current.graph_task != _torch_compat.current_graph_task_id():
                     # A plain backward that raised never ran its end-of-backward callback.
                     self._round = None
                     self._end(current, failed=True)
                     current = None
             if current is None:
                 current = self._round = self._new_round(managed=False)
-                current.graph_task = torch._C._current_graph_task_id()
+                current.graph_task = _torch_compat.current_graph_task_id()
                 # Runs once at the very end of this backward pass, after every hook.
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_plain_backward)
+                _torch_compat.queue_backward_callback(self._end_plain_backward)
             current.missing[self._bucket_of[id(param)]] -= 1
             self._launch(current, force=False)
 

@@ -70,6 +70,27 @@ def _has_own_state(module: nn.Module, meta_only: bool = True) -> bool:
     return any(t.is_meta for t in tensors) if meta_only else bool(tensors)
 
 
+def materialize_meta(
+    module: nn.Module, device: torch.device, param_device: torch.device | None = None
+) -> None:
+    """Allocate `module`'s own meta-device parameters (on `param_device`, default `device`) and buffers (on
+    `device`), uninitialised, and leave its real tensors alone (`to_empty` would wipe them). Parameters keep
+    their identity: FSDP2 holds on to its sharded DTensors."""
+    for name, param in list(module._parameters.items()):
+        if param is None or not param.is_meta:
+            continue
+        empty = nn.Parameter(
+            torch.empty_like(param, device=param_device or device), requires_grad=param.requires_grad
+        )
+        if type(param.data) is not torch.Tensor:  # a DTensor: swap, as nn.Module._apply does for subclasses
+            torch.utils.swap_tensors(param, empty)
+        else:
+            module._parameters[name] = empty  # what to_empty does: a meta tensor cannot take real data
+    for name, buf in list(module._buffers.items()):
+        if buf is not None and buf.is_meta:
+            module._buffers[name] = torch.empty_like(buf, device=device)
+
+
 def meta_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules whose own parameters/buffers are on the meta device; each must know how to initialise itself."""
     found = [(name, m) for name, m in module.named_modules() if _has_own_state(m)]
@@ -90,6 +111,7 @@ class ShardedStrategy(ParallelStrategy):
     supports_meta_init = True
     #: Sharding replaces parameters, so optimizers must be created after setup_module.
     replaces_parameters = True
+    sharded_gradients = True
     #: Whether activation checkpointing goes on before the units are made (FSDP2) or after (FSDP1).
     _checkpoint_before_sharding = True
 
@@ -193,6 +215,7 @@ class ShardedStrategy(ParallelStrategy):
                 self._apply_activation_checkpointing(forward_module)
         self._materialize(forward_module, pending_init)
         layout = analyze(forward_module)
+        self._place_outside_units(forward_module, layout)
         self._layouts[id(forward_module)] = layout
         self._replicate_leftovers(forward_module, layout)
         # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
@@ -239,8 +262,20 @@ class ShardedStrategy(ParallelStrategy):
         with torch.no_grad():
             for _, mod in outside:
                 # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
-                mod.to_empty(device=self.root_device, recurse=False)
+                materialize_meta(mod, self.root_device)
                 _init_fn(mod)()  # type: ignore[misc]
+
+    def _place_outside_units(self, module: nn.Module, layout: Layout) -> None:
+        """Move every parameter and buffer outside the units to the device. `fully_shard` and
+        `FSDP(device_id=)` move only what their unit owns, so a model built on the CPU and sharded by hand keeps
+        its leftovers there, and the broadcasts that follow would fail under NCCL."""
+        device = self.root_device
+        inside = {id(m) for unit in layout.units for m in unit.module.modules()}
+        for mod in module.modules():
+            own = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
+            if id(mod) not in inside and any(not t.is_meta and t.device != device for t in own):
+                # nn.Module.to's own conversion, on this module's tensors only: in place where it can be.
+                mod._apply(lambda t: t if t.is_meta else t.to(device), recurse=False)
 
     def _replicate_leftovers(self, module: nn.Module, layout: Layout) -> None:
         if not layout.leftovers:
@@ -324,11 +359,15 @@ class ShardedStrategy(ParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = self._total_norm(module, optimizer, float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
-                "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
-            )
+        if not torch.isfinite(total):
+            # The norm is the same on every rank, so every rank takes the same branch.
+            if self.precision.skip_step_for_nonfinite_norm(optimizer):
+                return total  # fp16 overflow: the loss scaler skips this step on every rank
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                    "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+                )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # One fused multiply per device and dtype (what torch.nn.utils.clip_grads_with_norm_ does), on the local
         # pieces of sharded gradients.

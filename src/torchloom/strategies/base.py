@@ -88,8 +88,9 @@ class Strategy:
 
     def setup_environment(self) -> None:
         """Called once per rank by `Loom.launch()` before the user's code runs."""
-        assert self.accelerator is not None
+        assert self.accelerator is not None and self.precision is not None
         self.accelerator.setup_device(self.root_device)
+        self.precision.check_device(self.root_device)
 
     def teardown(self) -> None:
         """Release what `setup_environment` took."""
@@ -98,20 +99,29 @@ class Strategy:
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Modules created inside land on the right device and dtype. `empty_init=True` skips initialisation
-        work (meta device for strategies that can materialise, otherwise the target device without copies)."""
-        device = torch.device("meta") if empty_init and self.supports_meta_init else self.root_device
+        work: strategies that can materialise create parameters on the meta device (buffers stay real, so the
+        ones computed in `__init__`, such as rotary `inv_freq`, keep their values); others create everything on
+        the target device without copies."""
         assert self.precision is not None
-        with device, self.precision.module_init_context():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.root_device)
+            if empty_init and self.supports_meta_init:
+                stack.enter_context(parameters_on_meta())
+            stack.enter_context(self.precision.module_init_context())
             yield
 
     #: Whether `setup_module` can materialise a model created on the meta device.
     supports_meta_init: bool = False
     #: Whether `setup_module` replaces the module's parameters (sharding), so optimizers must come after it.
     replaces_parameters: bool = False
+    #: Whether ranks hold different pieces of the gradients, so fp16 loss scaling must agree over ranks.
+    sharded_gradients: bool = False
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/wrap `module` and return what the forward should run through."""
         self._check_not_meta(module)
+        assert self.precision is not None
+        self.precision.check_device(self.root_device)  # one process may never call launch()
         return module.to(self.root_device)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -137,9 +147,18 @@ class Strategy:
         assert self.precision is not None
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(
-            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-        )
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        if not torch.isfinite(total):
+            if self.precision.skip_step_for_nonfinite_norm(optimizer):
+                return total  # fp16 overflow: the loss scaler skips this step
+            if error_if_nonfinite:
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                    "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+                )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
         assert self.precision is not None
@@ -291,6 +310,46 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Generator[None, None, None]:
+    """Parameters registered inside move to the meta device as they are registered; buffers do not (what
+    `accelerate.init_empty_weights(include_buffers=False)` does). Modules call `reset_parameters()` after
+    registering their parameters, so that initialisation runs on meta and costs nothing; only the empty tensor
+    a module allocates for one parameter exists for a moment."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        param = module._parameters.get(name)
+        # Plain tensors only: a DTensor registered here is fully_shard's, already sharded.
+        if param is not None and not param.is_meta and type(param.data) is torch.Tensor:
+            extra = dict(param.__dict__)  # attributes some libraries hang on parameters
+            meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(extra)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def real_parameters() -> Generator[None, None, None]:
+    """Inside `parameters_on_meta()`: register parameters as they are, for a wrapper such as FSDP1 that
+    re-registers views of its own (real) flat parameter."""
+    patched = nn.Module.register_parameter
+    nn.Module.register_parameter = _REGISTER_PARAMETER  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = patched  # type: ignore[method-assign]
+
+
+_REGISTER_PARAMETER = nn.Module.register_parameter
 
 
 def _reduce_op(name: str) -> dist.ReduceOp:

@@ -17,7 +17,8 @@ from torch import nn
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._replicated import broadcast_tensors
-from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
+from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy, materialize_meta
+from torchloom.strategies.base import real_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -133,7 +134,7 @@ class FSDPStrategy(ShardedStrategy):
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if not any(t.is_meta for t in own):
             return
-        module.to_empty(device=self.root_device, recurse=False)
+        materialize_meta(module, self.root_device)  # only the meta tensors: real buffers keep their values
         init = _init_fn(module)
         if init is not None:
             with torch.no_grad():
@@ -147,7 +148,8 @@ class FSDPStrategy(ShardedStrategy):
         own = [*module.parameters(), *module.buffers()]
         if own and not any(t.is_meta for t in own):
             broadcast_tensors(own)
-        return FSDP(module, **kwargs)
+        with real_parameters():  # FSDP registers views of its flat parameter: they must stay real
+            return FSDP(module, **kwargs)
 
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

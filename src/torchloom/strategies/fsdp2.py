@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit
 from torchloom.errors import ConfigurationError
-from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy
+from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy, materialize_meta
 
 # torch.distributed.fsdp and torch.distributed.tensor are imported where they are used, not here: together they
 # cost about a second of start-up, and this module is imported by `Loom(strategy="fsdp2")` in the launching
@@ -124,7 +125,7 @@ class FSDP2Strategy(ShardedStrategy):
             for unit in units:
                 # A root left at fully_shard's default reshard_after_forward keeps its parameters unsharded from
                 # forward to backward: with every block a root, the whole model. Non-root units reshard.
-                if getattr(unit._get_fsdp_state(), "_auto_reshard_after_forward", False):
+                if _torch_compat.fsdp2_auto_reshard_after_forward(unit):
                     unit.set_reshard_after_forward(True, recurse=False)
             # Each root has its own communication context and keeps its full-size reduce-scatter input until
             # the end of backward: the whole model's gradients, unsharded. One shared context frees each as the
@@ -182,10 +183,12 @@ class FSDP2Strategy(ShardedStrategy):
 
     # ---- meta-device initialisation --------------------------------------------------------------------------
     def _materialize_units(self, module: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
-        # Allocate every rank's shards (and the leftovers) on the device, with no values yet.
-        module.to_empty(device=self.root_device)
+        # Allocate only what is on meta, module by module: real tensors (units built for real) keep their values.
+        # Shards live in CPU memory under cpu_offload (FSDP2 refuses them elsewhere); buffers on the device.
+        shard_device = torch.device("cpu") if self.cpu_offload else self.root_device
         with torch.no_grad():
             for _, mod in modules:
+                materialize_meta(mod, self.root_device, param_device=shard_device)
                 self._init_sharded_module(mod)
 
     def _init_sharded_module(self, mod: nn.Module) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchloom import diagnostics
+from torchloom import _torch_compat, diagnostics
 from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, MisuseError
 from torchloom.launcher import _is_peer_failure
 from torchloom.strategies.base import Strategy, _reduce_op
@@ -203,10 +203,10 @@ def exit_timeout() -> timedelta:
 
 def _exit_store() -> Any:
     """The job's key-value store, which every launcher (torchrun, torchloom's agent, SLURM with env://) sets up
-    before the process group and which needs no collective to use. Private in torch; None where it is missing."""
+    before the process group and which needs no collective to use; None where there is none."""
     try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
+        return _torch_compat.default_store()
+    except (RuntimeError, ValueError):
         return None
 
 

@@ -1,0 +1,130 @@
+"""Every private PyTorch API torchloom relies on, in one place, and the lowest torch it supports.
+
+Each accessor checks that its API still exists and fails loudly, naming the torch version, when a torch upgrade
+renamed or removed it (never a silent fallback); `tests/test_torch_compat.py` checks each one against the
+installed torch. Nothing else in torchloom reaches into torch's private names. Public APIs that only recent
+versions have (DCP's `async_stager=`, 2.9) are covered by `MIN_TORCH`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.torch_version import TorchVersion
+
+#: The lowest torch the test suite passes on; pyproject.toml declares the same.
+MIN_TORCH = "2.9"
+
+
+class TorchAPIMissing(RuntimeError):
+    """A private torch API torchloom needs is not there in the installed torch."""
+
+
+def _missing(what: str) -> TorchAPIMissing:
+    return TorchAPIMissing(
+        f"torchloom needs {what}, which torch {torch.__version__} does not have (renamed or removed). This torch "
+        f"version is not supported yet: install one the README lists as tested (torch>={MIN_TORCH}), or report it."
+    )
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    if TorchVersion(version) < MIN_TORCH:
+        raise ImportError(f"torchloom needs torch>={MIN_TORCH}, but torch {version} is installed.")
+
+
+check_torch_version()
+
+
+# ---- autograd ------------------------------------------------------------------------------------------------
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` once at the end of the current backward pass, after every hook (what DDP's reducer and
+    FSDP use). Only valid while a backward pass runs."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise _missing("torch.autograd.Variable._execution_engine.queue_callback")
+    queue(callback)
+
+
+def current_graph_task_id() -> int:
+    """An id of the backward pass running on this thread (-1 outside one): tells one backward from the next."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    if get is None:
+        raise _missing("torch._C._current_graph_task_id")
+    return get()
+
+
+# ---- the job's store -----------------------------------------------------------------------------------------
+def default_store() -> Any:
+    """The key-value store the default process group was made with (None when there is no group)."""
+    import torch.distributed as dist
+
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise _missing("torch.distributed.distributed_c10d._get_default_store")
+    if not dist.is_initialized():
+        return None
+    return get()
+
+
+# ---- loss scaling --------------------------------------------------------------------------------------------
+def grad_scaler_optimizer_state(scaler: torch.amp.GradScaler, optimizer: Any) -> dict[str, Any]:
+    """The scaler's per-optimizer record: {"stage": OptState, "found_inf_per_device": {device: tensor}}."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise _missing("GradScaler._per_optimizer_states")
+    state = states[id(optimizer)]
+    if "stage" not in state or "found_inf_per_device" not in state:
+        raise _missing("the 'stage' and 'found_inf_per_device' entries of GradScaler._per_optimizer_states")
+    return state
+
+
+def unscale_and_check(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply `tensors` (one device and dtype) by `inv_scale` in place; set `found_inf` to 1 if any value is
+    inf or NaN (GradScaler's own fused kernel)."""
+    op = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if op is None:
+        raise _missing("torch._amp_foreach_non_finite_check_and_unscale_")
+    op(tensors, found_inf, inv_scale)
+
+
+# ---- FSDP ----------------------------------------------------------------------------------------------------
+def fsdp2_auto_reshard_after_forward(unit: Any) -> bool:
+    """Whether `fully_shard` left this unit at its default `reshard_after_forward` (None: torch decides; a root
+    then keeps its parameters unsharded from forward to backward)."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    state = get_state() if get_state is not None else None
+    if state is None or not hasattr(state, "_auto_reshard_after_forward"):
+        raise _missing("FSDP2's FSDPState._auto_reshard_after_forward (through FSDPModule._get_fsdp_state())")
+    return bool(state._auto_reshard_after_forward)
+
+
+def fsdp1_flat_param_numels(unit: Any) -> list[int] | None:
+    """The element counts of the original parameters an FSDP1 unit flattened (None: it manages none)."""
+    if not hasattr(unit, "_flat_param"):
+        raise _missing("FullyShardedDataParallel._flat_param")
+    flat = unit._flat_param
+    if flat is None:
+        return None
+    numels = getattr(flat, "_numels", None)
+    if numels is None:
+        raise _missing("FlatParameter._numels")
+    return [int(n) for n in numels]
+
+
+# ---- distributed checkpoint ----------------------------------------------------------------------------------
+def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | None = None) -> None:
+    """Fill `state` with every stored entry (or `keys`) of a DCP checkpoint, whole, in this process and without
+    a process group: what torch's own `format_utils.dcp_to_torch_save` does."""
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError:
+        raise _missing(
+            "torch.distributed.checkpoint's _EmptyStateDictLoadPlanner and state_dict_loader._load_state_dict"
+        ) from None
+    _load_state_dict(
+        state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
+    )

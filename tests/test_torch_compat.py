@@ -1,0 +1,151 @@
+"""Each private torch API torchloom uses (src/torchloom/_torch_compat.py) works on the installed torch, and its
+absence fails loudly instead of silently doing nothing."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from harness import run_ranks
+
+from torchloom import _torch_compat
+from torchloom._torch_compat import TorchAPIMissing
+
+
+def test_version_floor():
+    _torch_compat.check_torch_version()  # the installed one passes
+    _torch_compat.check_torch_version("2.9.0+cpu")
+    with pytest.raises(ImportError, match=r"torch>=2\.9.*2\.8\.1"):
+        _torch_compat.check_torch_version("2.8.1")
+    with open(f"{__file__.rsplit('/tests/', 1)[0]}/pyproject.toml") as f:
+        assert f'"torch>={_torch_compat.MIN_TORCH}"' in f.read()  # pyproject declares the same floor
+
+
+def test_queue_backward_callback(monkeypatch):
+    order = []
+    x = torch.ones(3, requires_grad=True)
+
+    def hook(grad):
+        order.append("hook")
+        _torch_compat.queue_backward_callback(lambda: order.append("end of backward"))
+        return grad
+
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    assert order == ["hook", "end of backward"]
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", object())
+    with pytest.raises(TorchAPIMissing, match="queue_callback"):
+        _torch_compat.queue_backward_callback(lambda: None)
+
+
+def test_current_graph_task_id(monkeypatch):
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    for _ in range(2):
+        y = x * 2
+        y.register_hook(lambda g: seen.append(_torch_compat.current_graph_task_id()))
+        y.sum().backward()
+    assert _torch_compat.current_graph_task_id() == -1
+    assert len(seen) == 2 and seen[0] != seen[1] and min(seen) >= 0
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    with pytest.raises(TorchAPIMissing, match="_current_graph_task_id"):
+        _torch_compat.current_graph_task_id()
+
+
+def _store_body(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    store = _torch_compat.default_store()
+    store.set(f"k{rank}", "v")
+    store.wait([f"k{1 - rank}"])
+    value = store.get(f"k{1 - rank}").decode()
+    dist.destroy_process_group()
+    return value
+
+
+@pytest.mark.timeout(120)
+def test_default_store(monkeypatch):
+    assert _torch_compat.default_store() is None  # no process group in this process
+    assert run_ranks(_store_body, 2, timeout=100) == ["v", "v"]
+    import torch.distributed as dist
+
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    with pytest.raises(TorchAPIMissing, match="_get_default_store"):
+        _torch_compat.default_store()
+
+
+def test_grad_scaler_optimizer_state():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert _torch_compat.grad_scaler_optimizer_state(scaler, opt)["stage"].name == "READY"
+    scaler.unscale_(opt)
+    state = _torch_compat.grad_scaler_optimizer_state(scaler, opt)
+    assert state["stage"].name == "UNSCALED" and list(state["found_inf_per_device"]) == [torch.device("cpu")]
+    with pytest.raises(TorchAPIMissing, match="_per_optimizer_states"):
+        _torch_compat.grad_scaler_optimizer_state(types.SimpleNamespace(), opt)
+
+
+def test_unscale_and_check():
+    a, b = torch.tensor([2.0, 4.0]), torch.tensor([8.0])
+    found = torch.zeros(())
+    _torch_compat.unscale_and_check([a, b], found, torch.tensor(0.5))
+    assert a.tolist() == [1.0, 2.0] and b.tolist() == [4.0] and found.item() == 0.0
+    _torch_compat.unscale_and_check([torch.tensor([float("inf")])], found, torch.tensor(0.5))
+    assert found.item() == 1.0
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_load_whole_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "nested": {"b": torch.ones(2)}}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    out: dict = {}
+    _torch_compat.load_whole_checkpoint(out, dcp.FileSystemReader(str(tmp_path)))
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["nested"]["b"], state["nested"]["b"])
+    only: dict = {}
+    _torch_compat.load_whole_checkpoint(only, dcp.FileSystemReader(str(tmp_path)), keys=["w"])
+    assert list(only) == ["w"]
+
+
+def _fsdp_body(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+    out = {}
+    default = fully_shard(torch.nn.Linear(3, 4))
+    explicit = fully_shard(torch.nn.Linear(3, 4), reshard_after_forward=True)
+    out["auto_default"] = _torch_compat.fsdp2_auto_reshard_after_forward(default)
+    out["auto_explicit"] = _torch_compat.fsdp2_auto_reshard_after_forward(explicit)
+    out["numels"] = _torch_compat.fsdp1_flat_param_numels(
+        FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
+    )
+    out["no_params"] = _torch_compat.fsdp1_flat_param_numels(
+        FSDP(torch.nn.ReLU(), device_id=cpu, use_orig_params=True)
+    )
+    for name, fn in (
+        ("fsdp2_missing", _torch_compat.fsdp2_auto_reshard_after_forward),
+        ("fsdp1_missing", _torch_compat.fsdp1_flat_param_numels),
+    ):
+        try:
+            fn(torch.nn.Linear(1, 1))
+            out[name] = None
+        except TorchAPIMissing as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_private_state():
+    (got,) = run_ranks(_fsdp_body, 1, timeout=100)
+    assert got["auto_default"] is True and got["auto_explicit"] is False
+    assert got["numels"] == [12, 4] and got["no_params"] is None
+    assert "_auto_reshard_after_forward" in got["fsdp2_missing"]
+    assert "_flat_param" in got["fsdp1_missing"]
