@@ -242,3 +242,85 @@ def test_root_cause_is_the_rank_that_failed_first_within_the_same_second(survivo
     error = SimpleNamespace(failures={0: survivor, 1: culprit})
     assert launcher._root_failure(error)[0] == 1
     assert launcher._describe_failure(error).startswith("torchloom: rank 1 failed")
+
+
+STARTUP_SCRIPT = """
+import os, sys, time
+
+marks, phase = sys.argv[1], sys.argv[2]
+in_rank = os.environ.get("TORCHLOOM_LAUNCHED") == "1"
+
+
+def stop_here(name):
+    # Announce this rank, then stay in this phase of start-up until killed.
+    open(os.path.join(marks, f"{{name}}-{{os.getpid()}}"), "w").close()
+    time.sleep(120)
+
+
+if in_rank and phase == "first_line":
+    stop_here(phase)
+if in_rank and phase == "importing_main" and __name__ == "__mp_main__":
+    stop_here(phase)  # loom.launch(fn): a spawned rank re-imports the main module before it unpickles anything
+import torch  # noqa: E402
+
+if in_rank and phase == "imported_torch":
+    stop_here(phase)
+sys.path.insert(0, {tests!r})
+from torchloom import Loom  # noqa: E402
+
+
+def fn(loom):
+    stop_here("in_fn")
+
+
+if __name__ == "__main__":
+    loom = Loom(accelerator="cpu", devices=2)
+    if in_rank and phase == "before_launch":
+        stop_here(phase)
+    if phase in ("importing_main", "in_fn"):
+        loom.launch(fn)
+    else:
+        loom.launch()
+        stop_here(phase)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "phase", ["first_line", "imported_torch", "before_launch", "after_launch", "importing_main", "in_fn"]
+)
+def test_a_killed_launcher_takes_its_ranks_at_every_point_of_start_up(tmp_path, phase):
+    """SIGKILL leaves the launcher no chance to clean up: each rank must already have asked the kernel to end
+    it with its parent, from its first instant, not only once it reaches loom.launch()."""
+    script = tmp_path / "start.py"
+    script.write_text(STARTUP_SCRIPT.format(tests=str(TESTS)))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    token = f"startup-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, TOKEN_ENV: token}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    proc = subprocess.Popen(
+        [PYTHON, str(script), str(marks), phase],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while len(list(marks.iterdir())) < 2:
+            assert proc.poll() is None, (
+                f"the launcher ended (exit code {proc.returncode}) before its ranks got there"
+            )
+            assert time.monotonic() < deadline, "the ranks never reached the phase"
+            time.sleep(0.1)
+        ranks = [int(p.name.rsplit("-", 1)[1]) for p in marks.iterdir()]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert wait_no_strays(token, within=10) == [], f"ranks {ranks} outlived the launcher"
+    finally:
+        kill_token(token)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
