@@ -103,12 +103,12 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def build_layout(loom, flavour: str, layout: str) -> nn.Module:
-    """The model as each layout's user would build it (same seed as the reference)."""
+def build_layout(loom, flavour: str, layout: str, seed: int = 0) -> nn.Module:
+    """The model as each layout's user would build it (seed 0: the reference's initialisation)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if layout == "torch_built":
         model = torch_built_model()
         for i in (2, 4):  # PyTorch's own APIs, called directly: two non-root units, leftovers around them

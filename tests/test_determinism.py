@@ -50,8 +50,11 @@ class Model(nn.Module):
         return self.head(h)
 
 
-def _train(strategy: str, seed: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Seed, build, train; this rank's losses and the full final parameters."""
+def _train(
+    strategy: str, seed: int, world_size: int
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Seed, build, train; this rank's losses, the full final parameters, and this rank's own copies of the
+    parameters every rank holds whole (all of them under DDP, the replicated leftovers under FSDP2)."""
     from torch.distributed.fsdp import fully_shard
 
     loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
@@ -78,7 +81,8 @@ def _train(strategy: str, seed: int, world_size: int) -> tuple[list[float], dict
                 loom.clip_gradients(model, optimizer, max_norm=0.5)
                 optimizer.step()
                 optimizer.zero_grad()
-    return losses, full_state(model)
+    own = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "to_local")}
+    return losses, full_state(model), own
 
 
 def _runs(rank: int, world_size: int) -> dict[str, Any]:
@@ -105,13 +109,16 @@ def test_same_seed_and_world_size_give_bit_identical_runs(
 ) -> None:
     first, second = two_runs
     for rank in range(2):
-        losses_1, params_1 = first[rank][strategy]
-        losses_2, params_2 = second[rank][strategy]
+        losses_1, params_1, _ = first[rank][strategy]
+        losses_2, params_2, _ = second[rank][strategy]
         assert len(losses_1) == 16
         assert losses_1 == losses_2, f"rank {rank}: losses differ between two runs"
         _assert_same(params_1, params_2, f"rank {rank}, run 1 vs run 2")
-    # Within a run the ranks agree on the model, and each trained on its own half of the data.
-    _assert_same(first[0][strategy][1], first[1][strategy][1], "rank 0 vs rank 1")
+    # Within a run the ranks' own copies of what they all hold whole agree (gathered sharded parameters would
+    # agree by construction), and each rank trained on its own half of the data.
+    own_0, own_1 = first[0][strategy][2], first[1][strategy][2]
+    assert set(own_0) >= {"embed.weight", "head.weight"}, sorted(own_0)
+    _assert_same(own_0, own_1, "rank 0 vs rank 1")
     assert first[0][strategy][0] != first[1][strategy][0]
 
 

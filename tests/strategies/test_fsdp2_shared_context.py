@@ -47,10 +47,23 @@ def _body(rank: int, world_size: int) -> dict:
     return {"contexts": len(contexts), "max_retained": max(retained), "sharded": sharded_after_forward}
 
 
-@pytest.mark.skipif(share_comm_ctx is None, reason="torch.distributed.fsdp.share_comm_ctx needs torch >= 2.8")
-def test_hand_made_units_without_a_root_act_as_under_one():
-    for result in run_ranks(_body, 2, timeout=120):
-        assert result["contexts"] == 1
-        assert result["max_retained"] <= 1
+@pytest.fixture(scope="module")
+def results():
+    if share_comm_ctx is None:
+        pytest.skip("torch.distributed.fsdp.share_comm_ctx needs torch >= 2.8")
+    return run_ranks(_body, 2, timeout=120)
+
+
+def test_hand_made_units_without_a_root_reshard_after_forward(results):
+    for result in results:
         for sharded in result["sharded"]:
             assert sharded == [True] * (len(sharded) - 1) + [False]
+
+
+def test_pin_private_fsdp2_comm_ctx_shared_by_units_without_a_root(results):
+    """A pin of FSDP2's private state (`_get_fsdp_state()._comm_ctx.reduce_scatter_states`), which has no public
+    view: one communication context for all units, and at most one reduce-scatter buffer held at a time. If a
+    torch upgrade renames these, rewrite this test against benchmarks/memory.py's measured peak instead."""
+    for result in results:
+        assert result["contexts"] == 1
+        assert result["max_retained"] <= 1
