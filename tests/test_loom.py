@@ -214,10 +214,10 @@ def test_single_process_defaults_and_identity_collectives(capsys):
     assert loom.launch(lambda lm, a: (lm is loom, a), 7) == (True, 7)  # runs in this process
     data = {"a": torch.tensor([1.0, 2.0]), "b": [torch.tensor(3)]}
     for op in ("mean", "sum", "max", "min"):
-        out = loom.all_reduce(data, op)
+        out = loom.all_reduce(data, reduce_op=op)
         assert torch.equal(out["a"], data["a"]) and torch.equal(out["b"][0], data["b"][0])
     with pytest.raises(ValueError, match="Unknown reduce_op 'median'"):
-        loom.all_reduce(data, "median")
+        loom.all_reduce(data, reduce_op="median")
     gathered = loom.all_gather(data)
     assert gathered["a"].shape == (1, 2) and torch.equal(gathered["a"][0], data["a"])
     assert loom.broadcast({"x": 1}) == {"x": 1}
@@ -394,7 +394,7 @@ def _rank_body(rank: int, world_size: int) -> dict:
         loom.launch()
     # Collectives on nested data.
     data = {"a": torch.tensor([rank + 1.0, 10.0 * rank]), "b": [torch.tensor([rank + 2])]}
-    out["reduce"] = {op: loom.all_reduce(data, op) for op in ("mean", "sum", "max", "min")}
+    out["reduce"] = {op: loom.all_reduce(data, reduce_op=op) for op in ("mean", "sum", "max", "min")}
     out["gather"] = loom.all_gather(data)
     out["broadcast"] = loom.broadcast({"from": rank}, src=1)
     loom.barrier()

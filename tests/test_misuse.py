@@ -756,7 +756,9 @@ def _rank_mistakes(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
         else:
             out[case.id] = (None, "no error")
     # The ranks are still in step after every refusal: a collective after all of them completes.
-    out["__sum__"] = float(launched(devices=world_size, strategy="ddp").all_reduce(torch.ones(1), "sum"))
+    out["__sum__"] = float(
+        launched(devices=world_size, strategy="ddp").all_reduce(torch.ones(1), reduce_op="sum")
+    )
     return out
 
 

@@ -13,10 +13,12 @@ from typing import Any, overload
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from torchloom import checkpointing, launcher
+from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
 from torchloom.connector import command_line_defaults, configure
 from torchloom.environments import TorchElasticEnvironment
@@ -270,13 +272,14 @@ class Loom:
         self,
         module: LoomModule,
         optimizer: Optimizer,
-        max_norm: float | None = None,
         clip_val: float | None = None,
+        max_norm: float | None = None,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor | None:
-        """Clip gradients by global norm (`max_norm`, returns the total norm before clipping) or by value
-        (`clip_val`, returns None). Pass exactly one of them."""
+        """Clip gradients by value (`clip_val`, returns None) or by global norm (`max_norm`, returns the total
+        norm before clipping). Pass exactly one of them. The order is Fabric's: `clip_gradients(model, opt, 0.5)`
+        clips by value."""
         if (max_norm is None) == (clip_val is None):
             raise ValueError(
                 "clip_gradients needs exactly one of max_norm= (clip by global norm) or clip_val= (clip by value)."
@@ -313,15 +316,23 @@ class Loom:
         )
 
     # ---- collectives -----------------------------------------------------------------------------------------
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors (or nested dicts/lists of them) over all ranks: "mean", "sum", "max", "min"."""
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: str | ReduceOp = "mean") -> Any:
+        """Reduce tensors and numbers (or nested dicts/lists/tuples of them) over all ranks, or over `group`:
+        "mean", "sum", "max", "min", "product" or a `torch.distributed.ReduceOp`. Numbers come back as tensors
+        on `loom.device`."""
         self._require_launch("all_reduce")
-        return self._strategy.all_reduce(data, reduce_op)
+        reduce_op = reduce_op_name(_not_an_op(group, reduce_op))
+        return self._strategy.all_reduce(numbers_to_tensors(data, self.device), reduce_op, group=group)
 
-    def all_gather(self, data: Any) -> Any:
-        """Gather tensors from all ranks; each tensor comes back stacked with a leading world-size dimension."""
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Gather tensors and numbers (or nested collections of them) from all ranks, or from `group`; each comes
+        back as a tensor stacked with a leading dimension of the group's size (also in one process). With
+        `sync_grads=True`, gradients flow back through the gather to every rank's input."""
         self._require_launch("all_gather")
-        return self._strategy.all_gather(data)
+        _not_an_op(group, None)
+        return self._strategy.all_gather(
+            numbers_to_tensors(data, self.device), group=group, sync_grads=sync_grads
+        )
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send any picklable object from rank `src` to every rank."""
@@ -486,6 +497,17 @@ class Loom:
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
+
+
+def _not_an_op(group: Any, reduce_op: Any) -> Any:
+    """Refuse a reduce op passed where the group goes (torchloom's order was `all_reduce(data, reduce_op)`;
+    Fabric's, now ours, is `all_reduce(data, group, reduce_op)`)."""
+    if isinstance(group, (str, ReduceOp)):
+        raise MisuseError(
+            f"The second argument of all_reduce/all_gather is the process group, got {group!r}. Pass the reduce "
+            f"operation by name: all_reduce(data, reduce_op={group!r})."
+        )
+    return reduce_op
 
 
 def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:

@@ -1,0 +1,368 @@
+"""Lightning Fabric compatibility (issue 12): what a Fabric script does must do the same under torchloom.
+
+The multi-rank checks share one launch of 2 CPU gloo ranks; each check records its result or its error, so one
+failing check does not hide the others. Differential tests run the same small script through Lightning Fabric
+and through torchloom (`fabric_scripts.py`) and compare losses, parameters and outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_ranks
+from torch import nn
+
+from torchloom import Loom, MisuseError
+
+STEPS = 3
+GLOBAL_BATCH = 8
+LR = 0.1
+
+
+class StepNet(nn.Module):
+    """A LightningModule-style model: the loop calls `training_step`, not forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 1)
+        self.flag = "unset"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.layer(x)))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def my_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.l1_loss(self.head(torch.tanh(self.layer(x))), y)
+
+    def describe(self) -> str:
+        return f"StepNet({self.flag})"
+
+
+def make_model() -> StepNet:
+    torch.manual_seed(0)
+    return StepNet()
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def local(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    n = GLOBAL_BATCH // world_size
+    return tuple(t[rank * n : (rank + 1) * n] for t in batch)
+
+
+def reference(step: str) -> dict[str, torch.Tensor]:
+    """One process, the concatenated global batch, plain PyTorch."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for batch in global_batches():
+        loss = getattr(model, step)(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check(out: dict, name: str, fn) -> None:
+    try:
+        out[name] = fn()
+    except Exception as error:  # noqa: BLE001 - reported by the test that reads this entry
+        out[name] = f"ERROR {type(error).__name__}: {error}"
+
+
+def _setup(loom: Loom) -> tuple:
+    model = make_model()
+    return loom.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+
+
+def _train(loom: Loom, step: str, mark: str | None = None) -> dict[str, torch.Tensor]:
+    model, opt = _setup(loom)
+    if mark is not None:
+        model.mark_forward_method(mark)
+    for batch in global_batches():
+        loss = getattr(model, step)(local(batch, loom.global_rank, loom.world_size))
+        opt.zero_grad()
+        loom.backward(loss)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ddp_body(rank: int, world_size: int) -> dict:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
+    loom.launch()
+    out: dict = {}
+    # 1: step methods and marked methods run through DDP; unmarked ones that run layers are refused.
+    _check(out, "training_step", lambda: _train(loom, "training_step"))
+    _check(out, "marked", lambda: _train(loom, "my_loss", mark="my_loss"))
+    _check(out, "marked_by_method", lambda: _train_marked_by_method(loom))
+
+    def unmarked() -> str:
+        model = loom.setup(make_model())
+        assert model.describe() == "StepNet(unset)"  # methods that run no layer are fine
+        try:
+            model.my_loss(local(global_batches()[0], rank, world_size))
+        except MisuseError as error:
+            return str(error)
+        return "no error"
+
+    _check(out, "unmarked", unmarked)
+
+    # 3: setting an attribute on the wrapper reaches the user's module.
+    def setattr_reaches() -> tuple:
+        model = loom.setup(make_model())
+        model.flag = "set"
+        model.new_attribute = 5
+        model.eval()
+        return (
+            model.module.flag,
+            getattr(model.module, "new_attribute", None),
+            model.module.training,
+            model.describe(),
+        )
+
+    _check(out, "setattr", setattr_reaches)
+
+    # 2: numbers and nested collections, ReduceOp, group, sync_grads.
+    _check(out, "reduce_number", lambda: loom.all_reduce(float(rank + 1)))
+    _check(out, "reduce_sum_int", lambda: loom.all_reduce(rank + 1, reduce_op="sum"))
+    _check(
+        out,
+        "reduce_nested",
+        lambda: loom.all_reduce(
+            {"a": float(rank), "b": [2.0 * rank, torch.tensor([1.0 + rank])]}, reduce_op="sum"
+        ),
+    )
+    _check(out, "reduce_op_enum", lambda: loom.all_reduce(float(rank + 1), reduce_op=dist.ReduceOp.MAX))
+    _check(out, "reduce_avg_enum", lambda: loom.all_reduce(float(rank + 1), reduce_op=dist.ReduceOp.AVG))
+    _check(out, "gather_number", lambda: loom.all_gather(1.5 + rank))
+    _check(out, "gather_nested", lambda: loom.all_gather({"loss": 0.5 * rank, "n": [rank]}))
+    group = dist.new_group([0, 1])
+    _check(
+        out, "reduce_group", lambda: loom.all_reduce(torch.tensor(rank + 1.0), group=group, reduce_op="sum")
+    )
+    _check(out, "gather_group", lambda: loom.all_gather(torch.tensor(rank + 1.0), group=group))
+
+    def sync_grads() -> tuple:
+        x = torch.tensor(float(rank + 1), requires_grad=True)
+        gathered = loom.all_gather(x * 3, sync_grads=True)
+        (gathered * torch.tensor([1.0, 10.0])).sum().backward()
+        no_sync = loom.all_gather(x * 3)
+        return gathered.detach(), x.grad, no_sync.requires_grad
+
+    _check(out, "sync_grads", sync_grads)
+    return out
+
+
+def _train_marked_by_method(loom: Loom) -> dict[str, torch.Tensor]:
+    model, opt = _setup(loom)
+    model.mark_forward_method(model.my_loss)
+    for batch in global_batches():
+        loss = model.my_loss(local(batch, loom.global_rank, loom.world_size))
+        opt.zero_grad()
+        loom.backward(loss)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def ddp() -> list[dict]:
+    return run_ranks(_ddp_body, 2, timeout=150)
+
+
+def _value(ranks: list[dict], name: str) -> list:
+    values = [r[name] for r in ranks]
+    for v in values:
+        assert not (isinstance(v, str) and v.startswith("ERROR")), v
+    return values
+
+
+def _assert_params_match(ranks: list[dict], name: str, expected: dict[str, torch.Tensor]) -> None:
+    first, second = _value(ranks, name)
+    for key in expected:
+        assert torch.equal(first[key], second[key]), f"{name}: {key} differs between the ranks"
+        torch.testing.assert_close(first[key], expected[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+
+
+# ---- 1: methods other than forward ---------------------------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_training_step_syncs_gradients_under_ddp(ddp):
+    _assert_params_match(ddp, "training_step", reference("training_step"))
+
+
+@pytest.mark.timeout(200)
+def test_marked_methods_sync_gradients_under_ddp(ddp):
+    _assert_params_match(ddp, "marked", reference("my_loss"))
+    _assert_params_match(ddp, "marked_by_method", reference("my_loss"))
+
+
+@pytest.mark.timeout(200)
+def test_unmarked_method_running_layers_is_refused_under_ddp(ddp):
+    for message in _value(ddp, "unmarked"):
+        assert "StepNet.my_loss()" in message and "model.mark_forward_method('my_loss')" in message
+
+
+def test_step_methods_single_process_run_through_forward():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup(make_model())
+    calls = []
+    model.module.register_forward_pre_hook(lambda *_: calls.append("pre"))
+    batch = local(global_batches()[0], 0, 1)
+    loss = model.training_step(batch)
+    torch.testing.assert_close(loss, make_model().training_step(batch))
+    assert calls == ["pre", "pre"]  # once for the routed step, once for self(x) inside it
+    assert "forward" not in model.module.__dict__  # the redirection leaves nothing behind
+    assert model.my_loss(batch).shape == ()  # one process: nothing to bypass, no refusal
+    with pytest.raises(AttributeError, match="does not exist or is not a method"):
+        model.mark_forward_method("missing")
+    with pytest.raises(ValueError, match="forward"):
+        model.mark_forward_method("forward")
+
+
+# ---- 3: attributes -------------------------------------------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_setattr_on_the_wrapper_reaches_the_module(ddp):
+    for flag, new, training, described in _value(ddp, "setattr"):
+        assert (flag, new, training, described) == ("set", 5, False, "StepNet(set)")
+
+
+def test_setattr_single_process_and_device_dtype():
+    loom = Loom(accelerator="cpu", precision="64-true")
+    model = loom.setup(make_model())
+    model.flag = "x"
+    assert model.module.flag == "x" and model.flag == "x"
+    assert model.device == torch.device("cpu") and model.dtype == torch.float64
+
+
+# ---- 2: collectives on numbers -------------------------------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_collectives_on_numbers_and_nested_collections(ddp):
+    for r in ddp:
+        assert torch.equal(r["reduce_number"], torch.tensor(1.5))
+        assert torch.equal(r["reduce_sum_int"], torch.tensor(3))
+        nested = r["reduce_nested"]
+        assert torch.equal(nested["a"], torch.tensor(1.0)) and torch.equal(nested["b"][0], torch.tensor(2.0))
+        assert torch.equal(nested["b"][1], torch.tensor([3.0]))
+        assert torch.equal(r["reduce_op_enum"], torch.tensor(2.0))
+        assert torch.equal(r["reduce_avg_enum"], torch.tensor(1.5))
+        assert torch.equal(r["gather_number"], torch.tensor([1.5, 2.5]))
+        assert torch.equal(r["gather_nested"]["loss"], torch.tensor([0.0, 0.5]))
+        assert torch.equal(r["gather_nested"]["n"][0], torch.tensor([0, 1]))
+        assert torch.equal(r["reduce_group"], torch.tensor(3.0))
+        assert torch.equal(r["gather_group"], torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.timeout(200)
+def test_all_gather_sync_grads(ddp):
+    grads = []
+    for r in _value(ddp, "sync_grads"):
+        gathered, grad, no_sync_requires_grad = r
+        assert torch.equal(gathered, torch.tensor([3.0, 6.0]))
+        assert not no_sync_requires_grad
+        grads.append(float(grad))
+    # Each rank's loss weighs rank 0's entry by 1 and rank 1's by 10; gradients of both losses reach each input.
+    assert grads == [3.0 * 2, 30.0 * 2]
+
+
+def test_collectives_single_process_numbers():
+    loom = Loom(accelerator="cpu")
+    assert torch.equal(loom.all_reduce(2.5), torch.tensor(2.5))
+    assert torch.equal(loom.all_gather(2.5), torch.tensor([2.5]))
+    assert torch.equal(loom.all_reduce({"x": [1]}, reduce_op=dist.ReduceOp.SUM)["x"][0], torch.tensor(1))
+    with pytest.raises(MisuseError, match=r"reduce_op='sum'"):
+        loom.all_reduce(1.0, "sum")
+    with pytest.raises(ValueError, match="not supported"):
+        loom.all_reduce(1.0, reduce_op=dist.ReduceOp.BAND)
+
+
+# ---- 4: clip_gradients takes Fabric's positional order -------------------------------------------------------
+def test_clip_gradients_third_positional_argument_is_clip_val():
+    loom = Loom(accelerator="cpu")
+    model, opt = _setup(loom)
+    reference_model = copy.deepcopy(model.module)
+    batch = local(global_batches()[0], 0, 1)
+    loom.backward(model.training_step(batch) * 100)
+    reference_model.training_step(batch).mul(100).backward()
+    assert loom.clip_gradients(model, opt, 0.01) is None  # by value, as Fabric
+    torch.nn.utils.clip_grad_value_(reference_model.parameters(), 0.01)
+    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    norm = loom.clip_gradients(model, opt, None, 0.001)  # by norm
+    assert norm is not None and float(norm) > 0.001
+
+
+# ---- 1 under FSDP: every layout routes the step methods through its root --------------------------------------
+def _fsdp_body(rank: int, world_size: int, layout: str) -> dict:
+    import warnings
+
+    from torchloom.wrappers import state_module
+
+    warnings.simplefilter("ignore", UserWarning)  # "no policy" and similar advice
+    strategy = {"fsdp1-policy": "fsdp", "fsdp1-units": "fsdp"}.get(layout, "fsdp2")
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
+    if layout == "fsdp1-policy":
+        loom._strategy.auto_wrap_policy = {nn.Linear}
+    if layout == "fsdp2-policy":
+        loom._strategy.shard_policy = lambda m: isinstance(m, nn.Linear)
+    loom.launch()
+    if layout == "fsdp1-units":
+        from torch.distributed.fsdp.wrap import wrap
+
+        with loom.init_module():
+            model = make_model()
+            model.layer = wrap(model.layer)
+    else:
+        model = make_model()
+        if layout == "fsdp2-units":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.layer, **loom.strategy.unit_kwargs())
+    model = loom.setup_module(model)
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    out: dict = {}
+    for batch in global_batches():
+        loss = model.training_step(local(batch, rank, world_size))
+        opt.zero_grad()
+        loom.backward(loss)
+        opt.step()
+    full = loom.strategy.module_state_dict(state_module(model), full=True)
+    out["params"] = {k: v.detach().clone() for k, v in full.items()}
+    try:
+        model.my_loss(local(global_batches()[0], rank, world_size))
+        out["unmarked"] = "no error"
+    except MisuseError as error:
+        out["unmarked"] = str(error)
+    out["wrapped_root"] = model._wrapped_root
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["fsdp1-policy", "fsdp1-units", "fsdp2-policy", "fsdp2-units"])
+def test_training_step_under_every_fsdp_layout(layout):
+    ranks = run_ranks(_fsdp_body, 2, layout, timeout=150)
+    expected = reference("training_step")
+    assert ranks[0]["params"]
+    for key, value in expected.items():
+        for r in ranks:
+            if not r["params"]:
+                continue  # the full state dict is gathered to rank 0 only
+            torch.testing.assert_close(r["params"][key], value, rtol=0, atol=1e-5, msg=f"{layout}: {key}")
+    # A root wrapper (or a root unit) is bypassed by unmarked methods: refused. Without one, each unit's own
+    # hooks and the replicated leftovers' gradient hooks run whatever method calls them: allowed.
+    has_root = layout.endswith("policy")
+    assert all(r["wrapped_root"] == has_root for r in ranks)
+    for r in ranks:
+        assert ("mark_forward_method('my_loss')" in r["unmarked"]) == has_root, r["unmarked"]
