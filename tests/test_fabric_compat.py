@@ -366,3 +366,23 @@ def test_training_step_under_every_fsdp_layout(layout):
     assert all(r["wrapped_root"] == has_root for r in ranks)
     for r in ranks:
         assert ("mark_forward_method('my_loss')" in r["unmarked"]) == has_root, r["unmarked"]
+
+
+# ---- 5: `torchloom run SCRIPT --devices 2 --accelerator cpu` (options after the script, as Fabric's READMEs) ----
+@pytest.mark.timeout(150)
+def test_run_with_options_after_the_script(tmp_path):
+    from harness import PYTHON, run_job, wait_no_strays
+    from test_run import SCRIPT, _lines
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    options = "--lr 3 --devices 2 --accelerator cpu --strategy ddp --num_nodes 1 -- --devices 9".split()
+    cmd = [PYTHON, "-m", "torchloom", "run", str(script), *options]
+    result, token = run_job(cmd, timeout=120)
+    assert result.returncode == 0, result.stdout
+    ranks = _lines(result.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["world"] == 2 and r["strategy"] == "ddp" and r["sum"] == 3.0
+        assert r["args"] == ["--lr", "3", "--devices", "9"]
+    assert wait_no_strays(token) == []
