@@ -8,6 +8,7 @@ and through torchloom (`fabric_scripts.py`) and compare losses, parameters and o
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -164,7 +165,43 @@ def _ddp_body(rank: int, world_size: int) -> dict:
         return gathered.detach(), x.grad, no_sync.requires_grad
 
     _check(out, "sync_grads", sync_grads)
+
+    # 6: DataLoader workers are seeded per rank and worker, reproducibly, and the user's worker_init_fn runs.
+    _check(out, "workers", lambda: (_worker_draws(loom, 7), _worker_draws(loom, 7), _worker_draws(loom, 8)))
     return out
+
+
+class RandomAugment(torch.utils.data.Dataset):
+    """Each item is what a random augmentation would draw: torch, Python `random` and NumPy numbers."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        tag = float(os.environ.get("USER_INIT_RAN", "0"))
+        return torch.tensor([torch.rand(()).item(), random.random(), float(np.random.rand()), tag])
+
+
+def _user_init(worker_id: int) -> None:
+    os.environ["USER_INIT_RAN"] = "1"
+
+
+def _worker_draws(loom: Loom, seed: int) -> torch.Tensor:
+    loom.seed_everything(seed)
+    # fork: the ranks were spawned, and spawning workers too would re-import torch in each (seconds apiece).
+    loader = torch.utils.data.DataLoader(
+        RandomAugment(),
+        batch_size=2,
+        num_workers=2,
+        worker_init_fn=_user_init,
+        multiprocessing_context="fork",
+    )
+    loader = loom.setup_dataloaders(loader)
+    return torch.cat(list(loader))
 
 
 def _train_marked_by_method(loom: Loom) -> dict[str, torch.Tensor]:
@@ -386,3 +423,16 @@ def test_run_with_options_after_the_script(tmp_path):
         assert r["world"] == 2 and r["strategy"] == "ddp" and r["sum"] == 3.0
         assert r["args"] == ["--lr", "3", "--devices", "9"]
     assert wait_no_strays(token) == []
+
+
+# ---- 6: DataLoader workers ------------------------------------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_dataloader_workers_are_seeded_per_rank_and_worker(ddp):
+    runs = _value(ddp, "workers")
+    first = torch.cat([r[0] for r in runs])  # seed 7, both ranks: 8 items, 4 per rank, 2 workers each
+    assert torch.all(first[:, 3] == 1.0)  # the user's worker_init_fn ran in every worker
+    for column in range(3):  # torch, random, numpy: no two items of any rank or worker draw the same number
+        assert len(set(first[:, column].tolist())) == len(first), first
+    for seven, again, eight in runs:
+        assert torch.equal(seven, again)  # the same seed gives the same draws
+        assert not torch.equal(seven, eight)

@@ -25,7 +25,7 @@ from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import CollectiveTimeoutError, MisuseError
 from torchloom.loggers import Logger, to_float
 from torchloom.progress import Progress
-from torchloom.seed import seed_everything
+from torchloom.seed import add_worker_seeding, seed_everything
 from torchloom.strategies.base import Strategy
 from torchloom.wrappers import (
     SETUP_MARK,
@@ -246,7 +246,11 @@ class Loom:
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
     ) -> Any:
         """Give each rank its own part of the data (shuffle kept, epoch advanced per pass) and move batches to
-        `loom.device`. Returns one loader or a tuple."""
+        `loom.device`. Returns one loader or a tuple.
+
+        Every DataLoader worker of every rank gets its own random seed (from the global seed, the rank and the
+        worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across workers or
+        ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)` turns this off."""
         if not dataloaders:
             raise MisuseError("setup_dataloaders needs at least one DataLoader.")
         out = []
@@ -258,6 +262,7 @@ class Loom:
             if use_distributed_sampler and self.world_size > 1:
                 seed = int(os.environ.get("TORCHLOOM_SEED", 0))
                 loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
+            add_worker_seeding(loader, self.global_rank)
             out.append(LoomDataLoader(loader, self.device if move_to_device else None))
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -488,9 +493,9 @@ class Loom:
             print(*args, **kwargs)
 
     @staticmethod
-    def seed_everything(seed: int) -> int:
-        """Seed Python, NumPy (if installed) and torch; returns the seed."""
-        return seed_everything(seed)
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
+        """Seed Python, NumPy (if installed) and torch; returns the seed. See `torchloom.seed_everything`."""
+        return seed_everything(seed, workers=workers, verbose=verbose)
 
     def __repr__(self) -> str:
         return (
