@@ -436,3 +436,27 @@ def test_dataloader_workers_are_seeded_per_rank_and_worker(ddp):
     for seven, again, eight in runs:
         assert torch.equal(seven, again)  # the same seed gives the same draws
         assert not torch.equal(seven, eight)
+
+
+# ---- 7: a plain state saved with loom.save round-trips through plain PyTorch ----------------------------------
+def test_saved_state_dict_loads_with_plain_pytorch(tmp_path):
+    from torchloom.checkpointing import META_KEY
+
+    loom = Loom(accelerator="cpu")
+    model = loom.setup(make_model())
+    loom.save(tmp_path / "weights.pt", model.state_dict())
+    plain = StepNet()
+    plain.load_state_dict(torch.load(tmp_path / "weights.pt"))  # strict: no extra key
+    for key, value in model.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value)
+    # torchloom reads it back too, whole or into a module.
+    assert set(loom.load(tmp_path / "weights.pt")) == set(model.state_dict())
+    loom.load_raw(tmp_path / "weights.pt", model)
+    # A state holding objects still records its metadata beside the user's entries.
+    loom.save(tmp_path / "full.pt", {"model": model, "step": 3})
+    checkpoint = torch.load(tmp_path / "full.pt", weights_only=False)
+    assert checkpoint[META_KEY]["kinds"] == {"model": "module", "step": "value"}
+    plain.load_state_dict(checkpoint["model"])
+    # Files written before (metadata beside plain values) still load.
+    torch.save({**model.state_dict(), META_KEY: checkpoint[META_KEY]}, tmp_path / "old.pt")
+    assert set(loom.load(tmp_path / "old.pt")) == set(model.state_dict())
