@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -460,3 +461,38 @@ def test_saved_state_dict_loads_with_plain_pytorch(tmp_path):
     # Files written before (metadata beside plain values) still load.
     torch.save({**model.state_dict(), META_KEY: checkpoint[META_KEY]}, tmp_path / "old.pt")
     assert set(loom.load(tmp_path / "old.pt")) == set(model.state_dict())
+
+
+# ---- differential: the same Fabric script through Lightning Fabric and through torchloom -----------------------
+def _same(a: Any, b: Any, where: str) -> None:
+    """Equal structure and values; integer tensors may differ in width (Fabric int32, torchloom int64)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, where
+        if a.is_floating_point():
+            assert a.dtype == b.dtype, where
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=where)
+        else:
+            assert torch.equal(a.long(), b.long()), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.timeout(300)
+def test_fabric_script_gives_the_same_results_under_torchloom():
+    pytest.importorskip("lightning.fabric")
+    from fabric_scripts import training_script
+
+    fabric = run_ranks(training_script, 2, "fabric", timeout=150)
+    loom = run_ranks(training_script, 2, "torchloom", timeout=150)
+    for rank in range(2):
+        _same(fabric[rank], loom[rank], f"rank {rank}")
+    for key, value in loom[0]["params"].items():  # and DDP kept the ranks together
+        assert torch.equal(value, loom[1]["params"][key])
