@@ -105,8 +105,9 @@ def _train(loom: Loom, step: str, mark: str | None = None) -> dict[str, torch.Te
 
 def _ddp_body(rank: int, world_size: int) -> dict:
     loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
-    loom.launch()
-    out: dict = {}
+    # The ranks exist already (torchrun-style environment): the whole body runs without launch(), as Fabric
+    # scripts written for `fabric run` do. The first call that needs the process group joins it.
+    out: dict = {"group_at_construction": dist.is_initialized()}
     # 1: step methods and marked methods run through DDP; unmarked ones that run layers are refused.
     _check(out, "training_step", lambda: _train(loom, "training_step"))
     _check(out, "marked", lambda: _train(loom, "my_loss", mark="my_loss"))
@@ -169,7 +170,12 @@ def _ddp_body(rank: int, world_size: int) -> dict:
 
     # 6: DataLoader workers are seeded per rank and worker, reproducibly, and the user's worker_init_fn runs.
     _check(out, "workers", lambda: (_worker_draws(loom, 7), _worker_draws(loom, 7), _worker_draws(loom, 8)))
+    _check(out, "launch_late", lambda: (loom.launch(), loom.launch(_ranked, 10, offset=1)))
     return out
+
+
+def _ranked(loom: Loom, base: int, offset: int = 0) -> int:
+    return base + loom.global_rank + offset
 
 
 class RandomAugment(torch.utils.data.Dataset):
@@ -496,3 +502,11 @@ def test_fabric_script_gives_the_same_results_under_torchloom():
         _same(fabric[rank], loom[rank], f"rank {rank}")
     for key, value in loom[0]["params"].items():  # and DDP kept the ranks together
         assert torch.equal(value, loom[1]["params"][key])
+
+
+# ---- Loom(...) in processes that exist already ------------------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_no_launch_needed_when_the_processes_exist(ddp):
+    assert [r["group_at_construction"] for r in ddp] == [False, False]  # constructing a Loom never blocks
+    # A later launch() starts nothing; launch(fn, *args, **kwargs) runs fn in the rank.
+    assert _value(ddp, "launch_late") == [(None, 11), (None, 12)]

@@ -277,11 +277,6 @@ def activation_checkpointing_policy_of_instances(tmp: Path) -> None:
 
 
 # ---- launch and call order ---------------------------------------------------------------------------------
-@mistake(MisuseError, "loom.launch() was called twice", "Call it once")
-def launch_twice(tmp: Path) -> None:
-    launched().launch()
-
-
 @mistake(MisuseError, "needs a callable, got int", "Pass a function defined at module level")
 def launch_a_non_callable(tmp: Path) -> None:
     cpu().launch(42)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -73,6 +74,7 @@ class Loom:
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         self._launched = False
+        self._rank_ready = False  # this process is a rank that has joined the process group
         self._preempted = False
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = (
@@ -109,16 +111,18 @@ class Loom:
         return self._strategy.root_device
 
     # ---- launching -------------------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         """Start the ranks and join the process group.
 
         Without `fn`, a plain `python train.py` that wants several local processes re-runs itself once per rank
-        (the launching process waits for them and exits with their status; under torchrun or SLURM nothing is
-        started). With `fn`, runs `fn(loom, *args)` on every rank and returns rank 0's result; `fn` must be
-        importable (defined at module level) because ranks are started with the spawn method.
+        (the launching process waits for them and exits with their status). With `fn`, runs
+        `fn(loom, *args, **kwargs)` on every rank and returns rank 0's result; `fn` must be importable (defined
+        at module level) because ranks are started with the spawn method.
+
+        Under `torchloom run`, torchrun or SLURM the processes exist already and the first call that needs the
+        process group joins it, so launch() is optional there; a second call, or a call in a rank that already
+        joined, starts nothing (with `fn`, it runs `fn` in this process).
         """
-        if self._launched:
-            raise MisuseError("loom.launch() was called twice. Call it once, before setting up models.")
         if fn is not None and not callable(fn):
             raise MisuseError(
                 f"loom.launch(fn) needs a callable, got {type(fn).__name__}. Pass a function defined at "
@@ -128,13 +132,16 @@ class Loom:
         self._launched = True
         env = self._strategy.cluster_environment
         assert env is not None
-        if env.creates_processes_externally or env.world_size() == 1:
-            self._setup_rank()
-            return fn(self, *args) if fn is not None else None
+        if self._rank_ready or env.creates_processes_externally or env.world_size() == 1:
+            if not self._rank_ready:
+                self._setup_rank()
+            return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
         if fn is None:
             launcher.launch_script(*where)  # never returns: this process waits for the ranks, then exits
+        if kwargs:
+            fn = functools.partial(fn, **kwargs)  # picklable when fn is
         return launcher.launch_function(self, fn, args, *where)
 
     def _setup_rank(self) -> None:
@@ -146,8 +153,23 @@ class Loom:
         self._launched = True
         launcher.record_errors_in_rank()
         self._strategy.setup_environment()
+        self._rank_ready = True
+
+    def _join_if_started_externally(self) -> None:
+        """Where the processes exist already (torchloom run, torchrun, SLURM), join the process group on the first
+        call that needs it, so a script written for `fabric run` needs no launch(). Constructing a Loom does not
+        block: the group is joined by the first setup, collective or checkpoint call, which every rank makes."""
+        env = self._strategy.cluster_environment
+        if (
+            not self._launched
+            and self._strategy.is_distributed
+            and env is not None
+            and env.creates_processes_externally
+        ):
+            self._setup_rank()
 
     def _require_launch(self, what: str) -> None:
+        self._join_if_started_externally()
         if self._strategy.is_distributed and not self._launched:
             raise MisuseError(
                 f"{what} was called before loom.launch(). Call loom.launch() first: it starts the ranks and "
@@ -159,6 +181,7 @@ class Loom:
     def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Create modules directly on `loom.device` in the precision's dtype. With `empty_init=True`, sharding
         strategies create parameters on the meta device and initialise them shard by shard in `setup_module`."""
+        self._join_if_started_externally()
         with self._strategy.module_init_context(empty_init):
             yield
 
