@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,6 +174,20 @@ def _ddp_body(rank: int, world_size: int) -> dict:
     # 6: DataLoader workers are seeded per rank and worker, reproducibly, and the user's worker_init_fn runs.
     _check(out, "workers", lambda: (_worker_draws(loom, 7), _worker_draws(loom, 7), _worker_draws(loom, 8)))
     _check(out, "launch_late", lambda: (loom.launch(), loom.launch(_ranked, 10, offset=1)))
+
+    def rank_zero_first() -> bool:
+        marker = Path(tempfile.gettempdir()) / f"torchloom-rank-zero-first-{os.environ['MASTER_PORT']}"
+        with loom.rank_zero_first():
+            if rank == 0:
+                time.sleep(0.5)
+                marker.write_text("ready")
+            seen = marker.exists()
+        loom.barrier()
+        if rank == 0:
+            marker.unlink()
+        return seen
+
+    _check(out, "rank_zero_first", rank_zero_first)
     return out
 
 
@@ -510,3 +527,94 @@ def test_no_launch_needed_when_the_processes_exist(ddp):
     assert [r["group_at_construction"] for r in ddp] == [False, False]  # constructing a Loom never blocks
     # A later launch() starts nothing; launch(fn, *args, **kwargs) runs fn in the rank.
     assert _value(ddp, "launch_late") == [(None, 11), (None, 12)]
+
+
+@pytest.mark.timeout(200)
+def test_rank_zero_first(ddp):
+    assert _value(ddp, "rank_zero_first") == [True, True]
+
+
+# ---- Fabric's spellings of the constructor's arguments ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("precision", "name"),
+    [
+        (64, "64-true"),
+        ("64", "64-true"),
+        (32, "32-true"),
+        ("32", "32-true"),
+        ("bf16", "bf16-mixed"),
+        (None, "32-true"),
+    ],
+)
+def test_precision_aliases(precision, name):
+    assert Loom(accelerator="cpu", precision=precision).strategy.precision.name == name
+
+
+def test_fabric_strategy_names():
+    from torchloom import ConfigurationError
+    from torchloom.strategies import DDPStrategy
+
+    loom = Loom(accelerator="cpu", devices=1, strategy="ddp_find_unused_parameters_true")
+    assert isinstance(loom.strategy, DDPStrategy) and loom.strategy.ddp_kwargs == {
+        "find_unused_parameters": True
+    }
+    assert isinstance(Loom(accelerator="cpu", devices=1, strategy="ddp_spawn").strategy, DDPStrategy)
+    with pytest.raises(ConfigurationError, match="cpu_offload=True moves sharded parameters"):
+        Loom(accelerator="cpu", devices=1, strategy="fsdp_cpu_offload")  # the feature exists, not on CPU
+    for name in ("ddp_fork", "ddp_notebook"):
+        with pytest.raises(ConfigurationError, match=f"strategy='{name}'.*Use strategy='ddp'"):
+            Loom(accelerator="cpu", devices=1, strategy=name)
+
+
+def test_gpu_means_cuda():
+    from torchloom import ConfigurationError
+
+    if torch.cuda.is_available():
+        assert Loom(accelerator="gpu").accelerator.name == "cuda"
+    else:
+        with pytest.raises(ConfigurationError, match="cuda|CUDA"):
+            Loom(accelerator="gpu")
+
+
+# ---- Fabric's methods and properties ----------------------------------------------------------------------------
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def on_train_epoch_end(self, *args, **kwargs) -> None:
+        self.calls.append((args, kwargs))
+
+
+def test_callbacks_logger_and_conveniences(tmp_path):
+    from torchloom.loggers import CSVLogger
+
+    first, second = Recorder(), Recorder()
+    logger = CSVLogger(tmp_path)
+    loom = Loom(accelerator="cpu", callbacks=[first, second, object()], loggers=[logger])
+    loom.call("on_train_epoch_end", 1, loss=0.5)
+    loom.call("a_hook_nobody_has")
+    assert first.calls == second.calls == [((1,), {"loss": 0.5})]
+    assert loom.logger is logger and Loom(accelerator="cpu").logger is None
+    assert loom.accelerator.name == "cpu"
+    batch = loom.to_device({"x": torch.ones(2), "n": [torch.zeros(1)]})
+    assert batch["x"].device == loom.device and isinstance(loom.to_device(nn.Linear(1, 1)), nn.Linear)
+    with Loom(accelerator="cpu", precision="64-true").init_tensor():
+        assert torch.ones(1).dtype == torch.float64
+    with Loom(accelerator="cpu", precision="bf16-mixed").autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with loom.rank_zero_first(local=True):
+        pass
+
+
+def test_setup_with_scheduler_and_load_raw_weights_only(tmp_path):
+    loom = Loom(accelerator="cpu")
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    model, optimizer, returned = loom.setup(model, optimizer, scheduler=scheduler, move_to_device=True)
+    assert returned is scheduler
+    torch.save({"weights": model.state_dict(), "note": object.__new__(Recorder)}, tmp_path / "mixed.pt")
+    torch.save(model.state_dict(), tmp_path / "plain.pt")
+    loom.load_raw(tmp_path / "plain.pt", model, weights_only=True)
+    with pytest.raises(Exception, match="weights_only|Weights only"):
+        loom.load_raw(tmp_path / "mixed.pt", model)

@@ -37,19 +37,25 @@ from torchloom.wrappers import (
     unwrap_optimizer,
     with_distributed_sampler,
 )
+from torchloom.wrappers import (
+    move_to_device as move_data_to_device,
+)
 
 
 class Loom:
     """Runs a hand-written training loop on one process, many processes, GPUs or nodes.
 
     Args:
-        accelerator: "auto", "cpu", "cuda" or "mps".
+        accelerator: "auto", "cpu", "cuda", "mps" or Fabric's "gpu" (CUDA, else MPS).
         devices: on CPU the number of processes per node; on CUDA an int, a list of GPU indices, or "auto".
         num_nodes: number of machines.
-        strategy: "auto", "single_device", "ddp", "fsdp", "fsdp2" or a `torchloom.strategies.Strategy`.
-        precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README).
+        strategy: "auto", "single_device", "ddp", "fsdp", "fsdp2" or a `torchloom.strategies.Strategy`; also
+            Fabric's "ddp_spawn", "ddp_find_unused_parameters_true" and "fsdp_cpu_offload".
+        precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README), or
+            Fabric's aliases 16, "16", 32, "32", 64, "64", "bf16" and None (the default).
         timeout: how long a collective may wait for the other ranks before it fails (default 30 minutes).
         loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
+        callbacks: objects whose methods `loom.call(hook_name, ...)` calls.
 
     Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
     here win, with a warning when they disagree with the command line.
@@ -61,10 +67,13 @@ class Loom:
         devices: int | str | list[int] = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str = "32-true",
+        precision: str | int | None = "32-true",
         timeout: timedelta | None = None,
         loggers: Logger | list[Logger] | None = None,
+        callbacks: Any = None,
     ) -> None:
+        if precision is None:
+            precision = "32-true"  # Fabric's None: the default (or the command line's)
         accelerator, devices, num_nodes, strategy, precision = command_line_defaults(
             accelerator=accelerator,
             devices=devices,
@@ -79,6 +88,13 @@ class Loom:
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+        )
+        self._callbacks: list[Any] = (
+            []
+            if callbacks is None
+            else list(callbacks)
+            if isinstance(callbacks, (list, tuple))
+            else [callbacks]
         )
 
     # ---- where this rank is ----------------------------------------------------------------------------------
@@ -109,6 +125,11 @@ class Loom:
     @property
     def device(self) -> torch.device:
         return self._strategy.root_device
+
+    @property
+    def accelerator(self) -> Any:
+        """The accelerator (`torchloom.accelerators.Accelerator`) the strategy runs on."""
+        return self._strategy.accelerator
 
     # ---- launching -------------------------------------------------------------------------------------------
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -190,19 +211,24 @@ class Loom:
     @overload
     def setup(self, module: nn.Module, *optimizers: Optimizer) -> tuple[Any, ...]: ...
 
-    def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
-        """Set up a model and its optimizers; returns `model` or `(model, *optimizers)`."""
+    def setup(
+        self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None, move_to_device: bool = True
+    ) -> Any:
+        """Set up a model and its optimizers; returns `model` or `(model, *optimizers)`, with `scheduler` (an LR
+        scheduler of one of the optimizers, returned unchanged) appended when given, as Fabric does."""
         names = {id(p): clean_name(n) for n, p in module.named_parameters()}
-        module = self.setup_module(module)
+        module = self.setup_module(module, move_to_device=move_to_device)
         if not optimizers:
-            return module
+            return module if scheduler is None else (module, scheduler)
         if self._strategy.replaces_parameters:
             for optimizer in optimizers:
                 _rebind_optimizer(optimizer, names, module.module)
-        return (module, *self._setup_optimizers(optimizers))
+        out = (module, *self._setup_optimizers(optimizers))
+        return out if scheduler is None else (*out, scheduler)
 
-    def setup_module(self, module: nn.Module) -> LoomModule:
-        """Move and wrap `module` for the strategy; returns a `LoomModule`."""
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
+        """Move and wrap `module` for the strategy; returns a `LoomModule`. `move_to_device` is accepted for
+        Fabric's sake; the model always goes to `loom.device`, where the strategy needs it."""
         if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
             raise MisuseError(
                 "setup_module was called twice on the same module. Set up each model once and keep the returned "
@@ -424,10 +450,17 @@ class Loom:
             weights_only=weights_only,
         )
 
-    def load_raw(self, path: str | os.PathLike[str], obj: nn.Module | Optimizer, strict: bool = True) -> None:
-        """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer."""
+    def load_raw(
+        self,
+        path: str | os.PathLike[str],
+        obj: nn.Module | Optimizer,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> None:
+        """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer.
+        The file is read with `weights_only=True` unless you pass False (for files holding other objects)."""
         self._require_launch("load_raw")
-        raw = checkpointing.full.read(Path(path), weights_only=True)
+        raw = checkpointing.full.read(Path(path), weights_only=weights_only is not False)
         if isinstance(obj, (nn.Module, LoomModule)):
             checkpointing.load_module(self._strategy, state_module(obj), raw, strict, name=str(path))
         else:
@@ -510,6 +543,51 @@ class Loom:
         return Progress(iterable, total, desc, show_bar=show, is_global_zero=self.is_global_zero)
 
     # ---- conveniences ----------------------------------------------------------------------------------------
+    @property
+    def logger(self) -> Logger | None:
+        """The first of `loggers` (None without loggers)."""
+        return self._loggers[0] if self._loggers else None
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if callable(method):
+                method(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Generator[None, None, None]:
+        """Run the code inside in the precision's autocast (what forward gets), e.g. a loss computed outside the
+        model."""
+        assert self._strategy.precision is not None
+        with self._strategy.precision.forward_context():
+            yield
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a module, a tensor, or the tensors in a nested collection to `loom.device`."""
+        if isinstance(obj, nn.Module):
+            return obj.to(self.device)
+        return move_data_to_device(obj, self.device)
+
+    @contextlib.contextmanager
+    def init_tensor(self) -> Generator[None, None, None]:
+        """Create tensors inside directly on `loom.device` in the precision's parameter dtype."""
+        assert self._strategy.precision is not None
+        with self.device, self._strategy.precision.module_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
+        """Rank 0 (of the job, or of each node with `local=True`) runs the code inside first, the other ranks
+        after it, e.g. a download that the other ranks then read from disk. Every rank must enter it. The wait is
+        bounded by `Loom(timeout=...)`."""
+        rank = self.local_rank if local else self.global_rank
+        if rank > 0:
+            self.barrier()
+        yield
+        if rank == 0:
+            self.barrier()
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on global rank 0 only."""
         if self.is_global_zero:
