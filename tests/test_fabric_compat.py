@@ -618,3 +618,20 @@ def test_setup_with_scheduler_and_load_raw_weights_only(tmp_path):
     loom.load_raw(tmp_path / "plain.pt", model, weights_only=True)
     with pytest.raises(Exception, match="weights_only|Weights only"):
         loom.load_raw(tmp_path / "mixed.pt", model)
+
+
+def test_save_with_filter(tmp_path):
+    loom = Loom(accelerator="cpu")
+    model, optimizer = _setup(loom)
+    loom.save(
+        tmp_path / "head.pt",
+        {"model": model, "step": 4},
+        filter={"model": lambda k, v: k.startswith("head.")},
+    )
+    saved = torch.load(tmp_path / "head.pt", weights_only=False)
+    assert set(saved["model"]) == {"head.weight", "head.bias"} and saved["step"] == 4
+    fresh = loom.setup(StepNet())
+    loom.load(tmp_path / "head.pt", {"model": fresh}, strict=False)
+    assert torch.equal(fresh.head.weight, model.head.weight)
+    with pytest.raises(MisuseError, match="does not have"):
+        loom.save(tmp_path / "x.pt", {"model": model}, filter={"optimizer": lambda k, v: True})

@@ -403,10 +403,15 @@ class Loom:
         self,
         path: str | os.PathLike[str],
         state: dict[str, Any],
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
         async_save: bool = False,
         fsync: bool = True,
     ) -> None:
         """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
+
+        `filter` (Fabric's): for some entries of `state`, a function `(name, value) -> bool` that keeps only the
+        matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`. Full
+        checkpoints only; load such an entry back with `strict=False`.
 
         The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
@@ -420,6 +425,8 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
+        if filter:
+            state = self._filtered(state, filter)
         try:
             self._strategy.save_checkpoint(
                 Path(path), state, self._owner_of(state), async_save=async_save, fsync=fsync
@@ -465,6 +472,25 @@ class Loom:
             checkpointing.load_module(self._strategy, state_module(obj), raw, strict, name=str(path))
         else:
             unwrap_optimizer(obj).load_state_dict(raw)
+
+    def _filtered(
+        self,
+        state: dict[str, Any],
+        filter: dict[str, Callable[[str, Any], bool]],
+    ) -> dict[str, Any]:
+        if self._strategy.checkpoint_format != "full":
+            raise MisuseError(
+                "save(..., filter=) works with full checkpoints (one file). With FSDP, pass "
+                "state_dict_type='full' to the strategy, or save everything and filter when loading."
+            )
+        unknown = [k for k in filter if not isinstance(state, dict) or k not in state]
+        if unknown:
+            raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
+        owner_of = self._owner_of(state)
+        out = dict(state)
+        for key, keep in filter.items():
+            out[key] = _FilteredState(self._strategy, state[key], keep, owner_of)
+        return out
 
     def _owner_of(self, state: dict[str, Any]) -> Callable[[Optimizer], nn.Module | None]:
         # A `state` that is not a dict is refused, with its fix, when the checkpoint is collected.
@@ -603,6 +629,39 @@ class Loom:
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
+
+
+class _FilteredState:
+    """An entry of `save(..., filter=)`: its state dict (collected as save would) with only the items `keep`
+    accepts."""
+
+    def __init__(
+        self, strategy: Strategy, value: Any, keep: Callable[[str, Any], bool], owner_of: Any
+    ) -> None:
+        self._strategy, self._value, self._keep, self._owner_of = strategy, value, keep, owner_of
+
+    def state_dict(self) -> Any:
+        value = self._value
+        if isinstance(value, (nn.Module, LoomModule)):
+            collected = self._strategy.module_state_dict(state_module(value), full=True)
+        elif isinstance(value, (Optimizer, LoomOptimizer)):
+            optimizer = unwrap_optimizer(value)
+            owner = self._owner_of(optimizer)
+            collected = (
+                optimizer.state_dict()
+                if owner is None
+                else self._strategy.optimizer_state_dict(owner, optimizer, full=True)
+            )
+        elif callable(getattr(value, "state_dict", None)):
+            collected = value.state_dict()
+        else:
+            collected = value
+        if not isinstance(collected, dict):
+            return collected
+        return {k: v for k, v in collected.items() if self._keep(k, v)}
+
+    def load_state_dict(self, state_dict: Any) -> None:  # only so that it counts as an object with state
+        raise NotImplementedError
 
 
 def _not_an_op(group: Any, reduce_op: Any) -> Any:
