@@ -188,6 +188,23 @@ def _ddp_body(rank: int, world_size: int) -> dict:
         return seen
 
     _check(out, "rank_zero_first", rank_zero_first)
+
+    def custom_samplers() -> dict:
+        dataset = torch.utils.data.TensorDataset(torch.arange(20))
+        samplers = {
+            "subset": torch.utils.data.SubsetRandomSampler(list(range(3, 15))),
+            "weighted": torch.utils.data.WeightedRandomSampler([1.0] * 10 + [5.0] * 10, num_samples=12),
+        }
+        torch.manual_seed(rank)  # the ranks' global generators differ: the split must not depend on them
+        draws = {}
+        for name, sampler in samplers.items():
+            loader = loom.setup_dataloaders(
+                torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=3)
+            )
+            draws[name] = [[int(i) for (batch,) in loader for i in batch] for _ in range(2)]
+        return draws
+
+    _check(out, "custom_samplers", custom_samplers)
     return out
 
 
@@ -635,3 +652,14 @@ def test_save_with_filter(tmp_path):
     assert torch.equal(fresh.head.weight, model.head.weight)
     with pytest.raises(MisuseError, match="does not have"):
         loom.save(tmp_path / "x.pt", {"model": model}, filter={"optimizer": lambda k, v: True})
+
+
+# ---- custom samplers: each rank gets its part of one draw -------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_custom_samplers_are_split_across_ranks(ddp):
+    first, second = _value(ddp, "custom_samplers")
+    for epoch in range(2):
+        subset = first["subset"][epoch] + second["subset"][epoch]
+        assert sorted(subset) == list(range(3, 15))  # disjoint parts that make up the subset
+        assert len(first["weighted"][epoch]) == len(second["weighted"][epoch]) == 6
+    assert first["subset"][0] != first["subset"][1]  # a new draw each epoch

@@ -105,12 +105,10 @@ class Scale(nn.Module):
         self.gain = nn.Parameter(torch.ones(8))
 
 
-class EveryOther(Sampler[int]):
+class Endless(Sampler[int]):
     def __iter__(self):
-        return iter(range(0, 8, 2))
-
-    def __len__(self) -> int:
-        return 4
+        while True:
+            yield 0
 
 
 class Pairs(Sampler[list[int]]):
@@ -496,11 +494,13 @@ def seed_too_large(tmp: Path) -> None:
 
 
 @mistake(
-    MisuseError, "custom sampler (EveryOther)", "Make it rank-aware and pass use_distributed_sampler=False"
+    MisuseError,
+    "custom sampler (Endless) has no len()",
+    "Give it __len__, or make it rank-aware and pass use_distributed_sampler=False",
 )
-def custom_sampler(tmp: Path) -> None:
+def custom_sampler_without_len(tmp: Path) -> None:
     loom = cpu(devices=2, strategy="ddp")
-    loom.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4)), sampler=EveryOther(), batch_size=2))
+    loom.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4)), sampler=Endless(), batch_size=2))
 
 
 @mistake(

@@ -330,6 +330,41 @@ _LOADER_ARGS = (
 )
 
 
+class ShardedSampler(DistributedSampler):
+    """A custom sampler (`SubsetRandomSampler`, `WeightedRandomSampler`, your own) split across ranks: every
+    rank draws the sampler's whole sequence for the epoch, identically, and takes every num_replicas-th item of
+    it, so the ranks' parts never overlap and together make one draw (padded like DistributedSampler to equal
+    length, or trimmed with `drop_last`).
+
+    A sampler without a generator of its own draws from torch's global generator; each epoch's draw is made from
+    that generator seeded with `seed + epoch` (without changing the global state), so every rank draws the same
+    sequence whatever else it has drawn. A sampler with its own generator is left to it: seed it alike on every
+    rank."""
+
+    def __init__(
+        self, sampler: Any, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False
+    ) -> None:
+        # The "dataset" being split is the sequence of positions in the sampler's draw.
+        super().__init__(
+            range(len(sampler)),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=False,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        if getattr(self.sampler, "generator", None) is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed + self.epoch)
+                draw = list(self.sampler)
+        else:
+            draw = list(self.sampler)
+        return iter([draw[i] for i in super().__iter__()])
+
+
 def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int = 0) -> DataLoader:
     """Rebuild `loader` so each rank reads its own 1/num_replicas of the data, keeping its shuffle setting."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
@@ -341,20 +376,26 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
             "cannot split across ranks. Shard it yourself and pass use_distributed_sampler=False."
         )
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
-        raise MisuseError(
-            f"The dataloader uses a custom sampler ({type(loader.sampler).__name__}), which torchloom cannot split "
-            "across ranks. Make it rank-aware and pass use_distributed_sampler=False."
+    sampler: DistributedSampler
+    if isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        sampler = DistributedSampler(
+            loader.dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=seed,
+            drop_last=bool(loader.drop_last),
         )
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = DistributedSampler(
-        loader.dataset,
-        num_replicas=num_replicas,
-        rank=rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=bool(loader.drop_last),
-    )
+    else:
+        if not hasattr(loader.sampler, "__len__"):
+            raise MisuseError(
+                f"The dataloader's custom sampler ({type(loader.sampler).__name__}) has no len(), so torchloom "
+                "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
+                "use_distributed_sampler=False."
+            )
+        sampler = ShardedSampler(
+            loader.sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=bool(loader.drop_last)
+        )
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
