@@ -663,3 +663,29 @@ def test_custom_samplers_are_split_across_ranks(ddp):
         assert sorted(subset) == list(range(3, 15))  # disjoint parts that make up the subset
         assert len(first["weighted"][epoch]) == len(second["weighted"][epoch]) == 6
     assert first["subset"][0] != first["subset"][1]  # a new draw each epoch
+
+
+def test_lightning_module_logs_through_loom(tmp_path):
+    lightning = pytest.importorskip("lightning")
+
+    class Lit(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch: torch.Tensor) -> torch.Tensor:
+            loss = self.layer(batch).pow(2).mean()
+            self.log("train_loss", loss)
+            return loss
+
+    from torchloom.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    loom = Loom(accelerator="cpu", loggers=logger)
+    module = Lit()
+    model, optimizer = loom.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    loss = model.training_step(torch.ones(3, 2))
+    loom.finalize_loggers()
+    assert module.logger is logger and module.optimizers() is optimizer
+    logged = "".join(p.read_text() for p in tmp_path.rglob("*.csv"))
+    assert "train_loss" in logged and f"{loss.item():.4f}"[:5] in logged

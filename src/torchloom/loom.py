@@ -224,6 +224,8 @@ class Loom:
             for optimizer in optimizers:
                 _rebind_optimizer(optimizer, names, module.module)
         out = (module, *self._setup_optimizers(optimizers))
+        if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
+            module.module._fabric_optimizers = list(out[1:])
         return out if scheduler is None else (*out, scheduler)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
@@ -245,6 +247,9 @@ class Loom:
         module = precision.convert_module(module)
         forward_module = self._strategy.setup_module(module)
         object.__setattr__(module, SETUP_MARK, True)
+        if hasattr(module, "_fabric"):
+            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference.
+            module._fabric = self
         wrapped = LoomModule(forward_module, module, precision)
         self._modules.append(wrapped)
         return wrapped
