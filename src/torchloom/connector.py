@@ -101,14 +101,6 @@ def configure(
     accelerator: Any, devices: Any, num_nodes: int, strategy: Any, precision: Any, timeout: timedelta | None
 ) -> Strategy:
     """Build the strategy with its accelerator, precision, cluster environment and devices."""
-    if isinstance(accelerator, str) and accelerator.lower() == "gpu":
-        # Fabric's "gpu": CUDA, or Apple's MPS where there is no CUDA.
-        import torch
-
-        mps = getattr(torch.backends, "mps", None)
-        accelerator = (
-            "mps" if not torch.cuda.is_available() and mps is not None and mps.is_available() else "cuda"
-        )
     if isinstance(precision, (int, str)) or precision is None:
         precision = FABRIC_PRECISIONS.get(precision, precision)
     acc = select_accelerator(accelerator)

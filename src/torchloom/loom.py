@@ -23,7 +23,7 @@ from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
 from torchloom.connector import command_line_defaults, configure
 from torchloom.environments import TorchElasticEnvironment
-from torchloom.errors import CollectiveTimeoutError, MisuseError
+from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.loggers import Logger, to_float
 from torchloom.progress import Progress
 from torchloom.seed import add_worker_seeding, seed_everything
@@ -56,6 +56,7 @@ class Loom:
         timeout: how long a collective may wait for the other ranks before it fails (default 30 minutes).
         loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
         callbacks: objects whose methods `loom.call(hook_name, ...)` calls.
+        plugins: refused (Fabric's precision and environment plugins): see the error for what to use.
 
     Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
     here win, with a warning when they disagree with the command line.
@@ -71,7 +72,14 @@ class Loom:
         timeout: timedelta | None = None,
         loggers: Logger | list[Logger] | None = None,
         callbacks: Any = None,
+        plugins: Any = None,
     ) -> None:
+        if plugins:
+            raise ConfigurationError(
+                "plugins= is not supported. Choose the precision with precision=... (e.g. 'bf16-mixed'); the cluster "
+                "environment (torchrun, SLURM, local) is detected; pass a torchloom.strategies Strategy instance as "
+                "strategy= for anything else."
+            )
         if precision is None:
             precision = "32-true"  # Fabric's None: the default (or the command line's)
         accelerator, devices, num_nodes, strategy, precision = command_line_defaults(
