@@ -689,3 +689,35 @@ def test_lightning_module_logs_through_loom(tmp_path):
     assert module.logger is logger and module.optimizers() is optimizer
     logged = "".join(p.read_text() for p in tmp_path.rglob("*.csv"))
     assert "train_loss" in logged and f"{loss.item():.4f}"[:5] in logged
+
+
+def test_checkpoints_cross_load_between_fabric_and_torchloom(tmp_path):
+    """A checkpoint saved by one loads into the other (one process; model, optimizer and a plain value)."""
+    pytest.importorskip("lightning.fabric")
+    from fabric_scripts import make_fabric
+
+    def trained(kind: str) -> tuple:
+        fabric = make_fabric(kind, accelerator="cpu", devices=1)
+        model = make_model()
+        model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        batch = local(global_batches()[0], 0, 1)
+        fabric.backward(model.training_step(batch))
+        optimizer.step()
+        return fabric, model, optimizer
+
+    for saver, loader in (("fabric", "torchloom"), ("torchloom", "fabric")):
+        fabric, model, optimizer = trained(saver)
+        fabric.save(tmp_path / f"{saver}.ckpt", {"model": model, "optimizer": optimizer, "step": 5})
+        other, fresh_model, fresh_optimizer = trained(loader)
+        with torch.no_grad():
+            for p in fresh_model.parameters():
+                p.zero_()
+        state = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
+        other.load(tmp_path / f"{saver}.ckpt", state)
+        assert state["step"] == 5, saver
+        for key, value in model.state_dict().items():
+            assert torch.equal(fresh_model.state_dict()[key], value), (saver, key)
+        saved_state = optimizer.state_dict()["state"]
+        loaded_state = fresh_optimizer.state_dict()["state"]
+        for a, b in zip(saved_state.values(), loaded_state.values(), strict=True):
+            assert torch.equal(a["exp_avg"], b["exp_avg"]), saver
