@@ -258,7 +258,7 @@ def _train_marked_by_method(loom: Loom) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def ddp() -> list[dict]:
-    return run_ranks(_ddp_body, 2, timeout=150)
+    return run_ranks(_ddp_body, 2, timeout=240)
 
 
 def _value(ranks: list[dict], name: str) -> list:
@@ -276,18 +276,18 @@ def _assert_params_match(ranks: list[dict], name: str, expected: dict[str, torch
 
 
 # ---- 1: methods other than forward ---------------------------------------------------------------------------
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_training_step_syncs_gradients_under_ddp(ddp):
     _assert_params_match(ddp, "training_step", reference("training_step"))
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_marked_methods_sync_gradients_under_ddp(ddp):
     _assert_params_match(ddp, "marked", reference("my_loss"))
     _assert_params_match(ddp, "marked_by_method", reference("my_loss"))
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_unmarked_method_running_layers_is_refused_under_ddp(ddp):
     for message in _value(ddp, "unmarked"):
         assert "StepNet.my_loss()" in message and "model.mark_forward_method('my_loss')" in message
@@ -311,7 +311,7 @@ def test_step_methods_single_process_run_through_forward():
 
 
 # ---- 3: attributes -------------------------------------------------------------------------------------------
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_setattr_on_the_wrapper_reaches_the_module(ddp):
     for flag, new, training, described in _value(ddp, "setattr"):
         assert (flag, new, training, described) == ("set", 5, False, "StepNet(set)")
@@ -326,7 +326,7 @@ def test_setattr_single_process_and_device_dtype():
 
 
 # ---- 2: collectives on numbers -------------------------------------------------------------------------------
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_collectives_on_numbers_and_nested_collections(ddp):
     for r in ddp:
         assert torch.equal(r["reduce_number"], torch.tensor(1.5))
@@ -343,7 +343,7 @@ def test_collectives_on_numbers_and_nested_collections(ddp):
         assert torch.equal(r["gather_group"], torch.tensor([1.0, 2.0]))
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_all_gather_sync_grads(ddp):
     grads = []
     for r in _value(ddp, "sync_grads"):
@@ -427,10 +427,10 @@ def _fsdp_body(rank: int, world_size: int, layout: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["fsdp1-policy", "fsdp1-units", "fsdp2-policy", "fsdp2-units"])
 def test_training_step_under_every_fsdp_layout(layout):
-    ranks = run_ranks(_fsdp_body, 2, layout, timeout=150)
+    ranks = run_ranks(_fsdp_body, 2, layout, timeout=240)
     expected = reference("training_step")
     assert ranks[0]["params"]
     for key, value in expected.items():
@@ -467,7 +467,7 @@ def test_run_with_options_after_the_script(tmp_path):
 
 
 # ---- 6: DataLoader workers ------------------------------------------------------------------------------------
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_dataloader_workers_are_seeded_per_rank_and_worker(ddp):
     runs = _value(ddp, "workers")
     first = torch.cat([r[0] for r in runs])  # seed 7, both ranks: 8 items, 4 per rank, 2 workers each
@@ -539,14 +539,14 @@ def test_fabric_script_gives_the_same_results_under_torchloom():
 
 
 # ---- Loom(...) in processes that exist already ------------------------------------------------------------------
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_no_launch_needed_when_the_processes_exist(ddp):
     assert [r["group_at_construction"] for r in ddp] == [False, False]  # constructing a Loom never blocks
     # A later launch() starts nothing; launch(fn, *args, **kwargs) runs fn in the rank.
     assert _value(ddp, "launch_late") == [(None, 11), (None, 12)]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_rank_zero_first(ddp):
     assert _value(ddp, "rank_zero_first") == [True, True]
 
@@ -655,7 +655,7 @@ def test_save_with_filter(tmp_path):
 
 
 # ---- custom samplers: each rank gets its part of one draw -------------------------------------------------------
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_custom_samplers_are_split_across_ranks(ddp):
     first, second = _value(ddp, "custom_samplers")
     for epoch in range(2):
