@@ -80,7 +80,8 @@ while step < args.steps:
         scheduler.step()
         step += 1
         if step % args.log_every == 0 or step == 1 or step == args.steps:
-            mean_loss = loom.all_reduce(loss.detach(), "mean").item()  # every rank must join the collective
+            # Every rank must join the collective.
+            mean_loss = loom.all_reduce(loss.detach(), reduce_op="mean").item()
             loom.print(
                 f"step {step:5d} | loss {mean_loss:.4f} | grad norm {grad_norm.item():.3f} "
                 f"| lr {scheduler.get_last_lr()[0]:.2e} | {time.time() - start:.1f}s"

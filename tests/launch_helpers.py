@@ -53,7 +53,7 @@ def train_and_report(loom: Any) -> dict[str, Any]:
         "ranks_seen": loom.all_gather(torch.tensor([loom.global_rank])).flatten().tolist(),
         "pids": loom.all_gather(torch.tensor([os.getpid()])).flatten().tolist(),
         "params": flat.tolist(),
-        "params_sum_over_ranks": loom.all_reduce(flat, "sum").tolist(),
+        "params_sum_over_ranks": loom.all_reduce(flat, reduce_op="sum").tolist(),
     }
 
 

@@ -105,12 +105,10 @@ class Scale(nn.Module):
         self.gain = nn.Parameter(torch.ones(8))
 
 
-class EveryOther(Sampler[int]):
+class Endless(Sampler[int]):
     def __iter__(self):
-        return iter(range(0, 8, 2))
-
-    def __len__(self) -> int:
-        return 4
+        while True:
+            yield 0
 
 
 class Pairs(Sampler[list[int]]):
@@ -272,11 +270,6 @@ def activation_checkpointing_policy_of_instances(tmp: Path) -> None:
 
 
 # ---- launch and call order ---------------------------------------------------------------------------------
-@mistake(MisuseError, "loom.launch() was called twice", "Call it once")
-def launch_twice(tmp: Path) -> None:
-    launched().launch()
-
-
 @mistake(MisuseError, "needs a callable, got int", "Pass a function defined at module level")
 def launch_a_non_callable(tmp: Path) -> None:
     cpu().launch(42)
@@ -496,11 +489,13 @@ def seed_too_large(tmp: Path) -> None:
 
 
 @mistake(
-    MisuseError, "custom sampler (EveryOther)", "Make it rank-aware and pass use_distributed_sampler=False"
+    MisuseError,
+    "custom sampler (Endless) has no len()",
+    "Give it __len__, or make it rank-aware and pass use_distributed_sampler=False",
 )
-def custom_sampler(tmp: Path) -> None:
+def custom_sampler_without_len(tmp: Path) -> None:
     loom = cpu(devices=2, strategy="ddp")
-    loom.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4)), sampler=EveryOther(), batch_size=2))
+    loom.setup_dataloaders(DataLoader(TensorDataset(torch.randn(8, 4)), sampler=Endless(), batch_size=2))
 
 
 @mistake(
@@ -751,7 +746,9 @@ def _rank_mistakes(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
         else:
             out[case.id] = (None, "no error")
     # The ranks are still in step after every refusal: a collective after all of them completes.
-    out["__sum__"] = float(launched(devices=world_size, strategy="ddp").all_reduce(torch.ones(1), "sum"))
+    out["__sum__"] = float(
+        launched(devices=world_size, strategy="ddp").all_reduce(torch.ones(1), reduce_op="sum")
+    )
     return out
 
 

@@ -125,9 +125,12 @@ _REGISTRY: dict[str, type[Accelerator]] = {
 
 
 def select_accelerator(name: str | Accelerator) -> Accelerator:
-    """Turn `accelerator=` into an instance; "auto" prefers CUDA, then MPS, then CPU."""
+    """Turn `accelerator=` into an instance; "auto" prefers CUDA, then MPS, then CPU; "gpu" is CUDA, else MPS."""
     if isinstance(name, Accelerator):
         return name
+    if isinstance(name, str) and name.lower() == "gpu":
+        # Lightning Fabric's "gpu": CUDA, or Apple's MPS where there is no CUDA.
+        name = "mps" if not _REGISTRY["cuda"].is_available() and _REGISTRY["mps"].is_available() else "cuda"
     if not isinstance(name, str) or name.lower() not in ACCELERATORS:
         raise ConfigurationError(
             f"Unknown accelerator {name!r}. Valid accelerators: {', '.join(repr(a) for a in ACCELERATORS)}."

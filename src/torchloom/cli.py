@@ -19,7 +19,9 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="start SCRIPT on every rank with PyTorch's elastic launcher (what torchrun uses)",
         description="Start SCRIPT once per process with torch.distributed.run. The options reach Loom() in the "
-        "script: arguments it leaves at their defaults take these values.",
+        "script: arguments it leaves at their defaults take these values. As with `fabric run`, the options "
+        "below may also come after SCRIPT (anywhere before a `--`); every other argument, and everything after "
+        "`--`, goes to the script.",
     )
     run.add_argument("--accelerator", default=None, help="auto, cpu, cuda or mps")
     run.add_argument(
@@ -27,11 +29,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--strategy", default=None, help="auto, single_device, ddp, fsdp or fsdp2")
     run.add_argument("--precision", default=None, help="32-true, bf16-mixed, 16-mixed, ...")
-    run.add_argument("--num-nodes", type=int, default=1, help="number of machines in the job")
-    run.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..num_nodes-1")
-    run.add_argument("--main-address", default=None, help="address of node 0 (default 127.0.0.1 on one node)")
+    run.add_argument("--num-nodes", "--num_nodes", type=int, default=1, help="number of machines in the job")
     run.add_argument(
-        "--main-port", type=int, default=None, help="free port on node 0 (default: any free port)"
+        "--node-rank", "--node_rank", type=int, default=0, help="this machine's rank, 0..num_nodes-1"
+    )
+    run.add_argument(
+        "--main-address",
+        "--main_address",
+        default=None,
+        help="address of node 0 (default 127.0.0.1 on one node)",
+    )
+    run.add_argument(
+        "--main-port",
+        "--main_port",
+        type=int,
+        default=None,
+        help="free port on node 0 (default: any free port)",
     )
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -55,9 +68,66 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `torchloom run`'s own options, each taking one value.
+RUN_OPTIONS = frozenset(
+    (
+        "--accelerator",
+        "--devices",
+        "--strategy",
+        "--precision",
+        "--num-nodes",
+        "--num_nodes",
+        "--node-rank",
+        "--node_rank",
+        "--main-address",
+        "--main_address",
+        "--main-port",
+        "--main_port",
+    )
+)
+
+
+def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split the arguments after `run` into torchloom's (its options, then SCRIPT) and the script's.
+
+    `fabric run`'s rule: torchloom's own options count wherever they stand before a `--`, before or after the
+    script; every other argument after the script, and everything after `--`, belongs to the script."""
+    ours: list[str] = []
+    theirs: list[str] = []
+    script: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--" and script:
+            theirs.extend(argv[i + 1 :])
+            break
+        name = arg.split("=", 1)[0]
+        if name in RUN_OPTIONS:
+            takes_next = "=" not in arg and i + 1 < len(argv)
+            ours.extend(argv[i : i + 2] if takes_next else [arg])
+            i += 2 if takes_next else 1
+            continue
+        if script:
+            theirs.append(arg)
+        elif arg.startswith("-"):
+            ours.append(arg)
+        else:
+            script.append(arg)
+        i += 1
+    # The script goes last: argparse hands everything after it to the script.
+    return ours + script, theirs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    script_args: list[str] | None = None
+    if argv[:1] == ["run"]:
+        ours, script_args = split_run_args(argv[1:])
+        argv = ["run", *ours]
+    args = parser.parse_args(argv)
+    if script_args is not None:
+        args.script_args = script_args
     try:
         if args.command == "run":
             from torchloom.run import run

@@ -16,6 +16,33 @@ from torchloom.strategies.base import Strategy
 
 STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "fsdp2")
 
+# Lightning Fabric's spellings. A Fabric name for something torchloom has gets it; one for something torchloom does
+# not have is refused with the nearest torchloom choice.
+FABRIC_PRECISIONS = {
+    16: "16-mixed",
+    "16": "16-mixed",
+    32: "32-true",
+    "32": "32-true",
+    64: "64-true",
+    "64": "64-true",
+}
+FABRIC_PRECISIONS.update({"bf16": "bf16-mixed", None: "32-true"})
+FABRIC_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # torchloom's launch(fn) starts ranks with the spawn method already.
+    "ddp_spawn": ("ddp", {}),
+    "ddp_find_unused_parameters_true": ("ddp", {"find_unused_parameters": True}),
+    "ddp_find_unused_parameters_false": ("ddp", {}),
+    "fsdp_cpu_offload": ("fsdp", {"cpu_offload": True}),
+}
+REFUSED_STRATEGIES = {
+    "ddp_fork": "torchloom does not fork ranks. Use strategy='ddp': launch() re-runs the script once per rank, "
+    "and launch(fn) spawns ranks that run a function defined at module level.",
+    "ddp_notebook": "torchloom does not fork ranks, which is what running DDP inside a notebook needs. Use "
+    "strategy='ddp' from a script (`torchloom run train.py --devices N`), or launch(fn) with fn defined in an "
+    "importable module.",
+    "dp": "DataParallel is not supported. Use strategy='ddp'.",
+}
+
 # name -> "module:Class", imported on use so that `import torchloom` stays light.
 _STRATEGY_CLASSES = {
     "single_device": "torchloom.strategies.single_device:SingleDeviceStrategy",
@@ -74,6 +101,8 @@ def configure(
     accelerator: Any, devices: Any, num_nodes: int, strategy: Any, precision: Any, timeout: timedelta | None
 ) -> Strategy:
     """Build the strategy with its accelerator, precision, cluster environment and devices."""
+    if isinstance(precision, (int, str)) or precision is None:
+        precision = FABRIC_PRECISIONS.get(precision, precision)
     acc = select_accelerator(accelerator)
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ConfigurationError(f"num_nodes={num_nodes!r} is not valid: pass a positive int.")
@@ -105,8 +134,13 @@ def configure(
 
 
 def _select_strategy(strategy: Any, world_size: int) -> Strategy:
+    if isinstance(strategy, str) and strategy.lower() in REFUSED_STRATEGIES:
+        raise ConfigurationError(f"strategy={strategy!r}: {REFUSED_STRATEGIES[strategy.lower()]}")
     if isinstance(strategy, Strategy):
         instance = strategy
+    elif isinstance(strategy, str) and strategy.lower() in FABRIC_STRATEGIES:
+        name, kwargs = FABRIC_STRATEGIES[strategy.lower()]
+        instance = strategy_class(name)(**kwargs)
     elif isinstance(strategy, str) and strategy.lower() in STRATEGIES:
         name = strategy.lower()
         if name == "auto":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -13,18 +14,20 @@ from typing import Any, overload
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from torchloom import checkpointing, diagnostics, launcher
+from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
 from torchloom.connector import command_line_defaults, configure
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
-from torchloom.errors import CollectiveTimeoutError, MisuseError
+from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.loggers import Logger, to_float
 from torchloom.progress import Progress
-from torchloom.seed import seed_everything
+from torchloom.seed import add_worker_seeding, seed_everything
 from torchloom.strategies.base import Strategy
 from torchloom.wrappers import (
     SETUP_MARK,
@@ -35,19 +38,26 @@ from torchloom.wrappers import (
     unwrap_optimizer,
     with_distributed_sampler,
 )
+from torchloom.wrappers import (
+    move_to_device as move_data_to_device,
+)
 
 
 class Loom:
     """Runs a hand-written training loop on one process, many processes, GPUs or nodes.
 
     Args:
-        accelerator: "auto", "cpu", "cuda" or "mps".
+        accelerator: "auto", "cpu", "cuda", "mps" or Fabric's "gpu" (CUDA, else MPS).
         devices: on CPU the number of processes per node; on CUDA an int, a list of GPU indices, or "auto".
         num_nodes: number of machines.
-        strategy: "auto", "single_device", "ddp", "fsdp", "fsdp2" or a `torchloom.strategies.Strategy`.
-        precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README).
+        strategy: "auto", "single_device", "ddp", "fsdp", "fsdp2" or a `torchloom.strategies.Strategy`; also
+            Fabric's "ddp_spawn", "ddp_find_unused_parameters_true" and "fsdp_cpu_offload".
+        precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README), or
+            Fabric's aliases 16, "16", 32, "32", 64, "64", "bf16" and None (the default).
         timeout: how long a collective may wait for the other ranks before it fails (default 30 minutes).
         loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
+        callbacks: objects whose methods `loom.call(hook_name, ...)` calls.
+        plugins: refused (Fabric's precision and environment plugins): see the error for what to use.
 
     Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
     here win, with a warning when they disagree with the command line.
@@ -59,10 +69,20 @@ class Loom:
         devices: int | str | list[int] = "auto",
         num_nodes: int = 1,
         strategy: str | Strategy = "auto",
-        precision: str = "32-true",
+        precision: str | int | None = "32-true",
         timeout: timedelta | None = None,
         loggers: Logger | list[Logger] | None = None,
+        callbacks: Any = None,
+        plugins: Any = None,
     ) -> None:
+        if plugins:
+            raise ConfigurationError(
+                "plugins= is not supported. Choose the precision with precision=... (e.g. 'bf16-mixed'); the cluster "
+                "environment (torchrun, SLURM, local) is detected; pass a torchloom.strategies Strategy instance as "
+                "strategy= for anything else."
+            )
+        if precision is None:
+            precision = "32-true"  # Fabric's None: the default (or the command line's)
         accelerator, devices, num_nodes, strategy, precision = command_line_defaults(
             accelerator=accelerator,
             devices=devices,
@@ -73,10 +93,18 @@ class Loom:
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         self._launched = False
         self._closed = False
+        self._rank_ready = False  # this process is a rank that has joined the process group
         self._preempted = False
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+        )
+        self._callbacks: list[Any] = (
+            []
+            if callbacks is None
+            else list(callbacks)
+            if isinstance(callbacks, (list, tuple))
+            else [callbacks]
         )
 
     # ---- where this rank is ----------------------------------------------------------------------------------
@@ -108,17 +136,24 @@ class Loom:
     def device(self) -> torch.device:
         return self._strategy.root_device
 
+    @property
+    def accelerator(self) -> Any:
+        """The accelerator (`torchloom.accelerators.Accelerator`) the strategy runs on."""
+        return self._strategy.accelerator
+
     # ---- launching -------------------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         """Start the ranks and join the process group.
 
         Without `fn`, a plain `python train.py` that wants several local processes re-runs itself once per rank
-        (the launching process waits for them and exits with their status; under torchrun or SLURM nothing is
-        started). With `fn`, runs `fn(loom, *args)` on every rank and returns rank 0's result; `fn` must be
-        importable (defined at module level) because ranks are started with the spawn method.
+        (the launching process waits for them and exits with their status). With `fn`, runs
+        `fn(loom, *args, **kwargs)` on every rank and returns rank 0's result; `fn` must be importable (defined
+        at module level) because ranks are started with the spawn method.
+
+        Under `torchloom run`, torchrun or SLURM the processes exist already and the first call that needs the
+        process group joins it, so launch() is optional there; a second call, or a call in a rank that already
+        joined, starts nothing (with `fn`, it runs `fn` in this process).
         """
-        if self._launched:
-            raise MisuseError("loom.launch() was called twice. Call it once, before setting up models.")
         if fn is not None and not callable(fn):
             raise MisuseError(
                 f"loom.launch(fn) needs a callable, got {type(fn).__name__}. Pass a function defined at "
@@ -128,13 +163,16 @@ class Loom:
         self._launched = True
         env = self._strategy.cluster_environment
         assert env is not None
-        if env.creates_processes_externally or env.world_size() == 1:
-            self._setup_rank()
-            return fn(self, *args) if fn is not None else None
+        if self._rank_ready or env.creates_processes_externally or env.world_size() == 1:
+            if not self._rank_ready:
+                self._setup_rank()
+            return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
         if fn is None:
             launcher.launch_script(*where)  # never returns: this process waits for the ranks, then exits
+        if kwargs:
+            fn = functools.partial(fn, **kwargs)  # picklable when fn is
         return launcher.launch_function(self, fn, args, *where)
 
     def _setup_rank(self) -> None:
@@ -148,6 +186,20 @@ class Loom:
         self._strategy.setup_environment()
         if self._strategy.is_distributed and self.world_size > 1:
             diagnostics.start(self.global_rank, self.world_size)
+        self._rank_ready = True
+
+    def _join_if_started_externally(self) -> None:
+        """Where the processes exist already (torchloom run, torchrun, SLURM), join the process group on the first
+        call that needs it, so a script written for `fabric run` needs no launch(). Constructing a Loom does not
+        block: the group is joined by the first setup, collective or checkpoint call, which every rank makes."""
+        env = self._strategy.cluster_environment
+        if (
+            not self._launched
+            and self._strategy.is_distributed
+            and env is not None
+            and env.creates_processes_externally
+        ):
+            self._setup_rank()
 
     def close(self) -> None:
         """End this process's part of the job: wait for a pending asynchronous save (raising if it failed),
@@ -175,6 +227,7 @@ class Loom:
             self.close()
 
     def _require_launch(self, what: str) -> None:
+        self._join_if_started_externally()
         if self._strategy.is_distributed and not self._launched:
             raise MisuseError(
                 f"{what} was called before loom.launch(). Call loom.launch() first: it starts the ranks and "
@@ -186,6 +239,7 @@ class Loom:
     def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Create modules directly on `loom.device` in the precision's dtype. With `empty_init=True`, sharding
         strategies create parameters on the meta device and initialise them shard by shard in `setup_module`."""
+        self._join_if_started_externally()
         with self._strategy.module_init_context(empty_init):
             yield
 
@@ -194,19 +248,26 @@ class Loom:
     @overload
     def setup(self, module: nn.Module, *optimizers: Optimizer) -> tuple[Any, ...]: ...
 
-    def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
-        """Set up a model and its optimizers; returns `model` or `(model, *optimizers)`."""
+    def setup(
+        self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None, move_to_device: bool = True
+    ) -> Any:
+        """Set up a model and its optimizers; returns `model` or `(model, *optimizers)`, with `scheduler` (an LR
+        scheduler of one of the optimizers, returned unchanged) appended when given, as Fabric does."""
         names = {id(p): clean_name(n) for n, p in module.named_parameters()}
-        module = self.setup_module(module)
+        module = self.setup_module(module, move_to_device=move_to_device)
         if not optimizers:
-            return module
+            return module if scheduler is None else (module, scheduler)
         if self._strategy.replaces_parameters:
             for optimizer in optimizers:
                 _rebind_optimizer(optimizer, names, module.module)
-        return (module, *self._setup_optimizers(optimizers))
+        out = (module, *self._setup_optimizers(optimizers))
+        if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
+            module.module._fabric_optimizers = list(out[1:])
+        return out if scheduler is None else (*out, scheduler)
 
-    def setup_module(self, module: nn.Module) -> LoomModule:
-        """Move and wrap `module` for the strategy; returns a `LoomModule`."""
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
+        """Move and wrap `module` for the strategy; returns a `LoomModule`. `move_to_device` is accepted for
+        Fabric's sake; the model always goes to `loom.device`, where the strategy needs it."""
         if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
             raise MisuseError(
                 "setup_module was called twice on the same module. Set up each model once and keep the returned "
@@ -223,6 +284,9 @@ class Loom:
         module = precision.convert_module(module)
         forward_module = self._strategy.setup_module(module)
         object.__setattr__(module, SETUP_MARK, True)
+        if hasattr(module, "_fabric"):
+            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference.
+            module._fabric = self
         wrapped = LoomModule(forward_module, module, precision)
         self._modules.append(wrapped)
         return wrapped
@@ -273,7 +337,11 @@ class Loom:
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
     ) -> Any:
         """Give each rank its own part of the data (shuffle kept, epoch advanced per pass) and move batches to
-        `loom.device`. Returns one loader or a tuple."""
+        `loom.device`. Returns one loader or a tuple.
+
+        Every DataLoader worker of every rank gets its own random seed (from the global seed, the rank and the
+        worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across workers or
+        ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)` turns this off."""
         if not dataloaders:
             raise MisuseError("setup_dataloaders needs at least one DataLoader.")
         out = []
@@ -285,6 +353,7 @@ class Loom:
             if use_distributed_sampler and self.world_size > 1:
                 seed = int(os.environ.get("TORCHLOOM_SEED", 0))
                 loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
+            add_worker_seeding(loader, self.global_rank)
             out.append(LoomDataLoader(loader, self.device if move_to_device else None))
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -299,13 +368,14 @@ class Loom:
         self,
         module: LoomModule,
         optimizer: Optimizer,
-        max_norm: float | None = None,
         clip_val: float | None = None,
+        max_norm: float | None = None,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor | None:
-        """Clip gradients by global norm (`max_norm`, returns the total norm before clipping) or by value
-        (`clip_val`, returns None). Pass exactly one of them."""
+        """Clip gradients by value (`clip_val`, returns None) or by global norm (`max_norm`, returns the total
+        norm before clipping). Pass exactly one of them. The order is Fabric's: `clip_gradients(model, opt, 0.5)`
+        clips by value."""
         if (max_norm is None) == (clip_val is None):
             raise ValueError(
                 "clip_gradients needs exactly one of max_norm= (clip by global norm) or clip_val= (clip by value)."
@@ -342,18 +412,26 @@ class Loom:
         )
 
     # ---- collectives -----------------------------------------------------------------------------------------
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors (or nested dicts/lists of them) over all ranks: "mean", "sum", "max", "min"."""
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: str | ReduceOp = "mean") -> Any:
+        """Reduce tensors and numbers (or nested dicts/lists/tuples of them) over all ranks, or over `group`:
+        "mean", "sum", "max", "min", "product" or a `torch.distributed.ReduceOp`. Numbers come back as tensors
+        on `loom.device`."""
         self._require_launch("all_reduce")
+        reduce_op = reduce_op_name(_not_an_op(group, reduce_op))
+        data = numbers_to_tensors(data, self.device)
         # Every collective entered here is recorded (see `diagnostics`): a hang can then say who is where.
         with _record("all_reduce", data):
-            return self._strategy.all_reduce(data, reduce_op)
+            return self._strategy.all_reduce(data, reduce_op, group=group)
 
-    def all_gather(self, data: Any) -> Any:
-        """Gather tensors from all ranks; each tensor comes back stacked with a leading world-size dimension."""
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Gather tensors and numbers (or nested collections of them) from all ranks, or from `group`; each comes
+        back as a tensor stacked with a leading dimension of the group's size (also in one process). With
+        `sync_grads=True`, gradients flow back through the gather to every rank's input."""
         self._require_launch("all_gather")
+        _not_an_op(group, None)
+        data = numbers_to_tensors(data, self.device)
         with _record("all_gather", data):
-            return self._strategy.all_gather(data)
+            return self._strategy.all_gather(data, group=group, sync_grads=sync_grads)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send any picklable object from rank `src` to every rank."""
@@ -372,10 +450,15 @@ class Loom:
         self,
         path: str | os.PathLike[str],
         state: dict[str, Any],
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
         async_save: bool = False,
         fsync: bool = True,
     ) -> None:
         """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
+
+        `filter` (Fabric's): for some entries of `state`, a function `(name, value) -> bool` that keeps only the
+        matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`. Full
+        checkpoints only; load such an entry back with `strict=False`.
 
         The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
@@ -389,6 +472,8 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
+        if filter:
+            state = self._filtered(state, filter)
         try:
             with _record("save"):
                 self._strategy.save_checkpoint(
@@ -421,14 +506,40 @@ class Loom:
                 weights_only=weights_only,
             )
 
-    def load_raw(self, path: str | os.PathLike[str], obj: nn.Module | Optimizer, strict: bool = True) -> None:
-        """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer."""
+    def load_raw(
+        self,
+        path: str | os.PathLike[str],
+        obj: nn.Module | Optimizer,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> None:
+        """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer.
+        The file is read with `weights_only=True` unless you pass False (for files holding other objects)."""
         self._require_launch("load_raw")
-        raw = checkpointing.full.read(Path(path), weights_only=True)
+        raw = checkpointing.full.read(Path(path), weights_only=weights_only is not False)
         if isinstance(obj, (nn.Module, LoomModule)):
             checkpointing.load_module(self._strategy, state_module(obj), raw, strict, name=str(path))
         else:
             unwrap_optimizer(obj).load_state_dict(raw)
+
+    def _filtered(
+        self,
+        state: dict[str, Any],
+        filter: dict[str, Callable[[str, Any], bool]],
+    ) -> dict[str, Any]:
+        if self._strategy.checkpoint_format != "full":
+            raise MisuseError(
+                "save(..., filter=) works with full checkpoints (one file). With FSDP, pass "
+                "state_dict_type='full' to the strategy, or save everything and filter when loading."
+            )
+        unknown = [k for k in filter if not isinstance(state, dict) or k not in state]
+        if unknown:
+            raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
+        owner_of = self._owner_of(state)
+        out = dict(state)
+        for key, keep in filter.items():
+            out[key] = _FilteredState(self._strategy, state[key], keep, owner_of)
+        return out
 
     def _owner_of(self, state: dict[str, Any]) -> Callable[[Optimizer], nn.Module | None]:
         # A `state` that is not a dict is refused, with its fix, when the checkpoint is collected.
@@ -508,21 +619,110 @@ class Loom:
         return Progress(iterable, total, desc, show_bar=show, is_global_zero=self.is_global_zero)
 
     # ---- conveniences ----------------------------------------------------------------------------------------
+    @property
+    def logger(self) -> Logger | None:
+        """The first of `loggers` (None without loggers)."""
+        return self._loggers[0] if self._loggers else None
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if callable(method):
+                method(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Generator[None, None, None]:
+        """Run the code inside in the precision's autocast (what forward gets), e.g. a loss computed outside the
+        model."""
+        assert self._strategy.precision is not None
+        with self._strategy.precision.forward_context():
+            yield
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a module, a tensor, or the tensors in a nested collection to `loom.device`."""
+        if isinstance(obj, nn.Module):
+            return obj.to(self.device)
+        return move_data_to_device(obj, self.device)
+
+    @contextlib.contextmanager
+    def init_tensor(self) -> Generator[None, None, None]:
+        """Create tensors inside directly on `loom.device` in the precision's parameter dtype."""
+        assert self._strategy.precision is not None
+        with self.device, self._strategy.precision.module_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
+        """Rank 0 (of the job, or of each node with `local=True`) runs the code inside first, the other ranks
+        after it, e.g. a download that the other ranks then read from disk. Every rank must enter it. The wait is
+        bounded by `Loom(timeout=...)`."""
+        rank = self.local_rank if local else self.global_rank
+        if rank > 0:
+            self.barrier()
+        yield
+        if rank == 0:
+            self.barrier()
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on global rank 0 only."""
         if self.is_global_zero:
             print(*args, **kwargs)
 
     @staticmethod
-    def seed_everything(seed: int) -> int:
-        """Seed Python, NumPy (if installed) and torch; returns the seed."""
-        return seed_everything(seed)
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
+        """Seed Python, NumPy (if installed) and torch; returns the seed. See `torchloom.seed_everything`."""
+        return seed_everything(seed, workers=workers, verbose=verbose)
 
     def __repr__(self) -> str:
         return (
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
+
+
+class _FilteredState:
+    """An entry of `save(..., filter=)`: its state dict (collected as save would) with only the items `keep`
+    accepts."""
+
+    def __init__(
+        self, strategy: Strategy, value: Any, keep: Callable[[str, Any], bool], owner_of: Any
+    ) -> None:
+        self._strategy, self._value, self._keep, self._owner_of = strategy, value, keep, owner_of
+
+    def state_dict(self) -> Any:
+        value = self._value
+        if isinstance(value, (nn.Module, LoomModule)):
+            collected = self._strategy.module_state_dict(state_module(value), full=True)
+        elif isinstance(value, (Optimizer, LoomOptimizer)):
+            optimizer = unwrap_optimizer(value)
+            owner = self._owner_of(optimizer)
+            collected = (
+                optimizer.state_dict()
+                if owner is None
+                else self._strategy.optimizer_state_dict(owner, optimizer, full=True)
+            )
+        elif callable(getattr(value, "state_dict", None)):
+            collected = value.state_dict()
+        else:
+            collected = value
+        if not isinstance(collected, dict):
+            return collected
+        return {k: v for k, v in collected.items() if self._keep(k, v)}
+
+    def load_state_dict(self, state_dict: Any) -> None:  # only so that it counts as an object with state
+        raise NotImplementedError
+
+
+def _not_an_op(group: Any, reduce_op: Any) -> Any:
+    """Refuse a reduce op passed where the group goes (torchloom's order was `all_reduce(data, reduce_op)`;
+    Fabric's, now ours, is `all_reduce(data, group, reduce_op)`)."""
+    if isinstance(group, (str, ReduceOp)):
+        raise MisuseError(
+            f"The second argument of all_reduce/all_gather is the process group, got {group!r}. Pass the reduce "
+            f"operation by name: all_reduce(data, reduce_op={group!r})."
+        )
+    return reduce_op
 
 
 def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:

@@ -6,7 +6,10 @@ and otherwise behave like the user's own objects (attributes, `state_dict()` key
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from types import MethodType
 from typing import Any
 
 import torch
@@ -14,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from torchloom._layout import unit_flavour
 from torchloom.errors import MisuseError
 from torchloom.precision import Precision
 
@@ -21,12 +25,21 @@ from torchloom.precision import Precision
 SETUP_MARK = "_torchloom_is_setup"
 
 
+# LightningModule's step methods: called on a set-up model, they run through the strategy like forward.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
 class LoomModule(nn.Module):
     """A set-up model. Calling it runs the forward through the strategy's wrapper and the precision.
 
     `.module` is the user's original module, `.forward_module` what the forward runs through (the DDP wrapper,
     the root FSDP unit, or the module itself). Attributes, parameters and `state_dict()` come from the original
-    module under its own key names.
+    module under its own key names; setting an attribute on the wrapper sets it on the original module.
+
+    The step methods (`training_step`, `validation_step`, `test_step`, `predict_step`) and any method marked
+    with `mark_forward_method` run through the same path as forward (DDP's gradient sync, FSDP's unsharding,
+    the precision's autocast). Any other method of the model that runs a submodule with parameters is refused
+    on a DDP/FSDP model, because it would bypass that path.
     """
 
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision: Precision) -> None:
@@ -35,6 +48,13 @@ class LoomModule(nn.Module):
         # Not registered as a child: its parameters are already reachable through the forward module.
         object.__setattr__(self, "_original_module", original_module)
         object.__setattr__(self, "_precision", precision)
+        object.__setattr__(self, "_forward_methods", set(STEP_METHODS))
+        # Whether forward runs through something the bare module's methods would bypass: a DDP or FSDP wrapper,
+        # or a root made an FSDP2 unit in place (its hooks sit on the module itself). Hand-made units without a
+        # root unit need no routing: their own hooks, and the replicated leftovers' gradient hooks, always run.
+        wrapped_root = forward_module is not original_module or unit_flavour(original_module) is not None
+        object.__setattr__(self, "_wrapped_root", wrapped_root)
+        object.__setattr__(self, "_loom_initialized", True)
 
     @property
     def module(self) -> nn.Module:
@@ -44,12 +64,102 @@ class LoomModule(nn.Module):
     def forward_module(self) -> nn.Module:
         return self._forward_module
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's first parameter (or buffer); CPU for a model without either."""
+        for t in (*self._original_module.parameters(), *self._original_module.buffers()):
+            return t.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's first floating-point parameter (float32 for a model without one)."""
+        for p in self._original_module.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.get_default_dtype()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         precision = self._precision
         args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
             output = self._forward_module(*args, **kwargs)
         return precision.convert_output(output)
+
+    def mark_forward_method(self, method: str | MethodType) -> None:
+        """Run the model's method `method` (a name or the bound method) through the strategy like forward, so
+        that `model.generate(x)` or `model.my_step(batch)` synchronises gradients under DDP and unshards
+        parameters under FSDP. The LightningModule step methods are marked already."""
+        # A method read from this wrapper comes back wrapped (see __getattr__); it keeps the method's name.
+        name = method if isinstance(method, str) else getattr(method, "__name__", None)
+        if not isinstance(name, str) or not (isinstance(method, str) or callable(method)):
+            raise TypeError(f"mark_forward_method expects a method or its name, got {type(method).__name__}.")
+        if name == "forward":
+            raise ValueError("forward already runs through the strategy; mark other methods only.")
+        if not isinstance(getattr(self._original_module, name, None), MethodType):
+            raise AttributeError(
+                f"mark_forward_method({name!r}): {type(self._original_module).__name__}.{name} does not exist or is "
+                "not a method."
+            )
+        self._forward_methods.add(name)
+
+    def _through_forward(self, name: str) -> Callable[..., Any]:
+        """`name` called as if it were forward: the arguments go through this wrapper's forward (precision,
+        strategy wrapper, hooks), and where the wrapper calls the original module's forward, `name` runs
+        instead. Inside it, the module's own forward is the real one again."""
+        original = self._original_module
+        method = getattr(original, name)
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            had_own = "forward" in original.__dict__
+            saved = original.__dict__.get("forward")
+
+            def restore() -> None:
+                if had_own:
+                    object.__setattr__(original, "forward", saved)
+                else:
+                    original.__dict__.pop("forward", None)
+
+            def redirected(*inner_args: Any, **inner_kwargs: Any) -> Any:
+                restore()  # the method may call self(...) or self.forward(...) itself
+                return method(*inner_args, **inner_kwargs)
+
+            object.__setattr__(original, "forward", redirected)
+            try:
+                return self.forward(*args, **kwargs)
+            finally:
+                restore()
+
+        return call
+
+    def _refusing_submodule_calls(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """`method`, but calling a submodule that holds parameters inside it raises (it would bypass DDP/FSDP)."""
+        original = self._original_module
+        owner = type(original).__name__
+
+        def refuse(*_: Any) -> None:
+            raise MisuseError(
+                f"{owner}.{name}() was called on the set-up model and runs its layers outside the strategy's "
+                f"forward, so under DDP/FSDP its gradients would not be synchronised (or its parameters not "
+                f"gathered). Mark it once after setup: `model.mark_forward_method({name!r})`, or call it from "
+                "inside forward."
+            )
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            handles = [
+                m.register_forward_pre_hook(refuse)
+                for m in original.modules()
+                if next(m.parameters(recurse=False), None) is not None
+            ]
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+        return call
 
     # Parameters and state under the original module's names, never "_forward_module.module.".
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -74,7 +184,29 @@ class LoomModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._original_module, name)
+            pass
+        original = self.__dict__["_original_module"]
+        attr = getattr(original, name)
+        if not inspect.ismethod(attr):
+            return attr
+        if name in self.__dict__["_forward_methods"]:
+            return self._through_forward(name)
+        if self.__dict__["_wrapped_root"]:
+            return self._refusing_submodule_calls(attr, name)
+        return attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `model.x = value` reaches the user's module; the wrapper's own attributes stay on the wrapper (an
+        # attribute both have, e.g. `training`, is set on both).
+        if not self.__dict__.get("_loom_initialized", False):
+            super().__setattr__(name, value)
+            return
+        original = self._original_module
+        own = name in self.__dict__ or hasattr(type(self), name) or name in self._modules
+        if own:
+            super().__setattr__(name, value)
+        if not own or hasattr(original, name):
+            setattr(original, name, value)
 
     def __repr__(self) -> str:
         return f"LoomModule({self._original_module!r})"
@@ -198,6 +330,41 @@ _LOADER_ARGS = (
 )
 
 
+class ShardedSampler(DistributedSampler):
+    """A custom sampler (`SubsetRandomSampler`, `WeightedRandomSampler`, your own) split across ranks: every
+    rank draws the sampler's whole sequence for the epoch, identically, and takes every num_replicas-th item of
+    it, so the ranks' parts never overlap and together make one draw (padded like DistributedSampler to equal
+    length, or trimmed with `drop_last`).
+
+    A sampler without a generator of its own draws from torch's global generator; each epoch's draw is made from
+    that generator seeded with `seed + epoch` (without changing the global state), so every rank draws the same
+    sequence whatever else it has drawn. A sampler with its own generator is left to it: seed it alike on every
+    rank."""
+
+    def __init__(
+        self, sampler: Any, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False
+    ) -> None:
+        # The "dataset" being split is the sequence of positions in the sampler's draw.
+        super().__init__(
+            range(len(sampler)),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=False,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        if getattr(self.sampler, "generator", None) is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed + self.epoch)
+                draw = list(self.sampler)
+        else:
+            draw = list(self.sampler)
+        return iter([draw[i] for i in super().__iter__()])
+
+
 def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int = 0) -> DataLoader:
     """Rebuild `loader` so each rank reads its own 1/num_replicas of the data, keeping its shuffle setting."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
@@ -209,20 +376,26 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
             "cannot split across ranks. Shard it yourself and pass use_distributed_sampler=False."
         )
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
-        raise MisuseError(
-            f"The dataloader uses a custom sampler ({type(loader.sampler).__name__}), which torchloom cannot split "
-            "across ranks. Make it rank-aware and pass use_distributed_sampler=False."
+    sampler: DistributedSampler
+    if isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        sampler = DistributedSampler(
+            loader.dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=seed,
+            drop_last=bool(loader.drop_last),
         )
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = DistributedSampler(
-        loader.dataset,
-        num_replicas=num_replicas,
-        rank=rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=bool(loader.drop_last),
-    )
+    else:
+        if not hasattr(loader.sampler, "__len__"):
+            raise MisuseError(
+                f"The dataloader's custom sampler ({type(loader.sampler).__name__}) has no len(), so torchloom "
+                "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
+                "use_distributed_sampler=False."
+            )
+        sampler = ShardedSampler(
+            loader.sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=bool(loader.drop_last)
+        )
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)

@@ -2,7 +2,9 @@
 
 Top-level keys are the user's; a model's entry uses the module's own parameter names and an optimizer's entry is
 keyed by parameter name, so plain PyTorch reads it: `model.load_state_dict(torch.load(path)["model"])`. The
-reserved key `__torchloom__` holds metadata.
+reserved key `__torchloom__` holds metadata, only in files that hold a module, an optimizer or another object
+with `state_dict()`: a state of plain values only (`loom.save(path, model.state_dict())`) is written exactly as
+given, as `torch.save` would, so `model.load_state_dict(torch.load(path))` works.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torchloom.checkpointing import atomic
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
     META_KEY,
+    VALUE,
     OwnerLookup,
     check_missing,
     collect_state,
@@ -91,7 +94,10 @@ def save(
     """Every rank collects (sharded strategies gather to rank 0 here); rank 0 writes; every rank learns the
     outcome. With `async_save`, rank 0 writes a private copy in a background thread and returns its future."""
     payload, kinds = collect_state(strategy, state, owner_of, full=True)
-    payload[META_KEY] = metadata(strategy, "full", kinds)
+    if any(kind != VALUE for kind in kinds.values()):
+        # Plain values only (a state dict, a dict of tensors): nothing torchloom converted, nothing to record,
+        # and an extra key would break `model.load_state_dict(torch.load(path))`.
+        payload[META_KEY] = metadata(strategy, "full", kinds)
     if async_save:
         if strategy.global_rank != 0:
             return None

@@ -293,11 +293,11 @@ class Strategy:
                 print(f"torchloom: the last asynchronous save failed: {exc}", file=sys.stderr)
 
     # ---- collectives (identity in one process) ---------------------------------------------------------------
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+    def all_reduce(self, data: Any, reduce_op: str = "mean", group: Any = None) -> Any:
         _reduce_op(reduce_op)
         return data
 
-    def all_gather(self, data: Any) -> Any:
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         return torch.utils._pytree.tree_map(
             lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, data
         )

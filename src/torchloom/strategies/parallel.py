@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torchloom import _torch_compat, diagnostics
 from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, MisuseError
 from torchloom.launcher import _is_peer_failure
+from torchloom.strategies._gather import all_gather_with_grads
 from torchloom.strategies.base import Strategy, _reduce_op
 
 
@@ -129,7 +130,7 @@ class ParallelStrategy(Strategy):
                 f"PyTorch said: {error}"
             ) from error
 
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+    def all_reduce(self, data: Any, reduce_op: str = "mean", group: Any = None) -> Any:
         op = _reduce_op(reduce_op)
         self._require_group("all_reduce")
 
@@ -140,23 +141,29 @@ class ParallelStrategy(Strategy):
             if out.device != self.root_device:
                 out = out.to(self.root_device)
             with self._collective("all_reduce"):
-                dist.all_reduce(out, op=op)
+                dist.all_reduce(out, op=op, group=group)
             if reduce_op.lower() in ("mean", "avg"):
-                out = out / self.world_size if out.is_floating_point() else out // self.world_size
+                size = self.world_size if group is None else dist.get_world_size(group)
+                out = out / size if out.is_floating_point() else out // size
             return out
 
         return torch.utils._pytree.tree_map(reduce, data)
 
-    def all_gather(self, data: Any) -> Any:
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         self._require_group("all_gather")
 
         def gather(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
-            t = t.detach().contiguous().to(self.root_device)
-            out = [torch.empty_like(t) for _ in range(self.world_size)]
+            t = t.contiguous().to(self.root_device)
+            if sync_grads:
+                with self._collective("all_gather"):
+                    return all_gather_with_grads(t, group)
+            t = t.detach()
+            size = self.world_size if group is None else dist.get_world_size(group)
+            out = [torch.empty_like(t) for _ in range(size)]
             with self._collective("all_gather"):
-                dist.all_gather(out, t)
+                dist.all_gather(out, t, group=group)
             return torch.stack(out)
 
         return torch.utils._pytree.tree_map(gather, data)
