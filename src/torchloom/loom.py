@@ -350,11 +350,13 @@ class Loom:
                 raise MisuseError(
                     f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
                 )
-            if use_distributed_sampler and self.world_size > 1:
+            if use_distributed_sampler:
+                # In one process too: the global order of an epoch is then the same at every world size, which
+                # is what lets a run saved on N ranks resume on M (see torchloom.data).
                 seed = int(os.environ.get("TORCHLOOM_SEED", 0))
                 loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
             add_worker_seeding(loader, self.global_rank)
-            out.append(LoomDataLoader(loader, self.device if move_to_device else None))
+            out.append(LoomDataLoader(loader, self.device if move_to_device else None, self.world_size))
         return out[0] if len(out) == 1 else tuple(out)
 
     # ---- training calls --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from torchloom._layout import unit_flavour
+from torchloom.data import LoomDataLoader, ResumableSampler, move_to_device  # noqa: F401 - part of this API
 from torchloom.errors import MisuseError
 from torchloom.precision import Precision
 
@@ -277,42 +278,6 @@ def state_module(module: Any) -> nn.Module:
     return module.forward_module if isinstance(module, LoomModule) else module
 
 
-def move_to_device(data: Any, device: torch.device) -> Any:
-    """Move every tensor in a nested structure (dicts, lists, tuples) to `device`."""
-    non_blocking = device.type == "cuda"
-    return torch.utils._pytree.tree_map(
-        lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, data
-    )
-
-
-class LoomDataLoader:
-    """Iterates the user's loader, advances the DistributedSampler's epoch and moves batches to the device."""
-
-    def __init__(self, loader: DataLoader, device: torch.device | None) -> None:
-        self._loader = loader
-        self._device = device
-        self._epoch = 0
-
-    @property
-    def loader(self) -> DataLoader:
-        return self._loader
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        # Each pass is a new epoch: a shuffling sampler must reshuffle, identically on every rank.
-        sampler = getattr(self._loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(self._epoch)
-        self._epoch += 1
-        for batch in self._loader:
-            yield batch if self._device is None else move_to_device(batch, self._device)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
 # DataLoader.__init__ arguments that a rebuilt loader must keep.
 _LOADER_ARGS = (
     "batch_size",
@@ -330,7 +295,7 @@ _LOADER_ARGS = (
 )
 
 
-class ShardedSampler(DistributedSampler):
+class ShardedSampler(ResumableSampler):
     """A custom sampler (`SubsetRandomSampler`, `WeightedRandomSampler`, your own) split across ranks: every
     rank draws the sampler's whole sequence for the epoch, identically, and takes every num_replicas-th item of
     it, so the ranks' parts never overlap and together make one draw (padded like DistributedSampler to equal
@@ -366,11 +331,17 @@ class ShardedSampler(DistributedSampler):
 
 
 def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int = 0) -> DataLoader:
-    """Rebuild `loader` so each rank reads its own 1/num_replicas of the data, keeping its shuffle setting."""
+    """Rebuild `loader` so each rank reads its own 1/num_replicas of the data, keeping its shuffle setting, through
+    a sampler whose global order is the same at every world size (`torchloom.data.ResumableSampler`)."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return loader  # an iterable dataset shards itself
     if isinstance(loader.sampler, DistributedSampler):
         return loader
+    unsplittable = (
+        loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler
+    ) or not hasattr(loader.sampler, "__len__")
+    if unsplittable and num_replicas == 1:
+        return loader  # one process reads everything: nothing to split (but no mid-epoch resume either)
     if loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler:
         raise MisuseError(
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
@@ -378,7 +349,7 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
         )
     sampler: DistributedSampler
     if isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             loader.dataset,
             num_replicas=num_replicas,
             rank=rank,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchloom.checkpointing import atomic
+from torchloom.checkpointing import atomic, rng
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
     META_KEY,
@@ -98,6 +98,7 @@ def save(
         # Plain values only (a state dict, a dict of tensors): nothing torchloom converted, nothing to record,
         # and an extra key would break `model.load_state_dict(torch.load(path))`.
         payload[META_KEY] = metadata(strategy, "full", kinds)
+        payload[META_KEY][rng.KEY] = rng.gather(strategy)
     if async_save:
         if strategy.global_rank != 0:
             return None
@@ -185,4 +186,6 @@ def load(
     meta = checkpoint.get(META_KEY)
     if isinstance(meta, dict) and meta.get("grad_scaler") and strategy.precision is not None:
         strategy.precision.load_state_dict(meta["grad_scaler"])
+    if isinstance(meta, dict):
+        rng.restore_saved(strategy, meta.get(rng.KEY))
     return {k: v for k, v in checkpoint.items() if k not in state and k != META_KEY}

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchloom import _torch_compat
-from torchloom.checkpointing import atomic
+from torchloom.checkpointing import atomic, rng
 from torchloom.checkpointing.full import metadata, write_error
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
@@ -99,6 +99,7 @@ def save(
     assert strategy.precision is not None
     if strategy.precision.state_dict():
         extra["__grad_scaler__"] = strategy.precision.state_dict()
+    extra["__rng__"] = rng.gather(strategy)
     # Every rank must write into the same temporary directory: rank 0 names it.
     tmp = atomic.temporary_sibling(path) if strategy.global_rank == 0 else None
     error = None
@@ -277,6 +278,7 @@ def load(
             restore_entry(strategy, state, key, extra[key], strict, owner_of)
     if extra.get("__grad_scaler__") and strategy.precision is not None:
         strategy.precision.load_state_dict(extra["__grad_scaler__"])
+    rng.restore_saved(strategy, extra.get("__rng__"))
     unnamed = [k for k in kinds if k not in state]
     remaining = {k: extra[k] for k in unnamed if k in extra}
     tensor_keys = [k for k in unnamed if k not in extra]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchloom.checkpointing import atomic, full, sharded
+from torchloom.checkpointing import atomic, full, rng, sharded
 from torchloom.checkpointing.state import META_KEY, MODULE
 from torchloom.errors import CheckpointError
 
@@ -134,6 +134,7 @@ def consolidate(
     if not model_only:
         extra = torch.load(path / sharded.EXTRA_FILE, map_location="cpu", weights_only=False)
         scaler = extra.pop("__grad_scaler__", None)
+        generators = extra.pop("__rng__", None)
         result.update(extra)
         result[META_KEY] = {
             **meta,
@@ -141,6 +142,8 @@ def consolidate(
             "grad_scaler": scaler or {},
             "consolidated_from": str(path),
         }
+        if generators:
+            result[META_KEY][rng.KEY] = generators
     elif len(wanted) == 1:
         result = result[wanted[0]]
     if fmt == "safetensors":
