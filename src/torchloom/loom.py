@@ -376,7 +376,8 @@ class Loom:
         """Run a model method through the strategy like forward (see `LoomModule.mark_forward_method`), given as
         the bound method of a set-up model (`loom.mark_forward_method(model.generate)`) or by name, for every
         set-up model that has it."""
-        method = getattr(method, "__wrapped__", method)  # read from a set-up model, a method comes back wrapped
+        # Read from a set-up model, a method comes back wrapped.
+        method = getattr(method, "__wrapped__", method)
         owner = getattr(method, "__self__", None)
         targets = [
             m
