@@ -247,7 +247,7 @@ def _worker_draws(loom: Loom, seed: int) -> torch.Tensor:
 
 def _train_marked_by_method(loom: Loom) -> dict[str, torch.Tensor]:
     model, opt = _setup(loom)
-    model.mark_forward_method(model.my_loss)
+    loom.mark_forward_method(model.my_loss)  # read through a DDP-wrapped model: comes back wrapped
     for batch in global_batches():
         loss = model.my_loss(local(batch, loom.global_rank, loom.world_size))
         opt.zero_grad()
@@ -721,3 +721,13 @@ def test_checkpoints_cross_load_between_fabric_and_torchloom(tmp_path):
         loaded_state = fresh_optimizer.state_dict()["state"]
         for a, b in zip(saved_state.values(), loaded_state.values(), strict=True):
             assert torch.equal(a["exp_avg"], b["exp_avg"]), saver
+
+
+def test_loom_mark_forward_method():
+    loom = Loom(accelerator="cpu")
+    model = loom.setup(make_model())
+    loom.mark_forward_method(model.module.my_loss)
+    loom.mark_forward_method("describe")
+    assert {"my_loss", "describe"} <= model._forward_methods
+    with pytest.raises(MisuseError, match="no model set up"):
+        loom.mark_forward_method("missing")

@@ -158,9 +158,9 @@ def strategy_class_instead_of_instance(tmp: Path) -> None:
     cpu(strategy=FSDP2Strategy)
 
 
-@mistake(ConfigurationError, "Unknown accelerator 'gpu'", "Valid accelerators: 'auto', 'cpu', 'cuda', 'mps'")
-def accelerator_gpu(tmp: Path) -> None:
-    Loom(accelerator="gpu")
+@mistake(ConfigurationError, "Unknown accelerator 'tpu'", "Valid accelerators: 'auto', 'cpu', 'cuda', 'mps'")
+def accelerator_tpu(tmp: Path) -> None:
+    Loom(accelerator="tpu")
 
 
 @mistake(ConfigurationError, "Unknown accelerator 'cpuu'", "'cpu'")

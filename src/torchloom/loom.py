@@ -403,6 +403,26 @@ class Loom:
         with self._strategy.no_backward_sync(forward_module, enabled=enabled):
             yield
 
+    def mark_forward_method(self, method: Any) -> None:
+        """Run a model method through the strategy like forward (see `LoomModule.mark_forward_method`), given as
+        the bound method of a set-up model (`loom.mark_forward_method(model.generate)`) or by name, for every
+        set-up model that has it."""
+        # Read from a set-up model, a method comes back wrapped.
+        method = getattr(method, "__wrapped__", method)
+        owner = getattr(method, "__self__", None)
+        targets = [
+            m
+            for m in self._modules
+            if (owner is None and callable(getattr(m.module, str(method), None))) or owner in (m, m.module)
+        ]
+        if not targets:
+            raise MisuseError(
+                f"mark_forward_method({method!r}): no model set up with this Loom has that method. Call it after "
+                "setup, on a method of the set-up model, e.g. loom.mark_forward_method(model.generate)."
+            )
+        for wrapped in targets:
+            wrapped.mark_forward_method(method if owner is None else method.__name__)
+
     def _setup_of(self, module: Any, what: str) -> LoomModule:
         if isinstance(module, LoomModule):
             return module
