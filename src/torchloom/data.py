@@ -12,13 +12,15 @@ with another, it still sees each remaining sample of the epoch once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from torchloom.errors import CheckpointError, MisuseError
 
@@ -41,6 +43,15 @@ class ResumableSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, **kwargs)
         #: Global samples of the current epoch's order already consumed (set by a resume, for one epoch).
         self.start = 0
+        #: Hand out `SampleKey`s instead of indices (for a `SeededPerSample` dataset).
+        self.keyed = False
+
+    def _keys(self, positions: list[int], items: list[Any]) -> Iterator[Any]:
+        if not self.keyed:
+            return iter(items)
+        return (
+            SampleKey(item, self.seed, self.epoch, pos) for pos, item in zip(positions, items, strict=True)
+        )
 
     def global_order(self) -> list[int]:
         """This epoch's order of the whole dataset, the same on every rank and at every world size."""
@@ -52,18 +63,24 @@ class ResumableSampler(DistributedSampler):
         return torch.randperm(n, generator=g).tolist()
 
     def _remaining(self) -> list[int]:
-        order = self.global_order()[self.start :]
+        """Positions in this epoch's global order still to read, padded or trimmed to a multiple of the world
+        size as DistributedSampler does (padding repeats the first remaining samples)."""
+        positions = list(range(self.start, len(self.dataset)))  # type: ignore[arg-type]
         ws = self.num_replicas
         if self.drop_last:
-            return order[: len(order) // ws * ws]
-        if order and len(order) % ws:
-            # Pad with the first remaining samples, as DistributedSampler does, so every rank reads as many.
-            pad = ws - len(order) % ws
-            order += (order * math.ceil(pad / len(order)))[:pad]
-        return order
+            return positions[: len(positions) // ws * ws]
+        if positions and len(positions) % ws:
+            pad = ws - len(positions) % ws
+            positions += (positions * math.ceil(pad / len(positions)))[:pad]
+        return positions
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._remaining()[self.rank :: self.num_replicas])
+    def _my_positions(self) -> list[int]:
+        return self._remaining()[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self.global_order()
+        mine = self._my_positions()
+        return self._keys(mine, [order[p] for p in mine])
 
     def __len__(self) -> int:
         remaining = len(self.dataset) - self.start  # type: ignore[arg-type]
@@ -74,6 +91,56 @@ class ResumableSampler(DistributedSampler):
     def remaining_global(self) -> int:
         """Real (unpadded) samples of this epoch's order not yet consumed, before this epoch started."""
         return max(len(self.dataset) - self.start, 0)  # type: ignore[arg-type]
+
+
+class SampleKey(NamedTuple):
+    """What a keyed sampler hands the dataset: the sample's index, and where it stands in the epoch's global
+    order (which, with the seed and the epoch, decides its random numbers)."""
+
+    index: Any
+    seed: int
+    epoch: int
+    position: int
+
+
+class SeededPerSample(Dataset):
+    """The user's dataset, with every sample read under random generators seeded from (seed, epoch, position of
+    the sample in the epoch's global order).
+
+    Used when DataLoader workers load the data: a worker's random stream otherwise depends on which batches it
+    happened to get, which changes with the number of workers, the world size, and a resume in the middle of an
+    epoch. Seeded per sample, a random augmentation of sample i in epoch e is the same in all of those cases.
+    Attributes of the user's dataset are read through this wrapper."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, SampleKey):
+            return self.dataset[key]
+        digest = hashlib.blake2b(f"{key.seed}/{key.epoch}/{key.position}".encode(), digest_size=24).digest()
+        torch_seed, python_seed, numpy_seed = (
+            int.from_bytes(digest[i : i + 8], "little") for i in (0, 8, 16)
+        )
+        torch.manual_seed(torch_seed)
+        random.seed(python_seed)
+        try:
+            import numpy as np
+
+            np.random.seed(numpy_seed % 2**32)
+        except ImportError:
+            pass
+        return self.dataset[key.index]
+
+    def __getattr__(self, name: str) -> Any:
+        # Dunder look-ups (DataLoader's fetcher asks for __getitems__) must not reach the user's dataset: its
+        # batched fetch would get SampleKeys.
+        if name.startswith("__") or name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class LoomDataLoader:

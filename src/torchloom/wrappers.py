@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import Any
@@ -18,9 +19,15 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from torchloom._layout import unit_flavour
-from torchloom.data import LoomDataLoader, ResumableSampler, move_to_device  # noqa: F401 - part of this API
+from torchloom.data import (  # noqa: F401 - LoomDataLoader and move_to_device are part of this module's API
+    LoomDataLoader,
+    ResumableSampler,
+    SeededPerSample,
+    move_to_device,
+)
 from torchloom.errors import MisuseError
 from torchloom.precision import Precision
+from torchloom.seed import SEED_WORKERS_ENV
 
 # Set on a user's module once it has been set up, so a second setup_module is caught.
 SETUP_MARK = "_torchloom_is_setup"
@@ -327,7 +334,8 @@ class ShardedSampler(ResumableSampler):
                 draw = list(self.sampler)
         else:
             draw = list(self.sampler)
-        return iter([draw[i] for i in super().__iter__()])
+        mine = self._my_positions()
+        return self._keys(mine, [draw[p] for p in mine])
 
 
 def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int = 0) -> DataLoader:
@@ -368,7 +376,11 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
             loader.sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=bool(loader.drop_last)
         )
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
+    dataset = loader.dataset
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
-    return DataLoader(loader.dataset, sampler=sampler, **kwargs)
+    elif os.environ.get(SEED_WORKERS_ENV) != "0":
+        # Workers' random streams would depend on which batches each happened to load: seed every sample.
+        dataset, sampler.keyed = SeededPerSample(dataset), True
+    return DataLoader(dataset, sampler=sampler, **kwargs)
