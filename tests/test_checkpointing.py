@@ -287,3 +287,35 @@ def test_load_raw_plain_state_dict(loom, tmp_path):
     _, fresh_opt, _, _ = _trained(loom, seed=1, steps=0)
     loom.load_raw(tmp_path / "opt.pt", fresh_opt)
     assert _equal(fresh_opt.state_dict(), opt.state_dict())
+
+
+def _failed_save_body(rank: int, world_size: int, root: str, strategy: str) -> dict:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
+    loom.launch()
+    model = loom.setup_module(nn.Linear(2, 2))
+    try:
+        loom.save(f"{root}/{strategy}", {"model": model, "bad": threading.Lock()})  # a lock cannot be pickled
+    except CheckpointError as error:
+        cause = error.__cause__
+        return {
+            "message": str(error),
+            "cause": type(cause).__name__,
+            "cause_text": str(cause),
+            "remote_rank": getattr(cause, "rank", None),
+        }
+    return {}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_failed_save_carries_its_cause_to_every_rank(tmp_path, strategy):
+    """Rank 0 writes and fails; rank 0's error is chained to the real exception, the others' to its traceback."""
+    r0, r1 = run_ranks(_failed_save_body, 2, str(tmp_path), strategy, timeout=150)
+    assert "Cannot save entry 'bad'" in r0["message"] and r0["message"] == r1["message"]
+    assert r0["cause"] == "TypeError" and "pickle" in r0["cause_text"]
+    assert r1["cause"] == "RemoteError" and r1["remote_rank"] == 0
+    assert (
+        "raised on rank 0" in r1["cause_text"]
+        and "Traceback" in r1["cause_text"]
+        and "TypeError" in r1["cause_text"]
+    )

@@ -34,3 +34,35 @@ class CollectiveTimeoutError(TorchloomError, TimeoutError):
 
 class CollectiveMismatchError(TorchloomError, RuntimeError):
     """Ranks called different collectives, or passed different shapes to one; the message names the culprit."""
+
+
+class RemoteError(TorchloomError):
+    """An exception raised on another rank, carried over as its traceback text (exceptions do not always
+    pickle): the cause of the error the other ranks raise for it, so every rank's traceback shows the real one."""
+
+    def __init__(self, rank: int, traceback_text: str) -> None:
+        super().__init__(f"raised on rank {rank}:\n{traceback_text.rstrip()}")
+        self.rank = rank
+        self.traceback_text = traceback_text
+
+
+def describe_failure(message: str | None, exc: BaseException | None) -> tuple[str, str] | None:
+    """What a rank sends the others about its failure: the message, and the traceback of `exc`."""
+    if message is None:
+        return None
+    import traceback
+
+    return message, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if exc else ""
+
+
+def raise_shared_failure(
+    failure: tuple[str, str] | None, rank: int, own: BaseException | None, error: type[Exception]
+) -> None:
+    """Raise `error` for a failure every rank learnt of (`describe_failure` on rank `rank`): chained to the
+    exception itself on the rank where it happened, to its traceback text (a `RemoteError`) elsewhere."""
+    if failure is None:
+        return
+    message, traceback_text = failure
+    if own is not None:
+        raise error(message) from own
+    raise error(message) from RemoteError(rank, traceback_text)

@@ -275,10 +275,6 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LoomOptimizer) else optimizer
 
 
-def unwrap_module(module: Any) -> nn.Module:
-    return module.module if isinstance(module, LoomModule) else module
-
-
 def state_module(module: Any) -> nn.Module:
     """The module whose state dict is the model's: the forward module of a set-up model (it includes a wrapped
     FSDP root, which owns the root's parameters), else the module itself."""

@@ -16,9 +16,7 @@ from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, OwnerLookup,
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
 
-FORMATS = ("full", "sharded")
-
-__all__ = ["save", "load", "load_module", "FORMAT_VERSION", "META_KEY", "OwnerLookup", "FORMATS"]
+__all__ = ["save", "load", "load_module", "FORMAT_VERSION", "META_KEY", "OwnerLookup"]
 
 
 def save(

@@ -26,7 +26,7 @@ from torchloom.checkpointing.state import (
     collect_state,
     restore_entry,
 )
-from torchloom.errors import CheckpointError
+from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
 
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
@@ -107,18 +107,18 @@ def save(
             lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, payload
         )
         return _writer().submit(_write_or_explain, snapshot, path, fsync)
-    error = None
+    failure, own = None, None
     if strategy.global_rank == 0:
         try:
             atomic.remove_stale_temporaries(path)
             write_file(payload, path, fsync=fsync)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = write_error(payload, path, exc)
+            own = exc
+            failure = describe_failure(write_error(payload, path, exc), exc)
     if strategy.is_distributed:
         # Doubles as the barrier: no rank returns before the file is in place (or has failed everywhere).
-        error = strategy.broadcast(error, src=0)
-    if error:
-        raise CheckpointError(error)
+        failure = strategy.broadcast(failure, src=0)
+    raise_shared_failure(failure, 0, own, CheckpointError)
 
 
 _WRITER: ThreadPoolExecutor | None = None

@@ -38,7 +38,7 @@ from torchloom.checkpointing.state import (
     shapes_of,
     torch_internal_warnings_filtered,
 )
-from torchloom.errors import CheckpointError
+from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
 from torchloom.wrappers import state_module, unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def save(
     extra["__rng__"] = rng.gather(strategy)
     # Every rank must write into the same temporary directory: rank 0 names it.
     tmp = atomic.temporary_sibling(path) if strategy.global_rank == 0 else None
-    error = None
+    failure, own = None, None
     if strategy.global_rank == 0:
         try:
             atomic.remove_stale_temporaries(path)
@@ -110,11 +110,11 @@ def save(
             torch.save(extra, tmp / EXTRA_FILE)
             (tmp / META_FILE).write_text(json.dumps(_json_safe(metadata(strategy, "sharded", kinds))))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = write_error(extra, path, exc)
+            own = exc
+            failure = describe_failure(write_error(extra, path, exc), exc)
     if strategy.is_distributed:
-        error, tmp = strategy.broadcast((error, tmp), src=0)
-    if error:
-        raise CheckpointError(error)
+        failure, tmp = strategy.broadcast((failure, tmp), src=0)
+    raise_shared_failure(failure, 0, own, CheckpointError)
     assert tmp is not None
     # DCP flushes every shard file to disk itself (sync_files); rank 0 then flushes the rest before the swap.
     writer = FileSystemWriter(str(tmp), sync_files=fsync)
@@ -142,17 +142,20 @@ def save(
         dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(strategy))
     except Exception as exc:
         raise CheckpointError(f"Writing the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+    failure, own = None, None
     if strategy.global_rank == 0:
         try:
             if fsync:
                 atomic.fsync_tree(tmp)
             atomic.replace(tmp, path, fsync=fsync)
         except Exception as exc:  # noqa: BLE001
-            error = f"Cannot move the sharded checkpoint into place at {str(path)!r}: {exc}"
+            own = exc
+            failure = describe_failure(
+                f"Cannot move the sharded checkpoint into place at {str(path)!r}: {exc}", exc
+            )
     if strategy.is_distributed:
-        error = strategy.broadcast(error, src=0)
-    if error:
-        raise CheckpointError(error)
+        failure = strategy.broadcast(failure, src=0)
+    raise_shared_failure(failure, 0, own, CheckpointError)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Strategies, one file each. `select_strategy` turns `strategy=` strings into instances."""
+"""Strategies, one file each. `torchloom.connector` turns `strategy=` strings into instances."""
 
 from torchloom.strategies.base import Strategy
 from torchloom.strategies.ddp import DDPStrategy

@@ -293,9 +293,6 @@ class ShardedStrategy(ParallelStrategy):
             self._replica_group = dist.new_group(backend=self.backend)
         self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
 
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return optimizer
-
     def teardown(self) -> None:
         for sync in self._grad_syncs.values():
             sync.remove()
@@ -438,6 +435,3 @@ class ShardedStrategy(ParallelStrategy):
     def _warn(self, message: str) -> None:
         if self.global_rank == 0:
             warnings.warn(message, UserWarning, stacklevel=4)
-
-    def describe(self, module: nn.Module) -> str:
-        return describe_layout(module, self.world_size)

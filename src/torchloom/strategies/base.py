@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import sys
+import traceback
 from collections.abc import Generator
 from concurrent.futures import Future
 from datetime import timedelta
@@ -24,7 +25,7 @@ from torchloom import checkpointing
 from torchloom.accelerators import Accelerator
 from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.environments import ClusterEnvironment
-from torchloom.errors import CheckpointError, MisuseError
+from torchloom.errors import CheckpointError, MisuseError, describe_failure, raise_shared_failure
 from torchloom.precision import Precision
 
 if TYPE_CHECKING:
@@ -270,16 +271,21 @@ class Strategy:
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return
-        error = None
+        failure, own = None, None
         try:
             pending.result()
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = f"The previous asynchronous save failed: {type(exc).__name__}: {exc}"
+            own = exc
+            failure = describe_failure(
+                f"The previous asynchronous save failed: {type(exc).__name__}: {exc}", exc
+            )
+        rank = self.global_rank
         if self.is_distributed:
             # Every rank waits for rank 0, the one that moves the checkpoint into place.
-            error = next((e for e in self.all_gather_object(error) if e), None)
-        if error:
-            raise CheckpointError(error)
+            failures = self.all_gather_object(failure)
+            rank, failure = next(((r, f) for r, f in enumerate(failures) if f), (rank, None))
+            own = own if rank == self.global_rank else None
+        raise_shared_failure(failure, rank, own, CheckpointError)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -289,8 +295,9 @@ class Strategy:
         if pending is not None:
             try:
                 pending.result()
-            except Exception as exc:  # noqa: BLE001 - the process is ending; say so
-                print(f"torchloom: the last asynchronous save failed: {exc}", file=sys.stderr)
+            except Exception:  # noqa: BLE001 - the process is ending; say so, with the whole story
+                print("torchloom: the last asynchronous save failed:", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
 
     # ---- collectives (identity in one process) ---------------------------------------------------------------
     def all_reduce(self, data: Any, reduce_op: str = "mean", group: Any = None) -> Any:
