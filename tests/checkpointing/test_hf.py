@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from torchloom import Loom  # noqa: E402
+from torchloom import Loom, cli  # noqa: E402
 from torchloom.checkpointing import hf  # noqa: E402
 from torchloom.errors import CheckpointError  # noqa: E402
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy  # noqa: E402
@@ -93,6 +94,7 @@ def load_and_save(
         with torch.no_grad():
             logits = model(IDS).logits.float()
         loom.save_raw(out, model, config=inner.config)
+        loom.save(f"{out}-sharded", {"model": model})  # for `torchloom consolidate --format hf`
         dtypes = {type(p).__name__ + ":" + str(p.dtype) for p in inner.parameters()}
         inv_freq = inner.model.rotary_emb.inv_freq.clone()
     return {"logits": logits, "result": result, "tied": tied_now, "dtypes": dtypes, "inv_freq": inv_freq}
@@ -117,6 +119,13 @@ def test_fsdp2_hand_made_units_meta_init(tmp_path, tied):
     out = tmp_path / "out"
     results = run_ranks(load_and_save, 2, "fsdp2-meta", tied, str(src), str(out), timeout=200)
     check(results, expected, out, tied)
+    # The same weights through torchloom's own sharded checkpoint and `torchloom consolidate --format hf`.
+    published = tmp_path / "consolidated"
+    argv = ["consolidate", f"{out}-sharded", str(published), "--model-only", "--format", "hf"]
+    assert cli.main([*argv, "--max-shard-size", "30KB"]) == 0
+    assert len(json.loads((published / hf.INDEX_FILE).read_text())["weight_map"]) >= 20
+    shutil.copy(out / "config.json", published / "config.json")
+    torch.testing.assert_close(reference_logits(published), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.timeout(240)
