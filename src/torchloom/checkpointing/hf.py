@@ -90,13 +90,26 @@ def _safetensors() -> Any:
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
+# A read of at least this many bytes unmaps its file afterwards (see _Reader).
+_UNMAP_AFTER = 1 << 20
+
+
 class _Reader:
-    """The tensors of a safetensors checkpoint (one file, or shards with an index), opened memory-mapped."""
+    """The tensors of a safetensors checkpoint (one file, or shards with an index), memory-mapped, one file at a
+    time.
+
+    Pages of a mapped file count in the process's memory once touched, and stay counted while the file is
+    mapped; the kernel also maps them in blocks (large folios, up to 2 MiB on ext4), a little beyond each slice.
+    A rank that kept every file mapped would end up holding its whole part of the checkpoint on top of the
+    model it loads into. So the file is unmapped after every large read (and when the next file is opened):
+    what a rank holds at any moment is the model, one slice as read, and the pages of that slice."""
 
     def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
         self._safe_open = _safetensors().safe_open
-        self._stack = stack
-        self._open: dict[Path, Any] = {}
+        self._stack = stack  # closes the file still open when loading ends (or fails)
+        self._file: Path | None = None
+        self._handle_of_file: Any = None
+        self._closer: contextlib.ExitStack | None = None
         self.path = path
         if not path.exists():
             raise CheckpointError(
@@ -124,15 +137,20 @@ class _Reader:
             self.files = {name: file for name in self._handle(file).keys()}
 
     def _handle(self, file: Path) -> Any:
-        if file not in self._open:
+        if file != self._file:
+            if self._closer is not None:
+                self._closer.close()  # unmaps the previous file
+            self._closer = self._stack.enter_context(contextlib.ExitStack())
+            self._file = None
             try:
-                self._open[file] = self._stack.enter_context(self._safe_open(str(file), framework="pt"))
+                self._handle_of_file = self._closer.enter_context(self._safe_open(str(file), framework="pt"))
             except Exception as error:  # noqa: BLE001 - any failure to open means a bad file; say which
                 raise CheckpointError(
                     f"Cannot read {str(file)!r}: {type(error).__name__}: {error}. The file is truncated, corrupt "
                     "or not safetensors."
                 ) from error
-        return self._open[file]
+            self._file = file
+        return self._handle_of_file
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
@@ -143,9 +161,12 @@ class _Reader:
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor, or the block `index` of it: only those bytes are read from the mapped file."""
         handle = self._handle(self.files[name])
-        if index is None or not index:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
+        tensor = handle.get_tensor(name) if not index else handle.get_slice(name)[index]
+        if tensor.numel() * tensor.element_size() >= _UNMAP_AFTER and self._closer is not None:
+            # Reopening costs a parse of the file's header: worth it only after a large read.
+            self._closer.close()
+            self._file = None
+        return tensor
 
 
 def _names_by_tensor(module: nn.Module, keys: set[str]) -> list[list[str]]:
@@ -197,7 +218,8 @@ def load(strategy: Strategy, module: nn.Module, path: Path, strict: bool = True)
                 "the head's 'model.' prefix, and the other way round), or pass strict=False to skip them "
                 "(returned as unexpected_keys)."
             )
-        for names, source in sources:
+        order = {file: i for i, file in enumerate(dict.fromkeys(reader.files.values()))}
+        for names, source in sorted(sources, key=lambda item: order[reader.files[item[1]]]):
             first = template[names[0]]
             with torch.no_grad():
                 _fill(first, reader, source)
