@@ -131,8 +131,8 @@ def test_fsdp2_hand_made_units_meta_init(tmp_path, tied):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "layout,tied",
-    [("fsdp-meta", True), ("fsdp2-policy-meta", True), ("ddp", False)],
-    ids=["fsdp1-policy-root-unit-meta-tied", "fsdp2-policy-root-unit-meta-tied", "ddp-untied"],
+    [("fsdp-meta", True), ("fsdp2-policy-meta", True), ("ddp", True)],
+    ids=["fsdp1-policy-root-unit-meta-tied", "fsdp2-policy-root-unit-meta-tied", "ddp-tied"],
 )
 def test_other_layouts(tmp_path, layout, tied):
     src, expected = pretrained(tmp_path, tied)

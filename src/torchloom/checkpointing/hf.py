@@ -169,8 +169,15 @@ class _Reader:
         return tensor
 
 
+def _user_module(module: nn.Module) -> nn.Module:
+    # DDP's wrapper adds a "module." prefix that the state-dict API strips; the model itself has the names.
+    # (FSDP1's wrapper segments are removed by clean_name, and its wrapper forwards attribute lookups.)
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
 def _names_by_tensor(module: nn.Module, keys: set[str]) -> list[list[str]]:
     """The state-dict keys grouped by the tensor they name: a group of several is a set of tied weights."""
+    module = _user_module(module)
     groups: dict[int, list[str]] = {}
     for name, tensor in [
         *module.named_parameters(remove_duplicate=False),
@@ -188,7 +195,7 @@ def _names_by_tensor(module: nn.Module, keys: set[str]) -> list[list[str]]:
 
 def _ignored(module: nn.Module, attribute: str) -> list[re.Pattern[str]]:
     # transformers' own way of saying which keys a checkpoint may lack or carry extra (e.g. old rotary buffers).
-    patterns = getattr(module, attribute, None) or []
+    patterns = getattr(_user_module(module), attribute, None) or []
     return [re.compile(p) for p in patterns]
 
 
@@ -353,7 +360,7 @@ def parse_size(size: int | str) -> int:
 def _stored_names(module: nn.Module, template: dict[str, torch.Tensor]) -> list[str]:
     """The keys to store: every tensor once. Of tied names, the one transformers keeps (its `_tied_weights_keys`
     lists those it drops, e.g. lm_head.weight); otherwise the first in state-dict order."""
-    tied = getattr(module, "_tied_weights_keys", None) or {}
+    tied = getattr(_user_module(module), "_tied_weights_keys", None) or {}
     dropped = set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()
     drop: set[str] = set()
     for names in _names_by_tensor(module, set(template)):
