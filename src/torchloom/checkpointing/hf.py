@@ -46,20 +46,6 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class LoadResult(NamedTuple):
@@ -110,6 +96,7 @@ class _Reader:
         self._file: Path | None = None
         self._handle_of_file: Any = None
         self._closer: contextlib.ExitStack | None = None
+        self._shapes: dict[str, tuple[int, ...]] = {}
         self.path = path
         if not path.exists():
             raise CheckpointError(
@@ -153,10 +140,11 @@ class _Reader:
         return self._handle_of_file
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> str:
-        return str(self._handle(self.files[name]).get_slice(name).get_dtype())
+        if name not in self._shapes:
+            # All of a file's shapes at once: checking in state-dict order must not reopen files back and forth.
+            handle = self._handle(self.files[name])
+            self._shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
+        return self._shapes[name]
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor, or the block `index` of it: only those bytes are read from the mapped file."""
