@@ -149,3 +149,29 @@ def test_fsdp_private_state():
     assert got["numels"] == [12, 4] and got["no_params"] is None
     assert "_auto_reshard_after_forward" in got["fsdp2_missing"]
     assert "_flat_param" in got["fsdp1_missing"]
+
+
+def _local_shape_and_offset_body(rank: int, world_size: int) -> list:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for rows in (5, 1):  # uneven, and a rank left with nothing
+        dt = distribute_tensor(torch.arange(rows * 3.0).reshape(rows, 3), mesh, [Shard(0)])
+        shape, offset = _torch_compat.local_shape_and_offset(dt)
+        assert shape == tuple(dt.to_local().shape)
+        out.append((shape, offset))
+    return out
+
+
+def test_local_shape_and_offset(monkeypatch):
+    results = run_ranks(_local_shape_and_offset_body, 2)
+    assert results == [[((3, 3), (0, 0)), ((1, 3), (0, 0))], [((2, 3), (3, 0)), ((0, 3), (1, 0))]]
+    import torch.distributed.tensor._utils as utils
+
+    monkeypatch.delattr(utils, "compute_local_shape_and_global_offset")
+    with pytest.raises(TorchAPIMissing, match="compute_local_shape_and_global_offset"):
+        _torch_compat.local_shape_and_offset(object())

@@ -128,3 +128,15 @@ def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | 
     _load_state_dict(
         state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
     )
+
+
+# ---- DTensor -------------------------------------------------------------------------------------------------
+def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of a DTensor's local piece on this rank and where it starts in the global tensor, as DTensor
+    itself computes them (uneven shards included). Loading a checkpoint slice by slice needs exactly this."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        raise _missing("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from None
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)

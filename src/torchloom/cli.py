@@ -61,9 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--model-only", action="store_true", help="write only the model weights")
     consolidate.add_argument(
         "--format",
-        choices=("torch", "safetensors"),
+        choices=("torch", "safetensors", "hf"),
         default="torch",
-        help="file format (safetensors needs the safetensors package and --model-only)",
+        help="file format: torch, safetensors (one file), or hf (a Hugging Face checkpoint directory: "
+        "safetensors shards and their index, what from_pretrained loads); the last two need the safetensors "
+        "package and --model-only",
+    )
+    consolidate.add_argument(
+        "--max-shard-size", default="5GB", help="with --format hf: the largest shard file (default 5GB)"
     )
     return parser
 
@@ -142,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "consolidate":
             from torchloom.checkpointing.tools import consolidate
 
-            consolidate(args.checkpoint, args.out_file, model_only=args.model_only, fmt=args.format)
+            consolidate(
+                args.checkpoint,
+                args.out_file,
+                model_only=args.model_only,
+                fmt=args.format,
+                max_shard_size=args.max_shard_size,
+            )
             print(f"wrote {args.out_file}", file=sys.stderr)
             return 0
     except TorchloomError as error:

@@ -534,10 +534,20 @@ class Loom:
         obj: nn.Module | Optimizer,
         strict: bool = True,
         weights_only: bool | None = None,
-    ) -> None:
-        """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer.
-        The file is read with `weights_only=True` unless you pass False (for files holding other objects)."""
+    ) -> Any:
+        """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer
+        (read with `weights_only=True` unless you pass False, for files holding other objects), or a Hugging
+        Face safetensors checkpoint (`model.safetensors`, or a directory with `model.safetensors.index.json`)
+        into a module in any layout, each rank reading only what it holds. For the latter, returns
+        `(missing_keys, unexpected_keys)` (non-empty only with `strict=False`)."""
         self._require_launch("load_raw")
+        # A pending asynchronous save may be writing this very path: let it finish (and report) first.
+        self._strategy.finish_pending_save()
+        if checkpointing.hf.is_checkpoint(Path(path)):
+            if not isinstance(obj, (nn.Module, LoomModule)):
+                raise MisuseError("A safetensors checkpoint holds model weights: pass the model to load_raw.")
+            with _record("load_raw"), checkpointing.torch_internal_warnings_filtered():
+                return checkpointing.hf.load(self._strategy, state_module(obj), Path(path), strict)
         raw = checkpointing.full.read(Path(path), weights_only=weights_only is not False)
         if isinstance(obj, (nn.Module, LoomModule)):
             checkpointing.load_module(self._strategy, state_module(obj), raw, strict, name=str(path))
@@ -562,6 +572,27 @@ class Loom:
         for key, keep in filter.items():
             out[key] = _FilteredState(self._strategy, state[key], keep, owner_of)
         return out
+
+    def save_raw(
+        self,
+        out_dir: str | os.PathLike[str],
+        model: nn.Module,
+        dtype: torch.dtype | None = None,
+        max_shard_size: int | str = "5GB",
+        config: Any = None,
+    ) -> None:
+        """Write `model`'s weights as a Hugging Face checkpoint directory (safetensors shards named as
+        `transformers` names them and their index, or one `model.safetensors`), in the module's own names, tied
+        weights once, every rank writing its own files; `dtype` casts floating-point weights (e.g.
+        torch.bfloat16 to publish). With `config` (a transformers config), config.json is written beside them,
+        so `from_pretrained(out_dir)` loads it. Every rank must call it. `out_dir` is replaced in one step;
+        other files already there (tokenizer) are kept."""
+        self._require_launch("save_raw")
+        self._strategy.finish_pending_save()
+        with _record("save_raw"), checkpointing.torch_internal_warnings_filtered():
+            checkpointing.hf.save(
+                self._strategy, state_module(model), Path(out_dir), dtype, max_shard_size, config
+            )
 
     def _owner_of(self, state: dict[str, Any]) -> Callable[[Optimizer], nn.Module | None]:
         # A `state` that is not a dict is refused, with its fix, when the checkpoint is collected.

@@ -10,13 +10,28 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchloom.checkpointing import atomic, full
-from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, OwnerLookup, load_module
+from torchloom.checkpointing import atomic, full, hf
+from torchloom.checkpointing.state import (
+    FORMAT_VERSION,
+    META_KEY,
+    OwnerLookup,
+    load_module,
+    torch_internal_warnings_filtered,
+)
 
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
 
-__all__ = ["save", "load", "load_module", "FORMAT_VERSION", "META_KEY", "OwnerLookup"]
+__all__ = [
+    "save",
+    "load",
+    "load_module",
+    "hf",
+    "torch_internal_warnings_filtered",
+    "FORMAT_VERSION",
+    "META_KEY",
+    "OwnerLookup",
+]
 
 
 def save(

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchloom.checkpointing import atomic, full, rng, sharded
+from torchloom.checkpointing import atomic, full, hf, rng, sharded
 from torchloom.checkpointing.state import META_KEY, MODULE
 from torchloom.errors import CheckpointError
 
@@ -103,14 +103,21 @@ def _progress(items: list[str], desc: str) -> Any:
 
 
 def consolidate(
-    checkpoint: str | Path, out_file: str | Path, model_only: bool = False, fmt: str = "torch"
+    checkpoint: str | Path,
+    out_file: str | Path,
+    model_only: bool = False,
+    fmt: str = "torch",
+    max_shard_size: int | str = "5GB",
 ) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into one file, in this process. Returns what was written.
 
     The result is torchloom's full format (model weights under their own names, optimizer state by parameter
     name, the other entries as saved), readable with plain `torch.load`. `model_only` keeps only the models:
-    with one model, the file is its plain state dict. `fmt="safetensors"` writes the weights with safetensors.
-    """
+    with one model, the file is its plain state dict. `fmt="safetensors"` writes the weights with safetensors;
+    `fmt="hf"` writes a Hugging Face checkpoint directory at `out_file` (what `loom.save_raw` writes: shards of
+    at most `max_shard_size` and their index, or one model.safetensors) that `from_pretrained` loads once its
+    config.json is beside it. A tied weight stays under each of its names there (the checkpoint does not say
+    which are tied); `from_pretrained` ties them again."""
     path, out = Path(checkpoint), Path(out_file)
     if not path.is_dir():
         raise CheckpointError(
@@ -118,8 +125,8 @@ def consolidate(
             "with state_dict_type='sharded'; a full checkpoint is already one file and needs no "
             "consolidation."
         )
-    if fmt not in ("torch", "safetensors"):
-        raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch' or 'safetensors'.")
+    if fmt not in ("torch", "safetensors", "hf"):
+        raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch', 'safetensors' or 'hf'.")
     meta = sharded.read_meta(path)
     md = sharded.read_dcp_metadata(path)
     kinds = meta.get("kinds") or {k: MODULE for k in sharded.tensor_entries(md)}
@@ -146,7 +153,17 @@ def consolidate(
             result[META_KEY][rng.KEY] = generators
     elif len(wanted) == 1:
         result = result[wanted[0]]
-    if fmt == "safetensors":
+    if fmt == "hf":
+        if not model_only or len(wanted) != 1:
+            raise CheckpointError(
+                "--format hf writes one model's weights: add --model-only"
+                + (f" (the checkpoint holds {len(wanted)} models: {wanted})" if len(wanted) > 1 else "")
+                + "."
+            )
+        tensors = {}
+        _flatten(result, "", tensors)
+        hf.write_dir(tensors, out, max_shard_size=max_shard_size)
+    elif fmt == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError as exc:

@@ -8,9 +8,11 @@ becomes a unit, how a unit stops syncing, and how sharded parameters are initial
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError
@@ -54,12 +57,20 @@ def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
     raise ConfigurationError(f"{what} must be a set of nn.Module classes or a callable, got {policy!r}.")
 
 
+# Initialisers found for modules without a reset_parameters of their own (see `meta_modules`).
+_ANCESTOR_INIT: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+# Meta parameter -> the real one made for it, so that a parameter shared by two modules (tied embeddings) is
+# allocated once and stays shared; module-by-module materialisation would otherwise untie it. (Keyed by identity:
+# tensors compare by value.)
+_MATERIALIZED: Any = WeakIdKeyDictionary()
+
+
 def _init_fn(module: nn.Module) -> Callable[[], None] | None:
     for name in ("reset_parameters", "_reset_parameters"):
         fn = getattr(module, name, None)
         if callable(fn):
             return fn
-    return None
+    return _ANCESTOR_INIT.get(module)
 
 
 def _has_own_state(module: nn.Module, meta_only: bool = True) -> bool:
@@ -79,13 +90,18 @@ def materialize_meta(
     for name, param in list(module._parameters.items()):
         if param is None or not param.is_meta:
             continue
-        empty = nn.Parameter(
-            torch.empty_like(param, device=param_device or device), requires_grad=param.requires_grad
-        )
         if type(param.data) is not torch.Tensor:  # a DTensor: swap, as nn.Module._apply does for subclasses
-            torch.utils.swap_tensors(param, empty)
+            empty = nn.Parameter(
+                torch.empty_like(param, device=param_device or device), requires_grad=param.requires_grad
+            )
+            torch.utils.swap_tensors(param, empty)  # in place: every module sharing it sees the real one
         else:
-            module._parameters[name] = empty  # what to_empty does: a meta tensor cannot take real data
+            real = _MATERIALIZED.get(param)
+            if real is None:
+                real = _MATERIALIZED[param] = nn.Parameter(
+                    torch.empty_like(param, device=param_device or device), requires_grad=param.requires_grad
+                )
+            module._parameters[name] = real  # what to_empty does: a meta tensor cannot take real data
     for name, buf in list(module._buffers.items()):
         if buf is not None and buf.is_meta:
             module._buffers[name] = torch.empty_like(buf, device=device)
@@ -94,14 +110,34 @@ def materialize_meta(
 def meta_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules whose own parameters/buffers are on the meta device; each must know how to initialise itself."""
     found = [(name, m) for name, m in module.named_modules() if _has_own_state(m)]
+    _find_ancestor_inits(module, [m for _, m in found])
     missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in found if _init_fn(m) is None]
     if missing:
         raise MisuseError(
             "These modules were created on the meta device (init_module(empty_init=True)) but have no "
             f"reset_parameters() to initialise their own parameters: {', '.join(missing)}. Add a "
-            "reset_parameters() method to them, or create the model with empty_init=False."
+            "reset_parameters() method to them (or, as Hugging Face models do, an _init_weights(module) method to "
+            "the model), or create the model with empty_init=False."
         )
     return found
+
+
+def _find_ancestor_inits(root: nn.Module, modules: list[nn.Module]) -> None:
+    """Hugging Face models initialise their modules from the model: `model._init_weights(module)` (an RMSNorm
+    has no reset_parameters). Record that initialiser for each module that has none of its own."""
+    needing = {id(m) for m in modules if _init_fn(m) is None}
+    if not needing:
+        return
+
+    def visit(module: nn.Module, initialiser: Any) -> None:
+        own = getattr(module, "_init_weights", None)
+        initialiser = own if callable(own) else initialiser
+        if id(module) in needing and initialiser is not None:
+            _ANCESTOR_INIT[module] = functools.partial(initialiser, module)
+        for child in module.children():
+            visit(child, initialiser)
+
+    visit(root, None)
 
 
 class ShardedStrategy(ParallelStrategy):

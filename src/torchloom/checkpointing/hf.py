@@ -1,0 +1,527 @@
+"""Hugging Face safetensors checkpoints: pretrained weights in (`loom.load_raw`), shareable weights out
+(`loom.save_raw`), for every layout.
+
+    out_dir/
+      model.safetensors                             one file, when the weights fit in `max_shard_size`
+      model-00001-of-00002.safetensors, ...         or shards, named as `transformers` names them,
+      model.safetensors.index.json                  with the index that maps each tensor to its shard
+      config.json                                   when `config=` is given
+
+Names are the module's own state-dict names; weights tied to another (`tie_word_embeddings`) are stored once.
+
+Loading: every rank reads only what it holds, memory-mapped. A sharded parameter (a DTensor: FSDP2, or FSDP1's
+sharded state dict) gets the slice DTensor says this rank owns; a replicated or unsharded one is read whole. So
+a rank's extra memory while loading is its own part plus one tensor, never the model (see
+benchmarks/hf_load.py). Checking happens before anything is read and is the same on every rank, so a bad
+checkpoint fails everywhere alike, naming what is wrong.
+
+Saving: the tensors are split into files in state-dict order (as `transformers` does), and file i is written
+by rank i % world_size. The ranks walk the files in order; a sharded tensor is gathered whole (one tensor at a
+time) and the writing rank keeps it, so no rank holds more than the file it is filling and the one it is
+writing in the background. The files go into a temporary directory that replaces `out_dir` in one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from torchloom import _torch_compat
+from torchloom._layout import analyze, clean_name
+from torchloom.checkpointing import atomic
+from torchloom.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torchloom.strategies.base import Strategy
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class LoadResult(NamedTuple):
+    """What `load_raw(..., strict=False)` left out: model keys the checkpoint did not provide (they keep their
+    current values) and checkpoint keys the model has no place for."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A `.safetensors` file, or a directory holding `model.safetensors` or its index."""
+    if path.is_dir():
+        return (path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file()
+    return path.suffix == ".safetensors"
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors
+        import safetensors.torch  # noqa: F401 - save_file
+    except ImportError as error:
+        raise CheckpointError(
+            "Hugging Face checkpoints need the safetensors package: pip install safetensors "
+            "(or torchloom[safetensors])."
+        ) from error
+    return safetensors
+
+
+# ---- reading -------------------------------------------------------------------------------------------------
+# A read of at least this many bytes unmaps its file afterwards (see _Reader).
+_UNMAP_AFTER = 1 << 20
+
+
+class _Reader:
+    """The tensors of a safetensors checkpoint (one file, or shards with an index), memory-mapped, one file at a
+    time.
+
+    Pages of a mapped file count in the process's memory once touched, and stay counted while the file is
+    mapped; the kernel also maps them in blocks (large folios, up to 2 MiB on ext4), a little beyond each slice.
+    A rank that kept every file mapped would end up holding its whole part of the checkpoint on top of the
+    model it loads into. So the file is unmapped after every large read (and when the next file is opened):
+    what a rank holds at any moment is the model, one slice as read, and the pages of that slice."""
+
+    def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
+        self._safe_open = _safetensors().safe_open
+        self._stack = stack  # closes the file still open when loading ends (or fails)
+        self._file: Path | None = None
+        self._handle_of_file: Any = None
+        self._closer: contextlib.ExitStack | None = None
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.path = path
+        if not path.exists():
+            raise CheckpointError(
+                f"No checkpoint at {str(path)!r}. Pass a model.safetensors file or the directory that holds "
+                f"{INDEX_FILE} and its shards."
+            )
+        if path.is_dir() and (path / INDEX_FILE).is_file():
+            index_file = path / INDEX_FILE
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise CheckpointError(
+                    f"Cannot read {str(index_file)!r}: {type(error).__name__}: {error}. The index is corrupt; it "
+                    "must be JSON with a 'weight_map' of tensor name -> shard file."
+                ) from error
+            self.files = {name: path / file for name, file in weight_map.items()}
+            for file in sorted(set(self.files.values())):
+                if not file.is_file():
+                    raise CheckpointError(
+                        f"{str(index_file)!r} names the shard {file.name!r}, which is not in {str(path)!r}. "
+                        "Copy the whole checkpoint directory."
+                    )
+        else:
+            file = path / SINGLE_FILE if path.is_dir() else path
+            self.files = {name: file for name in self._handle(file).keys()}
+
+    def _handle(self, file: Path) -> Any:
+        if file != self._file:
+            if self._closer is not None:
+                self._closer.close()  # unmaps the previous file
+            self._closer = self._stack.enter_context(contextlib.ExitStack())
+            self._file = None
+            try:
+                self._handle_of_file = self._closer.enter_context(self._safe_open(str(file), framework="pt"))
+            except Exception as error:  # noqa: BLE001 - any failure to open means a bad file; say which
+                raise CheckpointError(
+                    f"Cannot read {str(file)!r}: {type(error).__name__}: {error}. The file is truncated, corrupt "
+                    "or not safetensors."
+                ) from error
+            self._file = file
+        return self._handle_of_file
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            # All of a file's shapes at once: checking in state-dict order must not reopen files back and forth.
+            handle = self._handle(self.files[name])
+            self._shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
+        return self._shapes[name]
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor, or the block `index` of it: only those bytes are read from the mapped file."""
+        handle = self._handle(self.files[name])
+        tensor = handle.get_tensor(name) if not index else handle.get_slice(name)[index]
+        if tensor.numel() * tensor.element_size() >= _UNMAP_AFTER and self._closer is not None:
+            # Reopening costs a parse of the file's header: worth it only after a large read.
+            self._closer.close()
+            self._file = None
+        return tensor
+
+
+def _user_module(module: nn.Module) -> nn.Module:
+    # DDP's wrapper adds a "module." prefix that the state-dict API strips; the model itself has the names.
+    # (FSDP1's wrapper segments are removed by clean_name, and its wrapper forwards attribute lookups.)
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def _names_by_tensor(module: nn.Module, keys: set[str]) -> list[list[str]]:
+    """The state-dict keys grouped by the tensor they name: a group of several is a set of tied weights."""
+    module = _user_module(module)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        name = clean_name(name)
+        if name in keys:
+            groups.setdefault(id(tensor), [])
+            if name not in groups[id(tensor)]:
+                groups[id(tensor)].append(name)
+    grouped = {n for names in groups.values() for n in names}
+    # A key the module walk did not find (a state-dict hook's own entry) stands alone.
+    return [*groups.values(), *([k] for k in keys if k not in grouped)]
+
+
+def _ignored(module: nn.Module, attribute: str) -> list[re.Pattern[str]]:
+    # transformers' own way of saying which keys a checkpoint may lack or carry extra (e.g. old rotary buffers).
+    patterns = getattr(_user_module(module), attribute, None) or []
+    return [re.compile(p) for p in patterns]
+
+
+def load(strategy: Strategy, module: nn.Module, path: Path, strict: bool = True) -> LoadResult:
+    """Load a safetensors checkpoint into `module` as it is set up (any layout); see the module docstring."""
+    _check_buffers(module)
+    # The sharded state dict: DTensors for sharded parameters, plain tensors for the rest. For FSDP2 and unsharded
+    # modules its values share storage with the parameters, so loading into them loads the model; FSDP1 builds
+    # new tensors, which set_model_state_dict then copies in with PyTorch's own machinery.
+    template = strategy.module_state_dict(module, full=False)
+    template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
+    groups = _names_by_tensor(module, set(template))
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(path, stack)
+        sources, missing, unexpected = _match(module, reader, template, groups, path)
+        if missing and strict:
+            raise CheckpointError(
+                f"The checkpoint {str(path)!r} has no tensor for {len(missing)} of the model's parameters/buffers: "
+                f"{_listing(missing)}. Loading it would leave them uninitialised. Load a checkpoint of this "
+                "architecture (check the config), or pass strict=False to keep their current values for these "
+                "keys (returned as missing_keys)."
+            )
+        if unexpected and strict:
+            raise CheckpointError(
+                f"The checkpoint {str(path)!r} has {len(unexpected)} tensor(s) the model has no place for: "
+                f"{_listing(unexpected)}. Check that it is this architecture (a base model's checkpoint lacks "
+                "the head's 'model.' prefix, and the other way round), or pass strict=False to skip them "
+                "(returned as unexpected_keys)."
+            )
+        order = {file: i for i, file in enumerate(dict.fromkeys(reader.files.values()))}
+        for names, source in sorted(sources, key=lambda item: order[reader.files[item[1]]]):
+            first = template[names[0]]
+            with torch.no_grad():
+                _fill(first, reader, source)
+                for other in names[1:]:
+                    # Tied: the same tensor under several names, loaded once. Under FSDP1 the state dict holds
+                    # a copy per name, so each copy gets the values.
+                    _copy_local(template[other], first)
+    if "fsdp" in analyze(module).flavours:
+        strategy.load_module_state_dict(module, template, strict=False, full=False)
+    if missing:
+        warnings.warn(
+            f"load_raw(strict=False): the checkpoint {str(path)!r} does not provide {_listing(missing)}; they keep "
+            "their current values.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return LoadResult(missing, unexpected)
+
+
+def _match(
+    module: nn.Module,
+    reader: _Reader,
+    template: dict[str, torch.Tensor],
+    groups: list[list[str]],
+    path: Path,
+) -> tuple[list[tuple[list[str], str]], list[str], list[str]]:
+    """(names, checkpoint key) for every tensor the checkpoint provides; the missing and unexpected keys. Shape
+    mismatches are errors whatever `strict` says: no value could be loaded."""
+    ignore_missing = _ignored(module, "_keys_to_ignore_on_load_missing")
+    ignore_unexpected = _ignored(module, "_keys_to_ignore_on_load_unexpected")
+    sources, missing, used, mismatched = [], [], set(), []
+    for names in groups:
+        found = [n for n in names if n in reader.files]
+        used.update(found)
+        if not found:
+            if not any(p.search(n) for p in ignore_missing for n in names):
+                missing.append(names[0])
+            continue
+        want, got = tuple(template[names[0]].shape), reader.shape(found[0])
+        if want != got:
+            mismatched.append(f"{found[0]}: checkpoint shape {got} vs model shape {want}")
+            continue
+        sources.append((names, found[0]))
+    if mismatched:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} has tensors that do not fit the model: {'; '.join(mismatched)}. Build the "
+            "model from the checkpoint's own config (hidden_size, vocab_size, number of heads...)."
+        )
+    unexpected = [
+        k for k in reader.files if k not in used and not any(p.search(k) for p in ignore_unexpected)
+    ]
+    return sources, missing, sorted(unexpected)
+
+
+def _fill(target: torch.Tensor, reader: _Reader, key: str) -> None:
+    """Copy this rank's part of checkpoint tensor `key` into `target` (cast to its dtype)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, DTensor):
+        shape, offset = _torch_compat.local_shape_and_offset(target)
+        local = target.to_local()
+        if tuple(local.shape) != shape:
+            raise CheckpointError(
+                f"{key}: this rank's shard has shape {tuple(local.shape)}, but DTensor says it owns {shape}. This "
+                "torch version shards in a way torchloom does not know; please report it."
+            )
+        if local.numel() == 0:
+            return  # an uneven split can leave a rank nothing of a small tensor
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+        local.copy_(reader.read(key, index))
+    else:
+        target.copy_(reader.read(key))
+
+
+def _copy_local(target: torch.Tensor, source: torch.Tensor) -> None:
+    local = target.to_local() if hasattr(target, "to_local") else target
+    src = source.to_local() if hasattr(source, "to_local") else source
+    if local.data_ptr() != src.data_ptr():
+        local.copy_(src)
+
+
+def _check_buffers(module: nn.Module) -> None:
+    # Non-persistent buffers (rotary inv_freq) are in no checkpoint: they must already hold their values.
+    # init_module(empty_init=True) creates buffers for real; one left on meta would be garbage after loading.
+    meta = [clean_name(n) for n, b in module.named_buffers() if b is not None and b.is_meta]
+    if meta:
+        raise CheckpointError(
+            f"The model's buffers {_listing(meta)} are on the meta device, and a checkpoint may not hold them "
+            "(non-persistent buffers such as rotary inv_freq never are). Create the model under "
+            "loom.init_module(empty_init=True), which creates buffers for real, and call setup_module before "
+            "load_raw."
+        )
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---- writing -------------------------------------------------------------------------------------------------
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string such as "5GB" (10**9, as transformers counts) or "500MiB"."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if match is None:
+            raise ValueError(
+                f"max_shard_size={size!r} is not a size. Pass bytes as an int, or a string such as '5GB' or "
+                "'500MiB'."
+            )
+        value = int(float(match.group(1)) * _UNITS[match.group(2) or "B"])
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be positive.")
+    return value
+
+
+def _stored_names(module: nn.Module, template: dict[str, torch.Tensor]) -> list[str]:
+    """The keys to store: every tensor once. Of tied names, the one transformers keeps (its `_tied_weights_keys`
+    lists those it drops, e.g. lm_head.weight); otherwise the first in state-dict order."""
+    tied = getattr(_user_module(module), "_tied_weights_keys", None) or {}
+    dropped = set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()
+    drop: set[str] = set()
+    for names in _names_by_tensor(module, set(template)):
+        if len(names) > 1:
+            ordered = sorted(names, key=list(template).index)
+            keep = next((n for n in ordered if n not in dropped), ordered[0])
+            drop.update(n for n in names if n != keep)
+    return [k for k in template if k not in drop]
+
+
+def plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Tensors into files in order, a new file when the next tensor would overflow this one (a tensor larger
+    than `max_bytes` gets a file of its own), as transformers splits."""
+    files: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if files[-1] and used + size > max_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(name)
+        used += size
+    return files
+
+
+def file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def save(
+    strategy: Strategy,
+    module: nn.Module,
+    out_dir: Path,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    config: Any = None,
+    fsync: bool = True,
+) -> None:
+    """Write `module`'s weights to `out_dir` in Hugging Face's layout; see the module docstring."""
+    max_bytes = parse_size(max_shard_size)
+    template = strategy.module_state_dict(module, full=False)
+    template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
+    names = _stored_names(module, template)
+    _write({n: template[n] for n in names}, out_dir, dtype, max_bytes, config, fsync, strategy)
+
+
+def write_dir(
+    tensors: dict[str, torch.Tensor],
+    out_dir: Path,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    fsync: bool = True,
+) -> None:
+    """In this process: write a plain state dict of full tensors in Hugging Face's layout (what
+    `torchloom consolidate --format hf` does)."""
+    _write(tensors, out_dir, dtype, parse_size(max_shard_size), None, fsync, None)
+
+
+def _write(
+    tensors: dict[str, torch.Tensor],
+    out_dir: Path,
+    dtype: torch.dtype | None,
+    max_bytes: int,
+    config: Any,
+    fsync: bool,
+    strategy: Strategy | None,
+) -> None:
+    """Every rank (or one process, `strategy=None`) writes its files of `tensors` (DTensors or plain)."""
+    from torch.distributed.tensor import DTensor
+
+    def out_dtype(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    sizes = {n: int(torch.Size(t.shape).numel()) * out_dtype(t).itemsize for n, t in tensors.items()}
+    files = plan_files(sizes, max_bytes)
+    file_of = file_names(len(files))
+    distributed = strategy is not None and strategy.is_distributed and strategy.world_size > 1
+    rank, world = (strategy.global_rank, strategy.world_size) if distributed else (0, 1)
+
+    tmp: Path | None = None
+    error: str | None = None
+    if rank == 0:
+        try:
+            atomic.remove_stale_temporaries(out_dir)
+            tmp = atomic.temporary_sibling(out_dir)
+            tmp.mkdir(parents=True)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"Cannot create a directory beside {str(out_dir)!r}: {type(exc).__name__}: {exc}"
+    if distributed:
+        error, tmp = strategy.broadcast((error, tmp), src=0)
+    if error:
+        raise CheckpointError(error)
+    assert tmp is not None
+
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-save-raw")
+    pending: Future | None = None
+    try:
+        for i, group in enumerate(files):
+            mine = i % world == rank
+            part: dict[str, torch.Tensor] = {}
+            for name in group:
+                value = tensors[name]
+                # A collective over the tensor's mesh: every rank gathers, in the same order; the writer keeps it.
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                if mine:
+                    part[name] = whole.detach().to("cpu", out_dtype(whole)).contiguous()
+                del whole
+            if mine:
+                if pending is not None:
+                    pending.result()  # at most one file being written while the next is gathered
+                pending = writer.submit(_write_file, tmp / file_of[i], part, fsync)
+            del part
+        if pending is not None:
+            pending.result()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    finally:
+        writer.shutdown(wait=True)
+    errors = strategy.all_gather_object(error) if distributed else [error]
+    failed = [e for e in errors if e]
+    error = None
+    if rank == 0:
+        try:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _finish(tmp, out_dir, sizes, file_of, files, config, fsync)
+        except Exception as exc:  # noqa: BLE001
+            error = f"Cannot finish {str(out_dir)!r}: {type(exc).__name__}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
+    if distributed:
+        error = strategy.broadcast(error, src=0)
+    if failed or error:
+        raise CheckpointError(
+            f"Writing the weights to {str(out_dir)!r} failed ({'; '.join(failed) or error}); the previous "
+            "contents of that directory are untouched. Check the disk space and permissions there."
+        )
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor], fsync: bool) -> None:
+    # transformers refuses safetensors files whose metadata does not say they hold PyTorch tensors.
+    _safetensors().torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    if fsync:
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+def _finish(
+    tmp: Path,
+    out_dir: Path,
+    sizes: dict[str, int],
+    file_of: list[str],
+    files: list[list[str]],
+    config: Any,
+    fsync: bool,
+) -> None:
+    """Rank 0, after every file is written: the index, the config, what else `out_dir` held, then the swap."""
+    if len(files) > 1:
+        weight_map = {name: file_of[i] for i, group in enumerate(files) for name in group}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if config is not None:
+        config.save_pretrained(str(tmp))
+    if out_dir.is_dir():
+        # The directory is replaced as a whole; keep what else the user put there (tokenizer files, README),
+        # but not the previous weights, which the new ones replace.
+        for item in out_dir.iterdir():
+            old_weights = item.name == INDEX_FILE or (
+                item.name.startswith("model") and item.name.endswith(".safetensors")
+            )
+            if item.is_file() and not old_weights and not (tmp / item.name).exists():
+                shutil.copy2(item, tmp / item.name)
+    if fsync:
+        atomic.fsync_tree(tmp)
+    atomic.replace(tmp, out_dir, fsync=fsync)
