@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import queue as queue_module
-import socket
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+
+from torchloom.testing import end_rank, free_port, rank_environment  # noqa: F401 - free_port is re-exported
 
 # ---- the model every benchmark trains ------------------------------------------------------------------------
 
@@ -83,37 +84,23 @@ def batch(rank: int, tokens: int, dim: int, out: int | None = None) -> tuple[tor
 # ---- ranks ---------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any
 ) -> None:
     # The environment torchrun gives a rank, so `Loom(...).launch()` inside `fn` joins this job's process group.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)  # one core per rank: the ranks share the machine's cores
+    failed = True
     try:
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()
         torch.save(result, buffer)
         results.put((rank, True, buffer.getvalue()))
+        failed = False
     except BaseException:  # noqa: BLE001 - reported by the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_rank(world_size, failed)
 
 
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 900) -> list[Any]:

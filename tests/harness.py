@@ -14,7 +14,6 @@ import io
 import os
 import queue as queue_module
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,41 +26,29 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from torchloom.testing import end_rank, free_port, rank_environment  # noqa: F401 - free_port is re-exported
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN_ENV = "TORCHLOOM_TEST_TOKEN"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(
     body: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     # Ranks share 2 cores: more threads per rank only adds contention.
     torch.set_num_threads(1)
+    failed = True
     try:
         result = body(rank, world_size, *args)
         buffer = io.BytesIO()
         torch.save(result, buffer)
         results.put((rank, True, buffer.getvalue()))
+        failed = False
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         results.put((rank, False, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_rank(world_size, failed)
 
 
 def run_ranks(body: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
