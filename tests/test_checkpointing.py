@@ -319,3 +319,45 @@ def test_a_failed_save_carries_its_cause_to_every_rank(tmp_path, strategy):
         and "Traceback" in r1["cause_text"]
         and "TypeError" in r1["cause_text"]
     )
+
+
+class _Planted:
+    """What a malicious checkpoint carries: unpickling it runs code (here: creates a file)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _save_sharded_body(rank: int, world_size: int, path: str) -> None:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
+    loom.launch()
+    model = loom.setup_module(nn.Linear(2, 2))
+    loom.save(path, {"model": model, "step": 3})
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_carrying_a_malicious_pickle_runs_nothing(tmp_path):
+    from torchloom import cli
+    from torchloom.checkpointing import tools
+
+    sharded_path, full_path, marker = tmp_path / "sharded", tmp_path / "full.pt", tmp_path / "pwned"
+    run_ranks(_save_sharded_body, 2, str(sharded_path), timeout=150)
+    torch.save({"step": 3, "evil": _Planted(str(marker))}, sharded_path / "extra.pt")
+    torch.save({"model": nn.Linear(2, 2).state_dict(), "evil": _Planted(str(marker))}, full_path)
+
+    loom = Loom(accelerator="cpu", devices=1)
+    for path in (sharded_path, full_path):
+        with pytest.raises(CheckpointError, match="not plain data.*weights_only=False"):
+            loom.load(path, {"model": nn.Linear(2, 2)})
+    with pytest.raises(CheckpointError, match="not plain data"):
+        tools.inspect(full_path)
+    with pytest.raises(CheckpointError, match="not plain data"):
+        tools.consolidate(sharded_path, tmp_path / "out.pt")
+    assert cli.main(["consolidate", str(sharded_path), str(tmp_path / "out.pt")]) == 2
+    assert not marker.exists()
+    # The test can see the planted code run: asked explicitly, for a file one trusts, it does.
+    loom.load(full_path, {"model": nn.Linear(2, 2)}, weights_only=False)
+    assert marker.exists()

@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds (format, tensors, sizes, entries)")
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+    inspect.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
 
     consolidate = sub.add_parser(
         "consolidate", help="turn a sharded checkpoint directory into one file, without a process group"
@@ -70,8 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--max-shard-size", default="5GB", help="with --format hf: the largest shard file (default 5GB)"
     )
+    consolidate.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
     return parser
 
+
+_ALLOW_PICKLE = (
+    "also unpickle objects that are not plain data (tensors, numbers, strings, lists, dicts); unpickling can run "
+    "any code the file's author chose: only for checkpoints you trust"
+)
 
 # `torchloom run`'s own options, each taking one value.
 RUN_OPTIONS = frozenset(
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 
-            info = inspect(args.checkpoint)
+            info = inspect(args.checkpoint, weights_only=not args.allow_pickle)
             print(json.dumps(info, indent=2) if args.json else format_inspection(info))
             return 0
         if args.command == "consolidate":
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_only=args.model_only,
                 fmt=args.format,
                 max_shard_size=args.max_shard_size,
+                weights_only=not args.allow_pickle,
             )
             print(f"wrote {args.out_file}", file=sys.stderr)
             return 0

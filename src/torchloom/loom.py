@@ -514,10 +514,16 @@ class Loom:
         path: str | os.PathLike[str],
         state: dict[str, Any] | None = None,
         strict: bool = True,
-        weights_only: bool = False,
+        weights_only: bool = True,
     ) -> dict[str, Any]:
         """Restore the objects of `state` in place (plain values are replaced in `state`) and return the
-        checkpoint's entries that `state` did not name. With no `state`, return everything."""
+        checkpoint's entries that `state` did not name. With no `state`, return everything.
+
+        `weights_only=True` (the default, as in `torch.load`) unpickles only plain data: tensors, numbers,
+        strings, lists, dicts, which is all torchloom itself writes (models, optimizers, LR schedulers, the loss
+        scaler, loaders, random generators). A checkpoint holding other objects of yours is refused with an error
+        naming the object; pass `weights_only=False` to load it, only if you trust the file: unpickling can run
+        any code its author chose."""
         self._require_launch("load")
         with _record("load"):
             return self._strategy.load_checkpoint(

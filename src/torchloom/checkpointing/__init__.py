@@ -57,12 +57,12 @@ def load(
     state: dict[str, Any],
     strict: bool,
     owner_of: OwnerLookup,
-    weights_only: bool = False,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     path = atomic.recover(path)
     # A path that does not exist is reported by full.read, with the same words for both formats.
     if path.is_dir():  # a sharded checkpoint
         from torchloom.checkpointing import sharded
 
-        return sharded.load(strategy, path, state, strict, owner_of)
+        return sharded.load(strategy, path, state, strict, owner_of, weights_only=weights_only)
     return full.load(strategy, path, state, strict, owner_of, weights_only=weights_only)

@@ -139,8 +139,19 @@ def _write_or_explain(payload: dict[str, Any], path: Path, fsync: bool) -> None:
         raise CheckpointError(write_error(payload, path, exc)) from exc
 
 
-def read(path: Path, weights_only: bool = False) -> dict[str, Any]:
-    """Read a full checkpoint file, memory-mapped: ranks share the page cache instead of each holding a copy."""
+def unsafe_content_error(path: Path, error: BaseException) -> CheckpointError:
+    """torch.load(weights_only=True) met an object that is not plain data: say so, and how to load it anyway."""
+    return CheckpointError(
+        f"{str(path)!r} holds objects that are not plain data (tensors, numbers, strings, lists, dicts), which "
+        f"loading with weights_only=True refuses: {str(error).splitlines()[0] if str(error) else error!r}. "
+        "Unpickling them can run any code the file's author chose. If you trust the file, load it with "
+        "weights_only=False (loom.load(path, state, weights_only=False), or --allow-pickle for the command line)."
+    )
+
+
+def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
+    """Read a full checkpoint file, memory-mapped: ranks share the page cache instead of each holding a copy.
+    With `weights_only`, only plain data is unpickled (what torchloom itself writes is plain data)."""
     if not path.exists():
         raise CheckpointError(
             f"No checkpoint at {str(path)!r}. Check the path: it is the file (or, for sharded checkpoints, "
@@ -153,6 +164,13 @@ def read(path: Path, weights_only: bool = False) -> dict[str, Any]:
         )
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        if weights_only and "weights only load failed" in str(error).lower():
+            raise unsafe_content_error(path, error) from error
+        raise CheckpointError(
+            f"Cannot read checkpoint {str(path)!r}: {type(error).__name__}: {error}. The file is truncated, corrupt "
+            "or not a torch checkpoint."
+        ) from error
     except Exception as error:  # noqa: BLE001 - the file is corrupt in some way; say which file
         raise CheckpointError(
             f"Cannot read checkpoint {str(path)!r}: {type(error).__name__}: {error}. The file is truncated, corrupt "
@@ -175,7 +193,7 @@ def load(
     state: dict[str, Any],
     strict: bool,
     owner_of: OwnerLookup,
-    weights_only: bool = False,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     checkpoint = read(path, weights_only=weights_only)
     available = [k for k in checkpoint if k != META_KEY]

@@ -13,6 +13,7 @@ with a plain model.
 from __future__ import annotations
 
 import json
+import pickle
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchloom import _torch_compat
 from torchloom.checkpointing import atomic, rng
-from torchloom.checkpointing.full import metadata, write_error
+from torchloom.checkpointing.full import metadata, unsafe_content_error, write_error
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
     MODULE,
@@ -229,20 +230,17 @@ def tensor_entries(md: Any) -> dict[str, dict[str, tuple[torch.Size, torch.dtype
 
 
 def load(
-    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, owner_of: OwnerLookup
+    strategy: Strategy,
+    path: Path,
+    state: dict[str, Any],
+    strict: bool,
+    owner_of: OwnerLookup,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     meta = read_meta(path)
     md = read_dcp_metadata(path)
     stored = tensor_entries(md)
-    extra_file = path / EXTRA_FILE
-    extra: dict[str, Any] = {}
-    if extra_file.exists():
-        try:
-            extra = torch.load(extra_file, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(
-                f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt."
-            ) from exc
+    extra = read_extra(path, weights_only)
     kinds = meta.get("kinds") or {k: MODULE for k in stored}
     check_missing(state, list(kinds), strict)
 
@@ -288,6 +286,22 @@ def load(
     if tensor_keys:
         remaining.update(read_entries(path, tensor_keys))
     return remaining
+
+
+def read_extra(path: Path, weights_only: bool = True) -> dict[str, Any]:
+    """extra.pt of a sharded checkpoint (everything that is not a model or optimizer). With `weights_only`, only
+    plain data is unpickled, so a checkpoint from elsewhere cannot run code when it is loaded."""
+    extra_file = path / EXTRA_FILE
+    if not extra_file.exists():
+        return {}
+    try:
+        return torch.load(extra_file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        if weights_only and "weights only load failed" in str(exc).lower():
+            raise unsafe_content_error(extra_file, exc) from exc
+        raise CheckpointError(f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt.") from exc
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt.") from exc
 
 
 def read_entries(path: Path, keys: list[str] | None = None) -> dict[str, Any]:

@@ -31,8 +31,9 @@ def _tensors(prefix: str, value: Any, out: list[dict[str, Any]]) -> None:
             _tensors(f"{prefix}.{i}", v, out)
 
 
-def inspect(path: str | Path) -> dict[str, Any]:
-    """Format, writer's world size, every tensor (name, shape, dtype, bytes), total size and the other entries."""
+def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
+    """Format, writer's world size, every tensor (name, shape, dtype, bytes), total size and the other entries.
+    `weights_only=False` also reads files that hold arbitrary pickled objects (only for files you trust)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"No checkpoint at {str(path)!r}.")
@@ -59,7 +60,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         }
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
     else:
-        checkpoint = full.read(path)
+        checkpoint = full.read(path, weights_only=weights_only)
         meta = checkpoint.get(META_KEY) or {}
         kinds = meta.get("kinds") or {}
         for key, value in checkpoint.items():
@@ -108,8 +109,11 @@ def consolidate(
     model_only: bool = False,
     fmt: str = "torch",
     max_shard_size: int | str = "5GB",
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into one file, in this process. Returns what was written.
+    `weights_only=False` also unpickles arbitrary objects among the extra entries (only for checkpoints you
+    trust).
 
     The result is torchloom's full format (model weights under their own names, optimizer state by parameter
     name, the other entries as saved), readable with plain `torch.load`. `model_only` keeps only the models:
@@ -139,7 +143,7 @@ def consolidate(
     for key in _progress(wanted, "consolidating"):
         result.update(sharded.read_entries(path, keys=[key]))
     if not model_only:
-        extra = torch.load(path / sharded.EXTRA_FILE, map_location="cpu", weights_only=False)
+        extra = sharded.read_extra(path, weights_only)
         scaler = extra.pop("__grad_scaler__", None)
         generators = extra.pop("__rng__", None)
         result.update(extra)

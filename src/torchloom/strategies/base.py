@@ -258,7 +258,7 @@ class Strategy:
         state: dict[str, Any],
         strict: bool,
         owner_of: checkpointing.OwnerLookup,
-        weights_only: bool = False,
+        weights_only: bool = True,
     ) -> dict[str, Any]:
         self.finish_pending_save()
         with torch_internal_warnings_filtered():
