@@ -198,21 +198,15 @@ train_loader, val_loader = loom.setup_dataloaders(
     DataLoader(Windows(text[split:], args.block_size), batch_size=per_rank, drop_last=True),
 )
 
-step = 0
+# What a checkpoint holds. The loader records where it is in its epoch's global order, so a resumed run (on any
+# number of ranks) continues after the last batch it handed out; loom.save adds every rank's random generators,
+# which loom.load restores when the world size is the same.
+state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "step": 0}
 latest = out_dir / "checkpoint"
 if args.resume and latest.exists():
-    # The loader continues its epoch's global order after the last batch it handed out, on any number of ranks;
-    # every rank's random generators come back too (when the world size is the same).
-    state = {
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        "loader": train_loader,
-        "step": 0,
-    }
-    loom.load(latest, state)
-    step = state["step"]
-    loom.print(f"resumed from {latest} at step {step}")
+    loom.load(latest, state)  # objects are restored in place, the plain "step" replaced
+    loom.print(f"resumed from {latest} at step {state['step']}")
+step = state["step"]
 
 
 def batches(loader):
@@ -281,8 +275,8 @@ for step in bar:
         bar.write(f"step {step}: validation loss {val_loss:.4f}")
     if step % args.checkpoint_every == 0 or step == args.steps:
         # Sharded: every rank writes its own shards; swapped into place only when complete.
-        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader}
-        loom.save(latest, {**state, "step": step})
+        state["step"] = step
+        loom.save(latest, state)
     if args.stop_at is not None and step >= args.stop_at:
         break
 bar.close()
