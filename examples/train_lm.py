@@ -2,20 +2,25 @@
 
     python examples/train_lm.py                                 # 2 CPU processes, fsdp2 (what `make demo` runs)
     python examples/train_lm.py --flavour fsdp --precision bf16-mixed
-    torchloom run --devices 2 examples/train_lm.py --resume     # continue from the latest checkpoint
+    python examples/train_lm.py --devices 1 --resume            # continue the latest checkpoint, on 1 process
 
-Every transformer block is one FSDP unit, made by hand: `fully_shard(block)` for fsdp2, `wrap(block)` inside
-`loom.init_module()` for fsdp. The token embedding and the output head stay outside every unit, so torchloom
-replicates them on every rank and keeps their gradients in sync, like DDP. The text is the Python standard
-library's own source code, which every machine with Python has; nothing is downloaded.
+Every transformer block is one FSDP unit, made by hand (`shard()` below): `fully_shard(block)` for fsdp2,
+`wrap(block)` for fsdp. The token embedding and the output head stay outside every unit, so torchloom replicates
+them on every rank and keeps their gradients in sync, like DDP. The text is the Python standard library's own
+source code, which every machine with Python has; nothing is downloaded.
+
+--batch-size is the global batch (sequences per micro-batch, summed over ranks), so a run resumed with another
+--devices reads exactly the global batches the uninterrupted run would have read.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import wrap
+from torch.utils.data import DataLoader, Dataset
 
 import torchloom
 from torchloom import Loom
@@ -36,8 +42,10 @@ parser.add_argument(
     "--flavour", choices=("fsdp2", "fsdp"), default="fsdp2", help="which FSDP shards the blocks"
 )
 parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed")
-parser.add_argument("--steps", type=int, default=200)
-parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
+parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+parser.add_argument(
+    "--batch-size", type=int, default=32, help="sequences per micro-batch over all ranks (the global batch)"
+)
 parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
 parser.add_argument("--block-size", type=int, default=64, help="context length in characters")
 parser.add_argument("--n-layer", type=int, default=4)
@@ -45,6 +53,7 @@ parser.add_argument("--n-embd", type=int, default=128)
 parser.add_argument("--n-head", type=int, default=4)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--max-norm", type=float, default=1.0)
+parser.add_argument("--log-every", type=int, default=10, help="steps between logged training metrics")
 parser.add_argument("--eval-every", type=int, default=50)
 parser.add_argument("--eval-batches", type=int, default=8)
 parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -69,28 +78,45 @@ def load_text(limit: int) -> torch.Tensor:
     return torch.tensor(list(data[:limit]), dtype=torch.long)
 
 
-def get_batch(
-    data: torch.Tensor, step: int, micro: int, rank: int, batch_size: int
-) -> tuple[torch.Tensor, ...]:
-    # The batch depends only on (step, micro-batch, rank), so a resumed run reads exactly what the
-    # uninterrupted one would have read.
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro * 101 + rank)
-    starts = torch.randint(len(data) - args.block_size - 1, (batch_size,), generator=g)
-    x = torch.stack([data[s : s + args.block_size] for s in starts])
-    y = torch.stack([data[s + 1 : s + 1 + args.block_size] for s in starts])
-    return x, y
+class Windows(Dataset):
+    """Window i is tokens [i * block_size, (i + 1) * block_size]: the input is its first block_size tokens, the
+    target the same shifted by one. Neighbouring windows share one token, so each token is a target once per
+    epoch."""
+
+    def __init__(self, data: torch.Tensor, block_size: int) -> None:
+        self.data, self.block_size = data, block_size
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block_size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.data[i * self.block_size : (i + 1) * self.block_size + 1]
+        return window[:-1], window[1:]
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
+@dataclass
+class GPTConfig:
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int = 256
+
+
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = n_head
-        self.ln1 = nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.n_head = config.n_head
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * config.n_embd, config.n_embd),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -102,13 +128,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, shard_block=lambda block: block) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.tok = nn.Embedding(256, args.n_embd)  # replicated: outside every unit
-        self.pos = nn.Embedding(args.block_size, args.n_embd)  # replicated too
-        self.blocks = nn.ModuleList(shard_block(Block(args.n_embd, args.n_head)) for _ in range(args.n_layer))
-        self.ln_f = nn.LayerNorm(args.n_embd)
-        self.head = nn.Linear(args.n_embd, 256, bias=False)  # replicated
+        self.tok = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -131,19 +157,30 @@ loom = Loom(
     precision=args.precision,
     loggers=loggers,
 )
+if args.batch_size % loom.world_size:
+    parser.error(
+        f"--batch-size {args.batch_size} (the global batch) must be divisible by {loom.world_size} ranks"
+    )
 loom.launch()
-torchloom.seed_everything(args.seed)  # the same initial weights on every rank
+torchloom.seed_everything(args.seed)  # the same initial weights on every rank, and the data order
 
-if args.flavour == "fsdp":
-    with loom.init_module():  # wrap() makes a unit only inside init_module
-        model = GPT(shard_block=wrap)
-else:
-    model = GPT()
-    for block in model.blocks:
-        # unit_kwargs(): the mesh and the precision's MixedPrecisionPolicy, as torchloom's own units get them.
-        fully_shard(block, **loom.strategy.unit_kwargs())
-# The root stays unwrapped; tok, pos, ln_f and head are replicated. setup_module logs the sharding summary
-# (the same text as torchloom.describe(model)).
+
+def shard(block: nn.Module) -> nn.Module:
+    """Make `block` one FSDP unit. Both run inside `loom.init_module()`, where `wrap()` gets torchloom's unit
+    configuration by itself; `fully_shard` takes it as arguments (the mesh, and the precision's
+    MixedPrecisionPolicy)."""
+    if args.flavour == "fsdp":
+        return wrap(block)
+    return fully_shard(block, **loom.strategy.unit_kwargs())
+
+
+config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+with loom.init_module():
+    model = GPT(config)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = shard(block)
+# The root stays unwrapped: tok, pos, ln_f and head are outside every unit, so torchloom replicates them.
+# setup_module logs the sharding summary (the same text as torchloom.describe(model)).
 model = loom.setup_module(model)
 optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
 scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -153,70 +190,94 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
 
 text = load_text(args.text_bytes)
 split = int(0.9 * len(text))
-train_data, val_data = text[:split], text[split:]
+# Each rank reads batch_size / world_size sequences of every global batch. drop_last: every global batch is full,
+# so they are the same batches at any world size.
+per_rank = args.batch_size // loom.world_size
+train_loader, val_loader = loom.setup_dataloaders(
+    DataLoader(Windows(text[:split], args.block_size), batch_size=per_rank, shuffle=True, drop_last=True),
+    DataLoader(Windows(text[split:], args.block_size), batch_size=per_rank, drop_last=True),
+)
 
-start_step = 0
+# What a checkpoint holds. The loader records where it is in its epoch's global order, so a resumed run (on any
+# number of ranks) continues after the last batch it handed out; loom.save adds every rank's random generators,
+# which loom.load restores when the world size is the same.
+state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "step": 0}
 latest = out_dir / "checkpoint"
 if args.resume and latest.exists():
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-    start_step = loom.load(latest, state)["step"]
-    loom.print(f"resumed from {latest} at step {start_step}")
+    loom.load(latest, state)  # objects are restored in place, the plain "step" replaced
+    loom.print(f"resumed from {latest} at step {state['step']}")
+step = state["step"]
+
+
+def batches(loader):
+    while True:
+        yield from loader  # each pass is a new epoch, shuffled: the same global order at every world size
 
 
 @torch.no_grad()
 def evaluate() -> float:
     model.eval()
     losses = []
-    for i in range(args.eval_batches):
-        x, y = get_batch(val_data, step=-1, micro=i, rank=loom.global_rank, batch_size=args.batch_size)
-        logits = model(x.to(loom.device))
-        losses.append(F.cross_entropy(logits.view(-1, 256), y.to(loom.device).view(-1)))
+    for x, y in itertools.islice(val_loader, args.eval_batches):
+        logits = model(x)
+        losses.append(F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)))
     model.train()
-    return float(loom.all_reduce(torch.stack(losses).mean()))
+    return loom.all_reduce(torch.stack(losses).mean()).item()
 
 
 # ---- training loop --------------------------------------------------------------------------------------------
-if start_step == 0:
-    first_val = evaluate()
-    loom.print(f"step 0: validation loss {first_val:.4f}")
-    loom.log("val_loss", first_val, step=0)
-bar = loom.progress(range(start_step, args.steps), total=args.steps - start_step, desc="training")
-tokens_per_step = args.batch_size * args.block_size * args.accumulate * loom.world_size
+if step == 0:
+    val_loss = evaluate()
+    loom.print(f"step 0: validation loss {val_loss:.4f}")
+    loom.log("val_loss", val_loss, step=0)
+train_batches = batches(train_loader)
+tokens_per_step = args.batch_size * args.block_size * args.accumulate
+loss_sum = torch.zeros((), device=loom.device)  # summed on the device: no host sync until the next log
+steps_since_log = 0
+bar = loom.progress(range(step + 1, args.steps + 1), total=args.steps - step, desc="training")
 for step in bar:
-    t0 = time.perf_counter()
+    if steps_since_log == 0:
+        t_log = time.perf_counter()
     for micro in range(args.accumulate):
-        x, y = get_batch(train_data, step, micro, loom.global_rank, args.batch_size)
+        x, y = next(train_batches)
         # Skip gradient sync on all but the last micro-batch: every unit and the replicated layers accumulate
         # locally, and the last backward averages everything once.
         with loom.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-            logits = model(x.to(loom.device))
-            loss = F.cross_entropy(logits.view(-1, 256), y.to(loom.device).view(-1)) / args.accumulate
-            loom.backward(loss)
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            loom.backward(loss / args.accumulate)
+        loss_sum += loss.detach()
     grad_norm = loom.clip_gradients(model, optimizer, max_norm=args.max_norm)
     optimizer.step()
     optimizer.zero_grad()
     scheduler.step()
+    steps_since_log += 1
 
-    train_loss = float(loom.all_reduce(loss.detach())) * args.accumulate
-    throughput = tokens_per_step / (time.perf_counter() - t0)
-    loom.log_dict(
-        {
-            "train_loss": train_loss,
-            "grad_norm": grad_norm,
-            "lr": scheduler.get_last_lr()[0],
-            "tokens_per_s": throughput,
-        },
-        step=step + 1,
-    )
-    bar.set_postfix(loss=train_loss, tok_s=f"{throughput:,.0f}")
-    if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-        val = evaluate()
-        loom.log("val_loss", val, step=step + 1)
-        bar.write(f"step {step + 1}: train loss {train_loss:.4f}, validation loss {val:.4f}")
-    if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+    if step % args.log_every == 0 or step == args.steps:
+        # The mean loss over every micro-batch of every rank since the last log: one all-reduce, one host sync.
+        train_loss = loom.all_reduce(loss_sum).item() / (args.accumulate * steps_since_log)
+        throughput = tokens_per_step * steps_since_log / (time.perf_counter() - t_log)
+        loom.log_dict(
+            {
+                "train_loss": train_loss,
+                "grad_norm": grad_norm.item(),
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": throughput,
+            },
+            step=step,
+        )
+        bar.set_postfix(loss=train_loss, tok_s=f"{throughput:,.0f}")
+        loss_sum.zero_()
+        steps_since_log = 0
+    if step % args.eval_every == 0 or step == args.steps:
+        val_loss = evaluate()
+        loom.log("val_loss", val_loss, step=step)
+        bar.write(f"step {step}: validation loss {val_loss:.4f}")
+    if step % args.checkpoint_every == 0 or step == args.steps:
         # Sharded: every rank writes its own shards; swapped into place only when complete.
-        loom.save(latest, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": step + 1})
-    if args.stop_at is not None and step + 1 >= args.stop_at:
+        state["step"] = step
+        loom.save(latest, state)
+    if args.stop_at is not None and step >= args.stop_at:
         break
 bar.close()
 loom.finalize_loggers()
@@ -229,7 +290,7 @@ def generate(prompt: bytes, length: int) -> bytes:
     idx = torch.tensor([list(prompt)], device=loom.device)
     g = torch.Generator(device=loom.device).manual_seed(args.seed)
     for _ in range(length):
-        logits = model(idx[:, -args.block_size :])[:, -1, :] / 0.8
+        logits = model(idx[:, -config.block_size :])[:, -1, :] / 0.8
         idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=g)], dim=1)
     return bytes(idx[0].tolist())
 
