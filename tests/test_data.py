@@ -85,9 +85,10 @@ def test_another_global_batch_reads_each_remaining_sample_once(tmp_path, caplog)
     full = run_ranks(_steps, 2, n, 3, ckpt, [5], None, "full", timeout=240)[0]
     # Resume on 2 ranks with 4 samples each (global batch 8 instead of 6).
     resumed = run_ranks(_steps, 2, n, 4, ckpt, [], f"{ckpt}-5", "full", timeout=240)[0]
-    first_epoch_rest = sum(resumed[: (n - 5 * G) // 8], [])
+    rest_steps = -(-(n - 5 * G) // 8)  # 18 samples left: batches of 8, 8 and 2
+    first_epoch_rest = sum(resumed[:rest_steps], [])
     assert sorted(sum(full[:5], []) + first_epoch_rest) == list(range(n))  # none twice, none skipped
-    assert sorted(sum(resumed[(n - 5 * G) // 8 :], [])) == list(range(n))  # the next epoch is whole
+    assert sorted(sum(resumed[rest_steps:], [])) == list(range(n))  # the next epoch is whole
 
 
 def test_the_global_order_and_ragged_ends_at_every_world_size():

@@ -177,6 +177,8 @@ class LoomDataLoader:
         sampler = self.sampler
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
+            if getattr(self._loader, "_torchloom_generator", False):
+                self._loader.generator.manual_seed(sampler.seed + epoch)
         if isinstance(sampler, ResumableSampler):
             sampler.start = start
 
@@ -213,10 +215,15 @@ class LoomDataLoader:
                 "the loader out of the checkpoint."
             )
         sampler = self.sampler
-        in_epoch = self._current is not None
+        if self._resume is not None:  # loaded, not yet iterated: still where the checkpoint said
+            epoch, consumed = self._resume
+        elif self._current is not None:  # inside a pass
+            epoch, consumed = self._current, self._consumed
+        else:
+            epoch, consumed = self._epoch, 0
         state: dict[str, Any] = {
-            "epoch": self._current if in_epoch else self._epoch,
-            "consumed": self._consumed if in_epoch else 0,
+            "epoch": epoch,
+            "consumed": consumed,
             "dataset_len": len(dataset),  # type: ignore[arg-type]
             "global_batch": (self._loader.batch_size or 1) * self._world_size,
             "world_size": self._world_size,

@@ -372,6 +372,12 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
             loader.sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=bool(loader.drop_last)
         )
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
+    own_generator = kwargs.get("generator") is None
+    if own_generator:
+        # A DataLoader draws its workers' base seed from the global generator each time a pass starts, so a
+        # resumed pass would shift the stream dropout then draws from: give it a generator of its own, seeded
+        # per epoch by LoomDataLoader.
+        kwargs["generator"] = torch.Generator()
     dataset = loader.dataset
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
@@ -379,4 +385,6 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
     elif os.environ.get(SEED_WORKERS_ENV) != "0":
         # Workers' random streams would depend on which batches each happened to load: seed every sample.
         dataset, sampler.keyed = SeededPerSample(dataset), True
-    return DataLoader(dataset, sampler=sampler, **kwargs)
+    rebuilt = DataLoader(dataset, sampler=sampler, **kwargs)
+    rebuilt._torchloom_generator = own_generator  # type: ignore[attr-defined]
+    return rebuilt
