@@ -65,8 +65,6 @@ def _optimizer(params) -> torch.optim.Optimizer:
 def _build(loom: Loom, strategy: str) -> nn.Module:
     """The model as a user builds it, on the CPU: fsdp2's blocks sharded by hand (`fully_shard`), fsdp's
     wrapped inside `init_module` (its policy); the input projection and head stay outside every unit."""
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     if strategy == "fsdp":
         with loom.init_module():
@@ -74,8 +72,19 @@ def _build(loom: Loom, strategy: str) -> nn.Module:
     model = Net()
     if strategy == "fsdp2":
         for block in model.blocks:
-            fully_shard(block)
+            _shard_by_hand(loom, block)
     return model
+
+
+def _shard_by_hand(loom: Loom, block: nn.Module) -> None:
+    """`fully_shard(block)` as a user writes it; with cpu_offload, given the strategy's configuration
+    (`unit_kwargs()`, as the README says), since torchloom cannot move a hand-made unit's shards afterwards."""
+    from torch.distributed.fsdp import fully_shard
+
+    if getattr(loom.strategy, "cpu_offload", False):
+        fully_shard(block, **loom.strategy.unit_kwargs())
+    else:
+        fully_shard(block)
 
 
 @contextlib.contextmanager
@@ -326,7 +335,6 @@ class _MetaModel(nn.Module):
 
 
 def _meta_body(rank: int, world_size: int, accelerator: str, flavour: str, offload: bool) -> dict:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import wrap
 
     from torchloom.strategies import FSDP2Strategy, FSDPStrategy
@@ -343,7 +351,7 @@ def _meta_body(rank: int, world_size: int, accelerator: str, flavour: str, offlo
                 model.blocks[i] = wrap(model.blocks[i])
     else:
         for block in model.blocks:
-            fully_shard(block)
+            _shard_by_hand(loom, block)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         wrapped = loom.setup_module(model)
