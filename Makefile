@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint
+.PHONY: demo test lint gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ $(VENV)/.installed-%: pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.installed-test
 	$(PY) examples/train_lm.py --devices 2 --flavour fsdp2
 
+# With CUDA, this includes the GPU suite (tests/gpu, marked `cuda`); without, those tests are skipped and say why.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
+
+# On a machine with a GPU (under 10 minutes): the CUDA tests, the step-overhead and memory benchmarks on CUDA, and
+# a summary. It uses $(VENV) as it is, or creates it with TORCH_SPEC; without a GPU it stops with the reason.
+gpu-check:
+	VENV=$(VENV) TORCH_SPEC="$(TORCH_SPEC)" bash benchmarks/gpu_check.sh
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests examples

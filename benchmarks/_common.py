@@ -103,12 +103,16 @@ def _rank_main(
         end_rank(world_size, failed)
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 900) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes (gloo); return their results in
-    rank order. A rank that fails or a job past `timeout` stops every rank and raises."""
+def run_ranks(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 900, device: str = "cpu"
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results in rank order.
+    A rank that fails or a job past `timeout` stops every rank and raises."""
     # fork on Linux: the ranks start without importing torch again (seconds on a busy 2-core machine). The parent
-    # never runs a torch op before this, so no thread pool is inherited half-initialised.
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    # never runs a torch op before this, so no thread pool is inherited half-initialised. CUDA cannot be used in
+    # a forked child once the parent has touched it (as asking for the GPU's name does): spawn there.
+    fork = sys.platform.startswith("linux") and device == "cpu"
+    ctx = mp.get_context("fork" if fork else "spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -254,9 +258,45 @@ def machine() -> str:
     )
 
 
+def gpu_name() -> str:
+    """The first GPU's name and memory ('' without CUDA)."""
+    if not torch.cuda.is_available():
+        return ""
+    props = torch.cuda.get_device_properties(0)
+    return f"{torch.cuda.device_count()} x {props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: 2 ranks on gloo (the default); cuda: 2 ranks on 2 GPUs over NCCL",
+    )
+
+
+def check_device(parser: argparse.ArgumentParser, device: str, world: int = 2) -> None:
+    """Refuse --device cuda where there are fewer than `world` GPUs, before any rank starts."""
+    if device == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < world:
+            parser.error(
+                f"--device cuda needs {world} GPUs; torch {torch.__version__} sees {have} "
+                f"(torch.cuda.is_available() is {torch.cuda.is_available()})"
+            )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a wall-clock measurement covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def header(title: str, args: argparse.Namespace) -> None:
     print(f"# {title}", flush=True)
     print(f"# machine: {machine()}", flush=True)
+    if getattr(args, "device", "cpu") == "cuda":
+        print(f"# gpu: {gpu_name()}", flush=True)
     print(f"# command: python {' '.join(sys.argv)}", flush=True)
     print(f"# settings: {json.dumps(vars(args), default=str)}", flush=True)
 

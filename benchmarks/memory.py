@@ -31,8 +31,15 @@ The floor for (a), per rank, in bytes (fp32, AdamW keeps two moments):
 
 Goal: (a) within 15% of floor(a). Also printed: (a)/(b) and (a)/(c).
 
-    python benchmarks/memory.py            # ~202M parameters, a few minutes
-    python benchmarks/memory.py --tiny     # smoke test
+`--device cuda` runs the same configurations on 2 GPUs over NCCL and measures GPU memory instead: the peak of
+`torch.cuda.max_memory_allocated()` per rank (what the tensors held, from the caching allocator), against the
+same floor(a) with the baseline measured the same way (the memory allocated after process-group start, before
+the model exists: about zero). The caching allocator's reserved peak is printed beside it; NCCL's own buffers
+live outside the allocator and are in neither. "(a) glibc" has no meaning there and is not run.
+
+    python benchmarks/memory.py                  # ~202M parameters, a few minutes
+    python benchmarks/memory.py --tiny           # smoke test
+    python benchmarks/memory.py --device cuda    # GPU memory on 2 GPUs
 """
 
 from __future__ import annotations
@@ -52,8 +59,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import (  # noqa: E402
     Net,
+    add_device_argument,
     batch,
     block_numel,
+    check_device,
     current_rss_bytes,
     header,
     mib,
@@ -104,20 +113,28 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
     warnings.filterwarnings("ignore", message=".*without a wrapping policy.*")
     warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
     dim, blocks, tokens, steps = cfg["dim"], cfg["blocks"], cfg["tokens"], cfg["steps"]
+    on_gpu = cfg["device"] == "cuda"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
     if config == "a_glibc":
         config = "a"
     elif sys.platform.startswith("linux"):
         _fix_malloc()
-    x, y = batch(rank, tokens, dim)
+    x, y = (t.to(device) for t in batch(rank, tokens, dim))
     if config == "a_raw":
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
     else:
         strategy = {"c": "ddp", "a_fsdp": "fsdp"}.get(config, "fsdp2")
-        loom = Loom(accelerator="cpu", devices=world, strategy=strategy)
+        loom = Loom(accelerator=cfg["device"], devices=world, strategy=strategy)
         loom.launch()
     dist.barrier()
     gc.collect()
     baseline = current_rss_bytes()
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        gpu_baseline = torch.cuda.memory_allocated()
     start = time.perf_counter()
 
     if config in ("a", "b"):
@@ -145,7 +162,7 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
             model = Net(dim, blocks)
         for block in model.blocks:
             fully_shard(block)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         with torch.no_grad():
             for module in model.modules():
                 if hasattr(module, "reset_parameters"):
@@ -154,6 +171,7 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
                 dist.broadcast(p, src=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     after_setup = current_rss_bytes()
+    gpu_after_setup = torch.cuda.memory_allocated() if on_gpu else 0
 
     for _ in range(steps):
         loss = nn.functional.mse_loss(model(x), y)
@@ -173,12 +191,23 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
         optimizer.zero_grad()
     dist.barrier()
     del torchloom
-    return {
+    out = {
         "baseline": baseline,
         "after_setup": after_setup,
         "peak": peak_rss_bytes(),
         "seconds": time.perf_counter() - start,
     }
+    if on_gpu:
+        # GPU memory replaces host memory as the measure; the host's peak is kept for reference.
+        torch.cuda.synchronize()
+        out.update(
+            host_peak=out["peak"],
+            baseline=gpu_baseline,
+            after_setup=gpu_after_setup,
+            peak=torch.cuda.max_memory_allocated(),
+            reserved_peak=torch.cuda.max_memory_reserved(),
+        )
+    return out
 
 
 def floor_a(cfg: dict[str, Any], world: int, baseline: float) -> dict[str, float]:
@@ -204,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    check_device(parser, args.device)
+    if args.device == "cuda" and args.configs == ",".join(CONFIGS):
+        args.configs = ",".join(c for c in CONFIGS if c != "a_glibc")  # host malloc: nothing to do with GPUs
     if args.tiny:
         args.dim, args.blocks, args.tokens = 128, 8, 8
         if args.configs == ",".join(CONFIGS):
@@ -212,14 +245,20 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "a" not in configs or any(c not in CONFIGS for c in configs):
         parser.error(f"--configs must include 'a' and only name {', '.join(CONFIGS)}")
+    if args.device == "cuda" and "a_glibc" in configs:
+        parser.error("'a_glibc' measures the host's malloc: leave it out with --device cuda")
     world = 2
-    cfg = {k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps")}
+    cfg = {k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "device")}
     numel = model_numel(args.dim, args.blocks)
-    header("Memory: peak RSS per rank, 2 CPU ranks (gloo), AdamW", args)
-    print(
-        f"# malloc: mmap threshold fixed at {MMAP_THRESHOLD} bytes in every configuration but '(a) glibc'",
-        flush=True,
-    )
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        header("Memory: peak torch.cuda.max_memory_allocated per rank, 2 GPUs (NCCL), AdamW", args)
+    else:
+        header("Memory: peak RSS per rank, 2 CPU ranks (gloo), AdamW", args)
+        print(
+            f"# malloc: mmap threshold fixed at {MMAP_THRESHOLD} bytes in every configuration but '(a) glibc'",
+            flush=True,
+        )
     print(
         f"# model: {args.blocks} blocks of width {args.dim} + replicated head = {numel / 1e6:.1f}M parameters "
         f"({numel * 4 / 2**30:.2f} GiB fp32); {args.tokens} rows per rank; {args.steps} steps",
@@ -227,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     measured: dict[str, dict[str, float]] = {}
     for config in configs:
-        per_rank = run_ranks(_rank, config, cfg)
+        per_rank = run_ranks(_rank, config, cfg, device=args.device)
         worst = max(per_rank, key=lambda r: r["peak"])
         measured[config] = {**worst, "baseline": max(r["baseline"] for r in per_rank)}
         print(f"# ran {config}: {CONFIGS[config]} ({worst['seconds']:.0f} s)", flush=True)
@@ -256,21 +295,32 @@ def main(argv: list[str] | None = None) -> int:
         f"{mib(floor['activations'])} + baseline {mib(floor['baseline'])} = {mib(floor['total'])} MiB per rank"
     )
     print()
-    results = [ratio_line("memory (a)/floor(a)", [measured["a"]["peak"] / floor["total"]], GOAL)]
+    if on_gpu:
+        reserved = ", ".join(f"{LABELS[c]} {mib(measured[c]['reserved_peak'])}" for c in configs)
+        print(f"# caching allocator's reserved peak, MiB: {reserved}")
+        print()
+    tag = " cuda" if on_gpu else ""  # GPU rows are named apart: they measure another memory
+    results = [ratio_line(f"memory{tag} (a)/floor(a)", [measured["a"]["peak"] / floor["total"]], GOAL)]
     if "a_raw" in measured:
         results.append(
-            ratio_line("memory (a)/(a') torchloom/raw", [measured["a"]["peak"] / measured["a_raw"]["peak"]])
+            ratio_line(
+                f"memory{tag} (a)/(a') torchloom/raw", [measured["a"]["peak"] / measured["a_raw"]["peak"]]
+            )
         )
     if "b" in measured:
         results.append(
-            ratio_line("memory (a)/(b) per-block/root-only", [measured["a"]["peak"] / measured["b"]["peak"]])
+            ratio_line(
+                f"memory{tag} (a)/(b) per-block/root-only", [measured["a"]["peak"] / measured["b"]["peak"]]
+            )
         )
     if "c" in measured:
         results.append(
-            ratio_line("memory (a)/(c) per-block/ddp", [measured["a"]["peak"] / measured["c"]["peak"]])
+            ratio_line(f"memory{tag} (a)/(c) per-block/ddp", [measured["a"]["peak"] / measured["c"]["peak"]])
         )
     if "a_fsdp" in measured:
-        results.append(ratio_line("memory (a) fsdp/floor(a)", [measured["a_fsdp"]["peak"] / floor["total"]]))
+        results.append(
+            ratio_line(f"memory{tag} (a) fsdp/floor(a)", [measured["a_fsdp"]["peak"] / floor["total"]])
+        )
     if "a_glibc" in measured:
         results.append(
             ratio_line("memory (a) glibc defaults/floor(a)", [measured["a_glibc"]["peak"] / floor["total"]])

@@ -1,4 +1,5 @@
-"""Step overhead: a torchloom training step against the same step written with raw PyTorch, on 2 CPU ranks.
+"""Step overhead: a torchloom training step against the same step written with raw PyTorch, on 2 CPU ranks
+(or, with `--device cuda`, on 2 GPUs over NCCL).
 
 The model is a stack of blocks, each its own FSDP unit made by hand, and a head outside every unit:
 
@@ -28,8 +29,9 @@ are 80 of them per side: each torchloom step is compared with the raw step right
 on a shared machine disturb both sides of a ratio alike (blocks of 7 steps per measurement moved the medians
 by +-5% between runs).
 
-    python benchmarks/step_overhead.py            # default size
-    python benchmarks/step_overhead.py --tiny     # smoke test, a few seconds
+    python benchmarks/step_overhead.py                  # default size
+    python benchmarks/step_overhead.py --tiny           # smoke test, a few seconds
+    python benchmarks/step_overhead.py --device cuda    # 2 GPUs: each step's time includes waiting for the GPU
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import logging
+import os
 import pstats
 import sys
 import time
@@ -49,8 +52,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import (  # noqa: E402
     Net,
+    add_device_argument,
     alternate,
     batch,
+    check_device,
     header,
     median,
     model_numel,
@@ -58,6 +63,7 @@ from _common import (  # noqa: E402
     ratios,
     run_ranks,
     summary,
+    synchronize,
     table,
     write_json,
 )
@@ -110,7 +116,7 @@ def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
 
     from torchloom import Loom
 
-    loom = Loom(accelerator="cpu", devices=2, strategy="fsdp2" if pair == ACCUM else pair)
+    loom = Loom(accelerator=cfg["device"], devices=2, strategy="fsdp2" if pair == ACCUM else pair)
     loom.launch()
     torch.manual_seed(0)
     if pair == "fsdp":
@@ -131,11 +137,12 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    device = _device(cfg)
     torch.manual_seed(0)
-    model = Net(cfg["dim"], cfg["blocks"])
+    model = Net(cfg["dim"], cfg["blocks"]).to(device)
     replicated: list[nn.Parameter] = []
     if pair in ("fsdp2", ACCUM):
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             # Explicit: left at its default, a unit that is a root (no root unit here) keeps its parameters
             # unsharded from forward to backward; torchloom gives hand-made units non-root behaviour.
@@ -145,14 +152,12 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
         forward = model
     elif pair == "fsdp":
         for i, block in enumerate(model.blocks):
-            model.blocks[i] = FullyShardedDataParallel(
-                block, device_id=torch.device("cpu"), use_orig_params=True
-            )
+            model.blocks[i] = FullyShardedDataParallel(block, device_id=device, use_orig_params=True)
         replicated = list(model.head.parameters())
         _broadcast(replicated)
         forward = model
     else:
-        forward = DistributedDataParallel(model)
+        forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(forward.parameters(), lr=1e-4)
     return forward, optimizer, replicated
 
@@ -162,6 +167,7 @@ def _measure_pair(
 ) -> dict[str, Any]:
     loom, lmodel, lopt = _torchloom_side(pair, cfg)
     rmodel, ropt, replicated = _raw_side(pair, cfg, world)
+    device = _device(cfg)
 
     def loom_step() -> None:
         loss = nn.functional.mse_loss(lmodel(x), y)
@@ -187,9 +193,11 @@ def _measure_pair(
             # The median of single steps: a step that another job on the machine preempted is dropped.
             dist.barrier()
             wall, cpu = [], []
+            synchronize(device)
             for _ in range(cfg["steps"]):
                 start, start_cpu = time.perf_counter(), time.process_time()
                 step()
+                synchronize(device)  # a GPU step is done when its kernels are
                 wall.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
             return median(wall), median(cpu)
@@ -282,11 +290,21 @@ def _record_cost(repeats: int, calls: int = 2000) -> list[float]:
     return out
 
 
+def _device(cfg: dict[str, Any]) -> torch.device:
+    """This rank's device: the CPU, or GPU `LOCAL_RANK` (what Loom picks for the rank)."""
+    if cfg["device"] == "cuda":
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return torch.device("cpu")
+
+
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torchloom  # noqa: F401 - sets up its logger, which is quietened next
 
     logging.getLogger("torchloom").setLevel(logging.WARNING)  # no sharding summaries between the tables
-    x, y = batch(rank, cfg["tokens"], cfg["dim"])
+    device = _device(cfg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    x, y = (t.to(device) for t in batch(rank, cfg["tokens"], cfg["dim"]))
     results: dict[str, Any] = {}
     for pair in cfg["pairs"]:
         results[pair] = _measure_pair(pair, cfg, world, x, y)
@@ -311,14 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         "--accumulate", type=int, default=4, help=f"micro-batches per step in the {ACCUM} pair"
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    check_device(parser, args.device)
     if args.tiny:
         args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 8, 32, 3, 2, 1
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
         parser.error(f"unknown pairs {unknown}; choose from {PAIRS}")
-    header("Step overhead: torchloom vs raw PyTorch, 2 CPU ranks (gloo), 1 thread each", args)
+    where = "2 CPU ranks (gloo), 1 thread each" if args.device == "cpu" else "2 GPUs (NCCL)"
+    header(f"Step overhead: torchloom vs raw PyTorch, {where}", args)
     print(
         f"# model: {args.blocks} blocks of width {args.dim} (each its own unit under fsdp/fsdp2) + a replicated "
         f"head, {model_numel(args.dim, args.blocks) / 1e6:.1f}M parameters; {args.tokens} rows per rank; AdamW",
@@ -328,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "repeats", "warmup", "accumulate")
     }
     cfg["pairs"] = pairs
-    per_rank = run_ranks(_rank, cfg)
+    cfg["device"] = args.device
+    per_rank = run_ranks(_rank, cfg, device=args.device)
     record = [max(costs) for costs in zip(*(r["record"] for r in per_rank), strict=True)]
     rows, out, record_rows = [], [], []
     for pair in pairs:

@@ -2,6 +2,36 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # Ranks share 2 cores; keep intra-op threads from oversubscribing them (also inherited by spawned ranks).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _cuda_devices() -> int:
+    """How many GPUs this process sees (0 without CUDA). Asking creates no CUDA context: the ranks that the
+    tests start are spawned, never forked, so they may use CUDA whatever the test process did."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked `cuda` (or `cuda(min_devices=N)`) that this machine cannot run, saying why."""
+    marked = [(item, item.get_closest_marker("cuda")) for item in items]
+    marked = [(item, marker) for item, marker in marked if marker is not None]
+    if not marked:
+        return
+    import torch
+
+    have = _cuda_devices()
+    for item, marker in marked:
+        need = int(marker.kwargs.get("min_devices", 1))
+        if have == 0:
+            reason = f"needs CUDA: torch.cuda.is_available() is False (torch {torch.__version__})"
+        elif have < need:
+            reason = f"needs {need} GPUs, this machine has {have}"
+        else:
+            continue
+        item.add_marker(pytest.mark.skip(reason=reason))

@@ -175,3 +175,29 @@ def test_local_shape_and_offset(monkeypatch):
     monkeypatch.delattr(utils, "compute_local_shape_and_global_offset")
     with pytest.raises(TorchAPIMissing, match="compute_local_shape_and_global_offset"):
         _torch_compat.local_shape_and_offset(object())
+
+
+def test_launch_config_shutdown_timeout_only_where_torch_has_it(monkeypatch):
+    import dataclasses
+
+    import torch.distributed.launcher.api as launcher_api
+
+    base = dict(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="x", rdzv_backend="static")
+    config = _torch_compat.launch_config(**base, shutdown_timeout=7)
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(launcher_api.LaunchConfig)}:
+        assert config.shutdown_timeout == 7
+    assert config.nproc_per_node == 2
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:  # torch 2.9's LaunchConfig has no shutdown_timeout
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+        run_id: str = ""
+        rdzv_backend: str = "etcd"
+
+    monkeypatch.setattr(launcher_api, "LaunchConfig", OldLaunchConfig)
+    old = _torch_compat.launch_config(**base, shutdown_timeout=7)
+    assert old.nproc_per_node == 2 and not hasattr(old, "shutdown_timeout")
+    with pytest.raises(TypeError, match="no_such_option"):
+        _torch_compat.launch_config(**base, no_such_option=1)

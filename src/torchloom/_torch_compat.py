@@ -3,7 +3,8 @@
 Each accessor checks that its API still exists and fails loudly, naming the torch version, when a torch upgrade
 renamed or removed it (never a silent fallback); `tests/test_torch_compat.py` checks each one against the
 installed torch. Nothing else in torchloom reaches into torch's private names. Public APIs that only recent
-versions have (DCP's `async_stager=`, 2.9) are covered by `MIN_TORCH`.
+versions have (DCP's `async_stager=`, 2.9) are covered by `MIN_TORCH`; where a supported version lacks one, the
+difference is handled here too (`launch_config`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def current_graph_task_id() -> int:
     if get is None:
         raise _missing("torch._C._current_graph_task_id")
     return get()
+
+
+# ---- the elastic agent ----------------------------------------------------------------------------------------
+def launch_config(**kwargs: Any) -> Any:
+    """`torch.distributed.launcher.api.LaunchConfig(**kwargs)`. `shutdown_timeout` (seconds between SIGTERM and
+    SIGKILL when the agent stops the ranks) is a field only of newer torch (not 2.9): there it is left out and
+    the agent waits its own fixed 30 s. Every other keyword must exist (a TypeError names it otherwise)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        kwargs.pop("shutdown_timeout", None)
+    return LaunchConfig(**kwargs)
 
 
 # ---- the job's store -----------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
+from torchloom import _torch_compat
 from torchloom.errors import LaunchError, MisuseError
 
 # Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
@@ -41,9 +42,7 @@ def shutdown_timeout() -> int:
 
 
 def _launch_config(num_processes: int, num_nodes: int, node_rank: int, address: str, port: int) -> Any:
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return LaunchConfig(
+    return _torch_compat.launch_config(
         min_nodes=num_nodes,
         max_nodes=num_nodes,
         nproc_per_node=num_processes,

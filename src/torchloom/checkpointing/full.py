@@ -20,6 +20,8 @@ from torchloom.checkpointing import atomic, rng
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
     META_KEY,
+    MODULE,
+    OPTIMIZER,
     VALUE,
     OwnerLookup,
     check_missing,
@@ -27,6 +29,7 @@ from torchloom.checkpointing.state import (
     restore_entry,
 )
 from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
+from torchloom.wrappers import state_module, unwrap_optimizer
 
 if TYPE_CHECKING:
     from torchloom.strategies.base import Strategy
@@ -102,10 +105,8 @@ def save(
     if async_save:
         if strategy.global_rank != 0:
             return None
-        # The state dict may alias live parameters: copy before training changes them.
-        snapshot = torch.utils._pytree.tree_map(
-            lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, payload
-        )
+        snapshot = private_snapshot(payload, state, kinds)
+        del payload  # the writer holds the snapshot; the gathered tensors it did not copy live on in it
         return _writer().submit(_write_or_explain, snapshot, path, fsync)
     failure, own = None, None
     if strategy.global_rank == 0:
@@ -119,6 +120,58 @@ def save(
         # Doubles as the barrier: no rank returns before the file is in place (or has failed everywhere).
         failure = strategy.broadcast(failure, src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)
+
+
+def private_snapshot(payload: dict[str, Any], state: dict[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    """`payload` with every tensor that training could still change replaced by a host copy of it, and every
+    other tensor kept as it is: at most one copy of the state in host memory, never two.
+
+    A module's or optimizer's full state dict holds either the live tensors themselves (one process, DDP: the
+    parameters and optimizer moments) or fresh tensors (FSDP: gathered into new CPU memory on rank 0). Copying
+    every tensor, as the async save once did, held a second copy of a gathered model in host memory until the
+    write finished. A tensor is live when it shares storage with a parameter, buffer or optimizer state of the
+    objects being saved; tensors on a device are copied to the host anyway (that is the one copy), and the
+    values of other entries (user objects, schedulers: their provenance is unknown) are always copied."""
+    live = _live_storages(state, kinds)
+
+    def private(t: Any, known: bool) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        if t.device.type != "cpu":
+            return t.to("cpu")
+        if not known or _storage_of(t) in live:
+            return t.clone()
+        return t
+
+    out: dict[str, Any] = {}
+    for key, value in payload.items():
+        known = kinds.get(key) in (MODULE, OPTIMIZER)
+        out[key] = torch.utils._pytree.tree_map(lambda t, known=known: private(t, known), value)
+    return out
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    # An empty storage has no address to compare (0): counted live, copying it costs nothing.
+    return t.untyped_storage().data_ptr() if t.numel() else 0
+
+
+def _live_storages(state: dict[str, Any], kinds: dict[str, str]) -> set[int]:
+    """The storages of every parameter, buffer and optimizer state tensor of the modules and optimizers saved
+    (a DTensor's local shard; an FSDP1 parameter is a view into its unit's flat parameter, same storage)."""
+    tensors: list[torch.Tensor] = []
+    for key, value in state.items():
+        if kinds.get(key) == MODULE:
+            module = state_module(value)
+            tensors += [*module.parameters(), *module.buffers()]
+        elif kinds.get(key) == OPTIMIZER:
+            for per_param in unwrap_optimizer(value).state.values():
+                tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    live = {0}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        live.add(_storage_of(local.detach()))
+    return live
 
 
 _WRITER: ThreadPoolExecutor | None = None

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The GPU check: what a machine with a CUDA GPU runs, in under 10 minutes, to prove the GPU path.
+#
+#   1. the CUDA tests (pytest -m cuda tests/gpu): every strategy x precision on 1 and 2 GPUs, hand-made units,
+#      meta init with and without cpu_offload, checkpoints with offload, the leftover sync under NCCL;
+#   2. benchmarks/step_overhead.py --device cuda: torchloom's step time against raw PyTorch on 2 GPUs;
+#   3. benchmarks/memory.py --device cuda: torch.cuda.max_memory_allocated against the floor, on 2 GPUs;
+#   4. a summary: the tests' pass/fail/skip counts and the benchmarks' ratio lines.
+#
+# The benchmarks need 2 GPUs; with one they are skipped (and say so). Without a CUDA GPU, or with a CPU build of
+# torch, the script stops at once with the reason and exit code 2: it never reports a CPU run as a GPU check.
+#
+#   bash benchmarks/gpu_check.sh              # or: make gpu-check
+#   bash benchmarks/gpu_check.sh --dry-run    # print what would run, check nothing on the GPU
+#
+# Environment: VENV (default .venv) is used as it is when it exists: nothing is installed. Otherwise it is
+# created with TORCH_SPEC (default torch==2.13.0, a CUDA build on Linux from the default package index; pass a
+# CUDA-specific index with --index-url inside TORCH_SPEC if you need another CUDA version). OUT (default
+# gpu-check-results) receives the logs and JSON results. Step time limits keep the whole under 10 minutes.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+OUT=${OUT:-gpu-check-results}
+PY="$VENV/bin/python"
+# This checkout's torchloom, whatever the environment has installed.
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+TEST_LIMIT=${TEST_LIMIT:-330}   # seconds for the CUDA tests
+BENCH_LIMIT=${BENCH_LIMIT:-120} # seconds for each benchmark
+DRY_RUN=0
+
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY_RUN=1 ;;
+        -h | --help)
+            sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+            exit 0
+            ;;
+        *)
+            echo "gpu_check: unknown argument '$arg' (known: --dry-run, --help)" >&2
+            exit 2
+            ;;
+    esac
+done
+
+fail() {
+    echo "gpu_check: FAILED: $*" >&2
+    exit 2
+}
+
+# The benchmarks' own smoke test is left out: steps 2 and 3 run them at full size.
+TESTS_CMD=("$PY" -m pytest -q -m cuda -rs -k "not benchmarks_tiny" tests/gpu)
+STEP_CMD=("$PY" benchmarks/step_overhead.py --device cuda --dim 1024 --tokens 1024 --repeats 40
+    --json "$OUT/step_overhead_cuda.json")
+MEMORY_CMD=("$PY" benchmarks/memory.py --device cuda --configs a,a_raw,c --json "$OUT/memory_cuda.json")
+
+if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run; nothing is installed or run."
+    if [ -x "$PY" ]; then
+        echo "  environment: $VENV exists, used as it is"
+    else
+        echo "  environment: $VENV is missing: would create it and install '$TORCH_SPEC' and torchloom[test]"
+    fi
+    echo "  refuses to go on unless torch is a CUDA build and torch.cuda.is_available()"
+    echo "  1. timeout ${TEST_LIMIT}s ${TESTS_CMD[*]}"
+    echo "  2. timeout ${BENCH_LIMIT}s ${STEP_CMD[*]}    (needs 2 GPUs)"
+    echo "  3. timeout ${BENCH_LIMIT}s ${MEMORY_CMD[*]}    (needs 2 GPUs)"
+    echo "  4. summary: tests passed/failed/skipped, the benchmarks' ratio lines; logs in $OUT/"
+    exit 0
+fi
+
+# ---- the environment: installed only when missing --------------------------------------------------------
+if [ ! -x "$PY" ]; then
+    echo "gpu_check: creating $VENV with $TORCH_SPEC (a few GB for a CUDA build)"
+    python3 -m venv "$VENV" || fail "could not create $VENV"
+    # shellcheck disable=SC2086 # TORCH_SPEC may carry pip options such as --index-url
+    "$PY" -m pip install -q $TORCH_SPEC || fail "could not install $TORCH_SPEC"
+    "$PY" -m pip install -q -e ".[test]" || fail "could not install torchloom[test]"
+fi
+
+# ---- refuse clearly without a GPU -----------------------------------------------------------------------
+GPUS=$("$PY" - <<'EOF'
+import sys
+
+import torch
+
+if torch.version.cuda is None:
+    sys.exit(f"torch {torch.__version__} is a CPU build: install a CUDA build (e.g. TORCH_SPEC='torch==2.13.0' "
+             "in a new VENV) to run the GPU check")
+if not torch.cuda.is_available():
+    sys.exit(f"no CUDA GPU: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none "
+             "(torch.cuda.is_available() is False; check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
+print(torch.cuda.device_count())
+EOF
+) || fail "this machine cannot run the GPU check (see the reason above); nothing was run"
+mkdir -p "$OUT"
+"$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {p.name}')" | tee "$OUT/machine.txt"
+START=$(date +%s)
+
+# ---- 1. the CUDA tests ----------------------------------------------------------------------------------
+echo "gpu_check: 1/3 CUDA tests (limit ${TEST_LIMIT}s)"
+timeout "$TEST_LIMIT" "${TESTS_CMD[@]}" 2>&1 | tee "$OUT/tests.log"
+TESTS_RC=${PIPESTATUS[0]}
+TESTS_LINE=$(grep -E '^=*\s*[0-9]+ (passed|failed|skipped|error)' "$OUT/tests.log" | tail -1 | tr -d '=' | sed 's/^ *//;s/ *$//')
+[ -n "$TESTS_LINE" ] || TESTS_LINE="no summary (exit code $TESTS_RC; 124 means the ${TEST_LIMIT}s limit)"
+
+# ---- 2, 3. the benchmarks on 2 GPUs ---------------------------------------------------------------------
+BENCH_RC=0
+run_bench() { # step label, log name, command...
+    local label=$1 name=$2
+    shift 2
+    echo "gpu_check: $label $name (limit ${BENCH_LIMIT}s)"
+    timeout "$BENCH_LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" != 0 ]; then
+        echo "gpu_check: $name exited with $rc (124: past the ${BENCH_LIMIT}s limit)" | tee -a "$OUT/$name.log"
+        BENCH_RC=1
+    fi
+}
+if [ "$GPUS" -ge 2 ]; then
+    run_bench 2/3 step_overhead "${STEP_CMD[@]}"
+    run_bench 3/3 memory "${MEMORY_CMD[@]}"
+else
+    echo "gpu_check: 2/3 and 3/3 skipped: the benchmarks run 2 ranks on 2 GPUs, this machine has $GPUS" \
+        | tee "$OUT/benchmarks_skipped.log"
+fi
+
+# ---- 4. summary -----------------------------------------------------------------------------------------
+echo
+echo "==== gpu_check summary ($(($(date +%s) - START)) s) ===="
+cat "$OUT/machine.txt"
+echo "tests: $TESTS_LINE"
+if [ "$GPUS" -ge 2 ]; then
+    grep -h '^ratio  step_time\|^ratio  memory' "$OUT/step_overhead.log" "$OUT/memory.log" 2>/dev/null || true
+else
+    echo "benchmarks: skipped (need 2 GPUs, found $GPUS)"
+fi
+echo "logs and JSON: $OUT/"
+if [ "$TESTS_RC" != 0 ] || [ "$BENCH_RC" != 0 ]; then
+    echo "gpu_check: FAILED (tests exit code $TESTS_RC, benchmarks $([ "$BENCH_RC" = 0 ] && echo ok || echo failed))"
+    exit 1
+fi
+echo "gpu_check: passed"
