@@ -29,7 +29,15 @@ def test_tensorboard_logger_writes_events(tmp_path):
     loom.log("loss", torch.tensor(2.0), step=0)
     loom.log_dict({"loss": 1.0, "lr": 0.1}, step=1)
     loom.finalize_loggers()
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    (events,) = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    # Read the file back with TensorBoard's own reader: the values and steps that were logged, nothing else.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(events))
+    reader.Reload()
+    assert sorted(reader.Tags()["scalars"]) == ["loss", "lr"]
+    assert [(e.step, e.value) for e in reader.Scalars("loss")] == [(0, 2.0), (1, 1.0)]
+    assert [(e.step, round(e.value, 6)) for e in reader.Scalars("lr")] == [(1, 0.1)]
 
 
 def _log_body(rank: int, world_size: int, root: str) -> bool:
