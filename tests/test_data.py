@@ -79,7 +79,7 @@ def test_resume_at_every_world_size_continues_the_same_global_batches(tmp_path, 
 
 
 @pytest.mark.timeout(300)
-def test_another_global_batch_reads_each_remaining_sample_once(tmp_path, caplog):
+def test_another_global_batch_reads_each_remaining_sample_once(tmp_path):
     n = 48
     ckpt = str(tmp_path / "ckpt")
     full = run_ranks(_steps, 2, n, 3, ckpt, [5], None, "full", timeout=240)[0]
@@ -266,3 +266,25 @@ def test_an_iterable_dataset_without_state_is_refused():
     loader = loom.setup_dataloaders(DataLoader(Stream(), batch_size=2))
     with pytest.raises(MisuseError, match="IterableDataset .*state_dict"):
         loader.state_dict()
+
+
+def test_a_custom_sampler_resumes_at_every_world_size():
+    """A custom sampler's draw for an epoch (seeded from seed + epoch) is split like the dataset order: after a
+    start, the ranks together continue the same draw, at any world size."""
+    from torch.utils.data import WeightedRandomSampler
+
+    from torchloom.wrappers import ShardedSampler
+
+    def parts(ws: int, start: int) -> list[int]:
+        out = []
+        for r in range(ws):
+            sampler = ShardedSampler(WeightedRandomSampler([1.0] * 10 + [5.0] * 10, 20), ws, r, seed=4)
+            sampler.set_epoch(1)
+            sampler.start = start
+            out.append(list(sampler))
+        return [out[r][i] for i in range(len(out[0])) for r in range(ws)]
+
+    whole = parts(1, 0)
+    assert parts(2, 0) == whole and parts(1, 0) == whole  # the same draw at every world size
+    for ws in (1, 2, 3):
+        assert parts(ws, 7)[:13] == whole[7:], ws
