@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
@@ -271,3 +272,41 @@ def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
             flush=True,
         )
     dist.destroy_process_group()
+    _let_gloo_workers_settle()
+
+
+# gloo's worker threads (named so by PyTorch) and how long to wait for them at most.
+_GLOO_WORKER = "pt_gloo_runloop"
+_SETTLE_SECONDS = 1.0
+
+
+def _let_gloo_workers_settle() -> None:
+    """Give gloo's worker threads the GIL until none of them is running or waiting to run.
+
+    A worker frees the last collective's work after `wait()` has returned; freeing tensors that Python also
+    holds takes the GIL, and a thread that asks for it once the interpreter is finalising is ended inside a
+    C++ destructor (SIGABRT). So before returning to a possibly finalising interpreter, sleep (the GIL is free
+    then) until every worker thread has been seen asleep twice in a row: a worker that still had work to free
+    was woken by the released GIL and shows as running. Linux (/proc); elsewhere one short sleep."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        time.sleep(0.01)
+        return
+    deadline = time.monotonic() + _SETTLE_SECONDS
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = quiet + 1 if _gloo_workers_asleep(tasks) else 0
+
+
+def _gloo_workers_asleep(tasks: str) -> bool:
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name, _, rest = stat.partition("(")[2].rpartition(")")
+        if name.startswith(_GLOO_WORKER) and rest.split()[0] not in ("S", "D"):
+            return False
+    return True
