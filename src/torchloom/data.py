@@ -12,10 +12,8 @@ with another, it still sees each remaining sample of the epoch once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import random
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -23,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from torchloom.errors import CheckpointError, MisuseError
+from torchloom.seed import seed_generators_from
 
 log = logging.getLogger("torchloom")
 
@@ -121,18 +120,7 @@ class SeededPerSample(Dataset):
     def __getitem__(self, key: Any) -> Any:
         if not isinstance(key, SampleKey):
             return self.dataset[key]
-        digest = hashlib.blake2b(f"{key.seed}/{key.epoch}/{key.position}".encode(), digest_size=24).digest()
-        torch_seed, python_seed, numpy_seed = (
-            int.from_bytes(digest[i : i + 8], "little") for i in (0, 8, 16)
-        )
-        torch.manual_seed(torch_seed)
-        random.seed(python_seed)
-        try:
-            import numpy as np
-
-            np.random.seed(numpy_seed % 2**32)
-        except ImportError:
-            pass
+        seed_generators_from(f"{key.seed}/{key.epoch}/{key.position}")
         return self.dataset[key.index]
 
     def __getattr__(self, name: str) -> Any:

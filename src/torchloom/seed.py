@@ -45,16 +45,9 @@ def seed_everything(seed: int | None = None, workers: bool | None = None, verbos
     return seed
 
 
-def seed_worker(worker_id: int, rank: int, user_fn: Callable[[int], Any] | None = None) -> None:
-    """A DataLoader `worker_init_fn`: seed torch, `random` and NumPy in worker `worker_id` of rank `rank`, then
-    run the user's own `worker_init_fn`, if any.
-
-    PyTorch seeds worker i with base + i, where base is drawn from the main process's generator; every rank
-    seeded alike draws the same base, so worker i of every rank would produce the same "random" augmentations.
-    Mixing in the rank makes every worker of every rank differ, while a run stays reproducible (the base
-    follows the global seed, and changes each epoch)."""
-    base = torch.initial_seed() - worker_id
-    digest = hashlib.blake2b(f"{base}/{worker_id}/{rank}".encode(), digest_size=24).digest()
+def seed_generators_from(key: str) -> None:
+    """Seed torch, Python's `random` and NumPy (if installed) from `key`, each with its own 64-bit seed."""
+    digest = hashlib.blake2b(key.encode(), digest_size=24).digest()
     torch_seed, python_seed, numpy_seed = (int.from_bytes(digest[i : i + 8], "little") for i in (0, 8, 16))
     torch.manual_seed(torch_seed)
     random.seed(python_seed)
@@ -64,6 +57,18 @@ def seed_worker(worker_id: int, rank: int, user_fn: Callable[[int], Any] | None 
         np.random.seed(numpy_seed % 2**32)
     except ImportError:
         pass
+
+
+def seed_worker(worker_id: int, rank: int, user_fn: Callable[[int], Any] | None = None) -> None:
+    """A DataLoader `worker_init_fn`: seed torch, `random` and NumPy in worker `worker_id` of rank `rank`, then
+    run the user's own `worker_init_fn`, if any.
+
+    PyTorch seeds worker i with base + i, where base is drawn from the main process's generator; every rank
+    seeded alike draws the same base, so worker i of every rank would produce the same "random" augmentations.
+    Mixing in the rank makes every worker of every rank differ, while a run stays reproducible (the base
+    follows the global seed, and changes each epoch)."""
+    base = torch.initial_seed() - worker_id
+    seed_generators_from(f"{base}/{worker_id}/{rank}")
     if user_fn is not None:
         user_fn(worker_id)
 
