@@ -74,12 +74,12 @@ def _report(output: str) -> str:
     return output[start : output.index("\n", end + 1)]
 
 
-def _job(tmp_path, mode: str, *args: str) -> str:
+def _job(tmp_path, mode: str, *args: str, env: dict[str, str] | None = None) -> str:
     """Run the script as `python train.py MODE` (loom.launch() starts the ranks); check how the job ended."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     start = time.monotonic()
-    result, token = run_job([PYTHON, str(script), mode, *args], timeout=90, cwd=tmp_path)
+    result, token = run_job([PYTHON, str(script), mode, *args], timeout=90, cwd=tmp_path, env=env)
     elapsed = time.monotonic() - start
     assert result.returncode != 0, result.stdout
     assert "FINISHED" not in result.stdout, result.stdout
@@ -136,6 +136,71 @@ def test_a_rank_stuck_in_user_code_shows_its_stack(tmp_path):
         f"culprit: rank 1 never reached all_reduce #7 (train.py:{a}); it is in user code at "
         f"train.py:{loader} in slow_loader (its last collective was barrier #6 at train.py:{c})"
     )
+
+
+# On NCCL no Python exception comes before the process group's watchdog aborts a rank whose collective timed out,
+# so there each rank's torchloom watchdog starts the report itself once a collective has waited for the timeout
+# (the group's own timeout is set 15 s later). TORCHLOOM_DESYNC_REPORT_AFTER takes that path on gloo: the report
+# starts after 1 s, from the watchdog thread, long before gloo's 3 s timeout raises in the main thread.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["stuck", "skip"])
+def test_the_watchdog_reports_a_collective_that_waits_too_long(tmp_path, mode):
+    output = _job(tmp_path, mode, env={"TORCHLOOM_DESYNC_REPORT_AFTER": "1"})
+    report = _report(output)
+    a, b, c, loader = _line("A"), _line("B"), _line("C"), _line("LOADER")
+    # The header is the watchdog's: the collective still waiting after 1 s, not gloo's timeout after 3 s.
+    assert re.search(
+        r"torchloom desync report \(rank \d: loom\.\w+\(\) #\d+ on rank \d is still waiting after 0:00:01\)",
+        report,
+    )
+    if mode == "stuck":
+        assert f"in user code at train.py:{loader} in slow_loader" in report
+        culprit = (
+            f"culprit: rank 1 never reached all_reduce #7 (train.py:{a}); it is in user code at "
+            f"train.py:{loader} in slow_loader (its last collective was barrier #6 at train.py:{c})"
+        )
+    else:
+        culprit = (
+            f"culprit: rank 1 never reached all_reduce #8 (train.py:{b}); it is in barrier #8 at train.py:{c}"
+        )
+    assert report.splitlines()[-1] == culprit
+    # When gloo's timeout then raises on rank 0, its error repeats the same culprit (no second report).
+    assert "CollectiveTimeoutError" in output and output.count(culprit) >= 2, output
+
+
+class _Event:
+    """A device event as the record sees one: `query()` says whether the collective completed."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_collective_queued_on_the_device_stays_current_until_its_event_completes():
+    import torch
+
+    from torchloom.diagnostics import CollectiveRecord
+
+    record = CollectiveRecord()
+    events: list[_Event] = []
+    record.device_event = lambda: events.append(_Event()) or events[-1]
+    with record("all_reduce", torch.ones(2)):
+        pass
+    with record("barrier"):
+        pass
+    # Both returned at once (queued); the first is still the rank's current collective, and is overdue.
+    first = record.snapshot(None, "answered")
+    assert (first["name"], first["seq"], first["inside"], first["queued"]) == ("all_reduce", 1, True, True)
+    assert record.overdue(0.0) and not record.overdue(60.0)
+    events[0].done = True
+    second = record.snapshot(None, "answered")
+    assert (second["name"], second["seq"], second["inside"], second["queued"]) == ("barrier", 2, True, True)
+    events[1].done = True
+    done = record.snapshot(None, "answered")
+    assert (done["name"], done["seq"], done["inside"], done["queued"]) == ("barrier", 2, False, False)
+    assert not record.overdue(0.0)
 
 
 @pytest.mark.timeout(120)

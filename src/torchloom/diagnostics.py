@@ -11,11 +11,18 @@ A rank can also die in a mismatched collective before it can answer (gloo aborts
 than it expects). So the first time a rank takes a new path through its collectives (a call site after another
 it never followed, or new shapes at a call site), it writes that record to the store before entering: rare
 after the first step, and enough for the report to name the shapes a dead rank passed.
+
+On NCCL a collective returns as soon as it is queued on the GPU, and the process group's own watchdog aborts the
+process when one does not complete in time, before any Python exception could ask for a report. There the
+record follows each collective with a CUDA event, and the rank's watchdog thread starts the report itself once a
+collective has been pending for the job's timeout; the process group's timeout is set a little longer
+(`NCCL_REPORT_GRACE`), so the report is out before NCCL aborts the rank.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import os
@@ -25,7 +32,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,6 +52,9 @@ _ANSWER_SECONDS = 3.0
 # A rank publishes at most this many new paths: code whose shapes change every call must not talk to the
 # store every call.
 _MAX_PUBLISHED = 1000
+# On NCCL the process group times out this much later than the job's timeout, when torchloom's own watchdog
+# starts the report: the answers take at most `_ANSWER_SECONDS`, the printing well under a second.
+NCCL_REPORT_GRACE = timedelta(seconds=15)
 
 
 class CollectiveRecord:
@@ -56,6 +66,12 @@ class CollectiveRecord:
         # (seq, name, shapes, detail, file, line, function, new_path, new_site, new_shape).
         self.last: tuple[Any, ...] | None = None
         self.inside = False
+        self.entered = 0.0  # time.monotonic() when the last collective was entered
+        # Collectives that return before they complete (NCCL): (record, event, entered) of each one whose event
+        # has not been seen complete, oldest first. `device_event` makes and records the event.
+        self.device_event: Callable[[], Any] | None = None
+        self._pending: collections.deque[tuple[tuple[Any, ...], Any, float]] = collections.deque()
+        self._pending_lock = threading.Lock()
         self._site: tuple[str, int] | None = None
         self._seen: set[Any] = set()
         self._published = 0
@@ -78,6 +94,7 @@ class CollectiveRecord:
         self.seq += 1
         self._site = site
         self.last = (self.seq, name, shapes, detail, *site, code.co_name, new_path, new_site, new_shape)
+        self.entered = time.monotonic()
         self.inside = True
         # Past the cap the set stops growing: such a rank's later paths all count as new, but are not published.
         if (new_path or new_shape) and self._published < _MAX_PUBLISHED:
@@ -89,8 +106,33 @@ class CollectiveRecord:
     def __enter__(self) -> CollectiveRecord:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if self.device_event is not None and exc_type is None and self.last is not None:
+            # Queued, not done: the collective stays this rank's current one until its event completes.
+            pending = (self.last, self.device_event(), self.entered)
+            if len(self._pending) >= 16:
+                self._oldest_pending()  # completed ones go; no watchdog may be polling
+            with self._pending_lock:
+                self._pending.append(pending)
         self.inside = False
+
+    def _oldest_pending(self) -> tuple[tuple[Any, ...], Any, float] | None:
+        """The oldest collective queued on the device that has not completed (forgetting those that have)."""
+        if not self._pending:
+            return None
+        with self._pending_lock:
+            while self._pending and self._pending[0][1].query():
+                self._pending.popleft()
+            return self._pending[0] if self._pending else None
+
+    def overdue(self, seconds: float) -> bool:
+        """Whether this rank's current collective has waited longer than `seconds` (in it, or queued)."""
+        now = time.monotonic()
+        pending = self._oldest_pending()
+        if pending is not None:
+            return now - pending[2] > seconds
+        entered = self.entered
+        return self.inside and now - entered > seconds
 
     def _publish(self, frame: Any) -> None:
         if self.store is None:
@@ -102,9 +144,12 @@ class CollectiveRecord:
 
     def snapshot(self, frame: Any, how: str) -> dict[str, Any]:
         """This rank's last collective and the user's stack from `frame`, as the report needs it."""
-        out: dict[str, Any] = {"rank": self.rank, "how": how, "inside": self.inside, "pid": os.getpid()}
-        if self.last is not None:
-            seq, name, shapes, detail, file, line, function, new_path, new_site, new_shape = self.last
+        pending = self._oldest_pending()
+        last, inside = (pending[0], True) if pending is not None else (self.last, self.inside)
+        out: dict[str, Any] = {"rank": self.rank, "how": how, "inside": inside, "pid": os.getpid()}
+        out["queued"] = pending is not None
+        if last is not None:
+            seq, name, shapes, detail, file, line, function, new_path, new_site, new_shape = last
             out.update(seq=seq, name=name, shapes=_describe_shapes(shapes), detail=detail, file=file)
             out.update(
                 line=line, function=function, new_path=new_path, new_site=new_site, new_shape=new_shape
@@ -159,11 +204,15 @@ _watchdog: _Watchdog | None = None
 
 class _Watchdog(threading.Thread):
     """Answers a report request with this rank's record and its main thread's stack, whatever the main thread
-    is doing: a blocking collective releases the GIL, and pure-Python code yields it every few milliseconds."""
+    is doing: a blocking collective releases the GIL, and pure-Python code yields it every few milliseconds.
 
-    def __init__(self, main_thread_id: int) -> None:
+    With `report_after` (NCCL), it also starts the report itself when this rank's current collective has waited
+    that long: there no exception reaches Python before the process group's watchdog aborts the process."""
+
+    def __init__(self, main_thread_id: int, report_after: float | None) -> None:
         super().__init__(name="torchloom-desync-watchdog", daemon=True)
         self._main = main_thread_id
+        self._report_after = report_after
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -181,6 +230,16 @@ class _Watchdog(threading.Thread):
                         frame = sys._current_frames().get(self._main)
                         store.set(answer, json.dumps(RECORD.snapshot(frame, "answered")))
                     return
+                if self._report_after is not None and RECORD.overdue(self._report_after):
+                    snapshot = RECORD.snapshot(None, "failed")
+                    what = f"loom.{snapshot['name']}() #{snapshot['seq']} on rank {RECORD.rank}"
+                    state = "is still queued on the device" if snapshot["queued"] else "is still waiting"
+                    explain(
+                        f"{what} {state} after {timedelta(seconds=self._report_after)}",
+                        timed_out=True,
+                        frame=sys._current_frames().get(self._main),
+                    )
+                    return
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
 
@@ -190,8 +249,10 @@ class _Watchdog(threading.Thread):
             self.join(timeout=2 * _POLL_SECONDS)
 
 
-def start(rank: int, world_size: int) -> None:
-    """Connect this rank to the job's store and start its watchdog (once per process)."""
+def start(rank: int, world_size: int, report_after: timedelta | None = None) -> None:
+    """Connect this rank to the job's store and start its watchdog (once per process). With `report_after`, the
+    watchdog starts the desync report when a collective has waited that long (for backends whose collectives
+    do not raise in Python when they time out: NCCL)."""
     global _watchdog
     RECORD.rank, RECORD.world_size = rank, world_size
     if _watchdog is not None and _watchdog.is_alive():
@@ -199,7 +260,10 @@ def start(rank: int, world_size: int) -> None:
     RECORD.store = _connect()
     if RECORD.store is None:
         return
-    _watchdog = _Watchdog(threading.main_thread().ident or 0)
+    # Tests set this to take, on gloo, the path NCCL takes: the report started by the watchdog, not by an error.
+    forced = os.environ.get("TORCHLOOM_DESYNC_REPORT_AFTER")
+    seconds = float(forced) if forced else report_after.total_seconds() if report_after else None
+    _watchdog = _Watchdog(threading.main_thread().ident or 0, seconds)
     _watchdog.start()
     # Registered after the process group's own exit hook, so it runs first: the watchdog stops polling a store
     # before the group (and, on rank 0, the store's server) goes away.
@@ -213,6 +277,7 @@ def stop() -> None:
         _watchdog.stop()
         _watchdog = None
     RECORD.store = None
+    RECORD.device_event = None
 
 
 def _connect() -> Any:
@@ -231,16 +296,17 @@ def _connect() -> Any:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------
-def explain(failed: str, timed_out: bool) -> str | None:
+def explain(failed: str, timed_out: bool, frame: Any = None) -> str | None:
     """On a rank whose collective `failed` (timed out, or a peer died in it): gather every rank's record through
     the store and print one desync report on the first rank to ask. Returns the `culprit:` line, or None when
-    the failure is no desync (a peer that died for its own reasons)."""
+    the failure is no desync (a peer that died for its own reasons). `frame`: where the rank's main thread is
+    (by default, the caller's)."""
     store, rank, world_size = RECORD.store, RECORD.rank, RECORD.world_size
     if store is None:
         return None
     with _deferring_sigterm():
         try:
-            mine = RECORD.snapshot(sys._getframe(1), "failed")
+            mine = RECORD.snapshot(frame or sys._getframe(1), "failed")
             store.set(_key(f"answer/{rank}"), json.dumps(mine))
             if store.add(_key("requests"), 1) != 1:
                 return _wait_for(store, _key("culprit"), _ANSWER_SECONDS + 2.0)
@@ -451,6 +517,11 @@ def _report(
             last = f"; last new call: {_call(pub)} at {_where(pub)}" if pub else ""
             lines.append(f"rank {r}: no answer (its process died, or it is blocked in native code){last}")
             a = pub or {"stack": []}
+        elif a.get("queued"):
+            lines.append(
+                f"rank {r} (pid {a['pid']}): in {_call(a)} at {_where(a)}, queued on the device and not completed; "
+                f"its main thread is at {_current_line(a)}"
+            )
         elif a["inside"]:
             lines.append(f"rank {r} (pid {a['pid']}): in {_call(a)} at {_where(a)}")
         else:

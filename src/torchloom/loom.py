@@ -18,7 +18,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from torchloom import checkpointing, diagnostics, launcher
+from torchloom import checkpointing, launcher
 from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
 from torchloom.connector import command_line_defaults, configure
@@ -29,6 +29,7 @@ from torchloom.loggers import Logger, to_float
 from torchloom.progress import Progress
 from torchloom.seed import add_worker_seeding, seed_everything
 from torchloom.strategies.base import Strategy
+from torchloom.strategies.parallel import ParallelStrategy
 from torchloom.wrappers import (
     SETUP_MARK,
     LoomDataLoader,
@@ -54,7 +55,8 @@ class Loom:
             Fabric's "ddp_spawn", "ddp_find_unused_parameters_true" and "fsdp_cpu_offload".
         precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README), or
             Fabric's aliases 16, "16", 32, "32", 64, "64", "bf16" and None (the default).
-        timeout: how long a collective may wait for the other ranks before it fails (default 30 minutes).
+        timeout: how long a collective may wait for the other ranks before it fails (default 30 minutes). On
+            NCCL the desync report comes out after `timeout` and NCCL aborts the rank 15 s later.
         loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
         callbacks: objects whose methods `loom.call(hook_name, ...)` calls.
         plugins: refused (Fabric's precision and environment plugins): see the error for what to use.
@@ -184,8 +186,8 @@ class Loom:
         self._launched = True
         launcher.record_errors_in_rank()
         self._strategy.setup_environment()
-        if self._strategy.is_distributed and self.world_size > 1:
-            diagnostics.start(self.global_rank, self.world_size)
+        if isinstance(self._strategy, ParallelStrategy) and self.world_size > 1:
+            self._strategy.start_diagnostics()
         self._rank_ready = True
 
     def _join_if_started_externally(self) -> None:

@@ -551,3 +551,51 @@ def test_cuda_stager_stages_into_pinned_memory():
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned()
     assert torch.equal(staged["w"], state["w"].cpu())
     assert torch.equal(staged["nested"]["b"], state["nested"]["b"].cpu())
+
+
+# ---- the desync report under NCCL ----------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_a_collective_queued_on_the_gpu_stays_current_until_it_completes():
+    from torchloom.diagnostics import CollectiveRecord
+    from torchloom.strategies.parallel import _recorded_cuda_event
+
+    record = CollectiveRecord()
+    record.device_event = _recorded_cuda_event
+    with record("all_reduce", torch.ones(2)):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, queued behind nothing: still running
+    snapshot = record.snapshot(None, "answered")
+    assert (snapshot["name"], snapshot["inside"], snapshot["queued"]) == ("all_reduce", True, True)
+    assert record.overdue(0.0)
+    torch.cuda.synchronize()
+    snapshot = record.snapshot(None, "answered")
+    assert (snapshot["inside"], snapshot["queued"]) == (False, False) and not record.overdue(0.0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.cuda(min_devices=2)
+def test_nccl_hang_is_reported_before_the_watchdog_aborts(tmp_path):
+    """Rank 1 hangs in its data loader while rank 0's all-reduce is queued on the GPU: torchloom's watchdog
+    prints the report once the collective has waited for the timeout, before NCCL's own watchdog aborts the rank
+    (15 s later), and the job ends non-zero with no process left."""
+    import time
+
+    from harness import PYTHON, run_job, wait_no_strays
+    from test_desync import SCRIPT, TIMEOUT_S, _line, _report
+
+    from torchloom.diagnostics import NCCL_REPORT_GRACE
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace('accelerator="cpu"', 'accelerator="cuda"'))
+    start = time.monotonic()
+    result, token = run_job([PYTHON, str(script), "stuck"], timeout=150, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and "FINISHED" not in result.stdout, result.stdout
+    assert wait_no_strays(token) == []
+    report = _report(result.stdout)
+    a, c, loader = _line("A"), _line("C"), _line("LOADER")
+    assert "queued on the device and not completed" in report
+    assert report.splitlines()[-1] == (
+        f"culprit: rank 1 never reached all_reduce #7 (train.py:{a}); it is in user code at "
+        f"train.py:{loader} in slow_loader (its last collective was barrier #6 at train.py:{c})"
+    )
+    assert elapsed < TIMEOUT_S + NCCL_REPORT_GRACE.total_seconds() + 40, (elapsed, result.stdout)

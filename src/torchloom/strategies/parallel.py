@@ -68,15 +68,30 @@ class ParallelStrategy(Strategy):
         if self.root_device.type == "cuda":
             # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids device guessing.
             kwargs["device_id"] = self.root_device
+        timeout = self.timeout
+        if self.backend == "nccl":
+            # NCCL's own watchdog aborts the process when a collective times out; torchloom's reports first.
+            timeout += diagnostics.NCCL_REPORT_GRACE
         dist.init_process_group(
             self.backend,
             init_method="env://",
             rank=env.global_rank(),
             world_size=env.world_size(),
-            timeout=self.timeout,
+            timeout=timeout,
             **kwargs,
         )
         atexit.register(self._teardown_at_exit)
+
+    def start_diagnostics(self) -> None:
+        """Record the collectives entered through Loom and answer desync-report requests (see `diagnostics`)."""
+        if self.backend == "nccl":
+            # NCCL collectives return once queued: follow each with an event, and report from the watchdog
+            # thread when one is still pending after the timeout (no Python exception would come before the
+            # abort).
+            diagnostics.RECORD.device_event = _recorded_cuda_event
+            diagnostics.start(self.global_rank, self.world_size, report_after=self.timeout)
+        else:
+            diagnostics.start(self.global_rank, self.world_size)
 
     #: Set when this rank's work ended in an exception: its exit then does not wait for the other ranks.
     failed: bool = False
@@ -310,3 +325,11 @@ def _gloo_workers_asleep(tasks: str) -> bool:
         if name.startswith(_GLOO_WORKER) and rest.split()[0] not in ("S", "D"):
             return False
     return True
+
+
+def _recorded_cuda_event() -> torch.cuda.Event:
+    # Recorded on the current stream, which NCCL made wait for the collective: it completes when the collective
+    # does (and the work queued before it, which the collective waited for anyway).
+    event = torch.cuda.Event()
+    event.record()
+    return event
