@@ -9,24 +9,20 @@ then summarised, which cancels most of the drift that absolute times suffer from
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
-import queue as queue_module
 import statistics
 import sys
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from torchloom.testing import end_rank, free_port, rank_environment  # noqa: F401 - free_port is re-exported
+from torchloom import testing
+from torchloom.testing import free_port  # noqa: F401 - re-exported for the benchmarks
 
 # ---- the model every benchmark trains ------------------------------------------------------------------------
 
@@ -84,25 +80,6 @@ def batch(rank: int, tokens: int, dim: int, out: int | None = None) -> tuple[tor
 # ---- ranks ---------------------------------------------------------------------------------------------------
 
 
-def _rank_main(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any
-) -> None:
-    # The environment torchrun gives a rank, so `Loom(...).launch()` inside `fn` joins this job's process group.
-    os.environ.update(rank_environment(rank, world_size, port))
-    torch.set_num_threads(1)  # one core per rank: the ranks share the machine's cores
-    failed = True
-    try:
-        result = fn(rank, world_size, *args)
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        results.put((rank, True, buffer.getvalue()))
-        failed = False
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        end_rank(world_size, failed)
-
-
 def run_ranks(
     fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 900, device: str = "cpu"
 ) -> list[Any]:
@@ -112,44 +89,9 @@ def run_ranks(
     # never runs a torch op before this, so no thread pool is inherited half-initialised. CUDA cannot be used in
     # a forked child once the parent has touched it (as asking for the GPU's name does): spawn there.
     fork = sys.platform.startswith("linux") and device == "cpu"
-    ctx = mp.get_context("fork" if fork else "spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world_size:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s")
-            try:
-                rank, ok, payload = results.get(timeout=0.2)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
-                if dead:
-                    try:
-                        rank, ok, payload = results.get(timeout=2.0)
-                    except queue_module.Empty:
-                        raise RuntimeError(
-                            f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
-                        ) from None
-                else:
-                    continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(done) == world_size else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [done[r] for r in range(world_size)]
+    return testing.run_ranks(
+        fn, *args, world_size=world_size, timeout=timeout, start_method="fork" if fork else "spawn"
+    )
 
 
 # ---- alternating the sides -----------------------------------------------------------------------------------

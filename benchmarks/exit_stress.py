@@ -78,18 +78,7 @@ def _command(mode: str, job: Path, strategy: str) -> list[str]:
     if mode == "torchrun":
         return [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(job), strategy]
     if mode == "run":
-        return [
-            python,
-            "-m",
-            "torchloom",
-            "run",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            "2",
-            str(job),
-            strategy,
-        ]
+        return [python, *"-m torchloom run --accelerator cpu --devices 2".split(), str(job), strategy]
     raise ValueError(mode)
 
 

@@ -55,14 +55,7 @@ def commands() -> dict[str, list[str]]:
     out = {
         "torchrun": [
             python,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            "{port}",
+            *"-m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port {port}".split(),
             str(SCRIPT),
         ],
         "loom.launch()": [python, str(SCRIPT)],
@@ -70,15 +63,7 @@ def commands() -> dict[str, list[str]]:
     if torchloom_run_available():
         out["torchloom run"] = [
             python,
-            "-m",
-            "torchloom",
-            "run",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            "2",
-            "--main-port",
-            "{port}",
+            *"-m torchloom run --accelerator cpu --devices 2 --main-port {port}".split(),
             str(SCRIPT),
         ]
     return out

@@ -77,20 +77,20 @@ def reference(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def train(loom, model, opt):
-    """The distributed loop: each rank takes its slice of every global micro-batch."""
+def train(loom, model, opt, loss=None, max_norm=MAX_NORM):
+    """The distributed loop: each rank takes its slice of every global micro-batch (moved to `loom.device`).
+    `loss(output, target)` is the micro-batch's loss (default: MSE / ACCUM). Returns the norm before each clip."""
+    loss = loss or (lambda out, target: nn.functional.mse_loss(out, target) / ACCUM)
     x, y = data()
-    rank, world = loom.global_rank, loom.world_size
-    per = MICRO // world
+    rank, per = loom.global_rank, MICRO // loom.world_size
     norms = []
     for step in range(STEPS):
         for micro in range(ACCUM):
-            xs = x[step, micro, rank * per : (rank + 1) * per]
-            ys = y[step, micro, rank * per : (rank + 1) * per]
+            xs = x[step, micro, rank * per : (rank + 1) * per].to(loom.device)
+            ys = y[step, micro, rank * per : (rank + 1) * per].to(loom.device)
             with loom.no_backward_sync(model, enabled=micro < ACCUM - 1):
-                loss = nn.functional.mse_loss(model(xs), ys) / ACCUM
-                loom.backward(loss)
-        norms.append(float(loom.clip_gradients(model, opt, max_norm=MAX_NORM)))
+                loom.backward(loss(model(xs), ys))
+        norms.append(float(loom.clip_gradients(model, opt, max_norm=max_norm)))
         opt.step()
         opt.zero_grad()
     return norms

@@ -10,91 +10,27 @@ that no process of the job is left afterwards (`stray_processes`).
 
 from __future__ import annotations
 
-import io
 import os
-import queue as queue_module
 import signal
 import subprocess
 import sys
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
-
-from torchloom.testing import end_rank, free_port, rank_environment  # noqa: F401 - free_port is re-exported
+from torchloom import testing
+from torchloom.testing import free_port  # noqa: F401 - re-exported for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN_ENV = "TORCHLOOM_TEST_TOKEN"
 
 
-def _rank_main(
-    body: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any
-) -> None:
-    os.environ.update(rank_environment(rank, world_size, port))
-    # Ranks share 2 cores: more threads per rank only adds contention.
-    torch.set_num_threads(1)
-    failed = True
-    try:
-        result = body(rank, world_size, *args)
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        results.put((rank, True, buffer.getvalue()))
-        failed = False
-    except BaseException:  # noqa: BLE001 - everything goes back to the test
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        end_rank(world_size, failed)
-
-
 def run_ranks(body: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run `body(rank, world_size, *args)` on `world_size` ranks; return the per-rank results in rank order."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(body, r, world_size, port, args, results))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(done))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (killed)")
-            try:
-                rank, ok, payload = results.get(timeout=min(0.2, remaining))
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
-                if dead:
-                    try:  # it may have reported just before exiting
-                        rank, ok, payload = results.get(timeout=1.0)
-                    except queue_module.Empty:
-                        r = dead[0]
-                        raise AssertionError(
-                            f"rank {r} died with exit code {procs[r].exitcode} without reporting"
-                        ) from None
-                else:
-                    continue
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{payload}")
-            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.join(timeout=5 if len(done) == world_size else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [done[r] for r in range(world_size)]
+    """Run `body(rank, world_size, *args)` on `world_size` spawned ranks; return the per-rank results in rank
+    order (`torchloom.testing.run_ranks`)."""
+    return testing.run_ranks(body, *args, world_size=world_size, timeout=timeout)
 
 
 def run_job(

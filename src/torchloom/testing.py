@@ -1,10 +1,18 @@
 """What tests and benchmarks need to run code on several local CPU ranks without a launcher: a free port, the
-environment torchrun would give each rank, and the end of a rank. Not part of the training API."""
+environment torchrun would give each rank, the end of a rank, and `run_ranks`, which runs a function on fresh
+rank processes and brings back each rank's result. Not part of the training API."""
 
 from __future__ import annotations
 
+import io
+import os
+import queue as queue_module
 import socket
+import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 #: How long a finished rank of a test job waits for its peers before it tears its process group down anyway.
 END_TIMEOUT = timedelta(seconds=30)
@@ -43,3 +51,86 @@ def end_rank(world_size: int, failed: bool) -> None:
         dist.destroy_process_group()
     else:
         shutdown_process_group(world_size, END_TIMEOUT)
+
+
+class RanksFailed(AssertionError):
+    """A rank of `run_ranks` raised, or died without reporting, or the ranks ran past their timeout. Every rank
+    has been stopped. An AssertionError, so a test that runs ranks fails (rather than errors) on it."""
+
+
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], results: Any
+) -> None:
+    import torch
+
+    # The environment torchrun gives a rank, so `Loom(...).launch()` inside `fn` joins this job's process group.
+    os.environ.update(rank_environment(rank, world_size, port))
+    torch.set_num_threads(1)  # the ranks share the machine's cores: more threads per rank only add contention
+    failed = True
+    try:
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        results.put((rank, True, buffer.getvalue()))
+        failed = False
+    except BaseException:  # noqa: BLE001 - everything goes back to the caller
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        end_rank(world_size, failed)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    start_method: str = "spawn",
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh local processes (a process group's environment
+    set, one thread each) and return their results in rank order. A rank that raises (its traceback is in the
+    message), dies without reporting, or a job past `timeout` seconds stops every rank and raises `RanksFailed`.
+    `start_method="fork"` starts ranks without importing torch again, where the caller never touched CUDA."""
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(done))
+                raise RanksFailed(f"ranks {missing} did not finish within {timeout:.0f}s (killed)")
+            try:
+                rank, ok, payload = results.get(timeout=min(0.2, remaining))
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if not dead:
+                    continue
+                try:  # it may have reported just before exiting
+                    rank, ok, payload = results.get(timeout=1.0)
+                except queue_module.Empty:
+                    code = procs[dead[0]].exitcode
+                    raise RanksFailed(
+                        f"rank {dead[0]} died with exit code {code} without reporting"
+                    ) from None
+            if not ok:
+                raise RanksFailed(f"rank {rank} failed:\n{payload}")
+            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=10 if len(done) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [done[r] for r in range(world_size)]

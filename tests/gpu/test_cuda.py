@@ -26,7 +26,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_models import ACCUM, D_IN, MICRO, STEPS, Block, Net, data
+from fsdp_models import ACCUM, D_IN, STEPS, Block, Net, data, train
 from harness import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -137,23 +137,6 @@ def _reference(device: torch.device, precision: str, strategy: str) -> dict:
     return {"initial": initial, "params": final, "norms": norms}
 
 
-def _train(loom: Loom, model, opt) -> list[float]:
-    """Each rank trains on its slice of every global micro-batch; returns the norm before each clip."""
-    x, y = data()
-    rank, per = loom.global_rank, MICRO // loom.world_size
-    norms = []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            xs = x[step, micro, rank * per : (rank + 1) * per].to(loom.device)
-            ys = y[step, micro, rank * per : (rank + 1) * per].to(loom.device)
-            with loom.no_backward_sync(model, enabled=micro < ACCUM - 1):
-                loom.backward(_loss(model(xs), ys))
-        norms.append(float(loom.clip_gradients(model, opt, max_norm=MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    return norms
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -196,7 +179,7 @@ def _parity_body(rank: int, world_size: int, accelerator: str, strategy: str) ->
             model = loom.setup_module(_build(loom, strategy))
         opt = loom.setup_optimizers(_optimizer(model.parameters()))
         result = {"misplaced": _misplaced(model.forward_module, loom.device)}
-        result["norms"] = _train(loom, model, opt)
+        result["norms"] = train(loom, model, opt, loss=_loss, max_norm=MAX_NORM)
         result["params"] = _full_cpu_state(loom, model)
         if rank == 0:
             result["reference"] = _reference(loom.device, precision, strategy)

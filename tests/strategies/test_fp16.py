@@ -27,6 +27,7 @@ from fsdp_models import (
     full_state,
     layout_strategy,
     torch_built_model,
+    train,
 )
 from harness import run_ranks
 from torch import nn
@@ -86,24 +87,6 @@ def _reference(make_model) -> dict:
         opt.zero_grad()
     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"initial": initial, "params": final, "norms": norms, "scale": scaler.get_scale()}
-
-
-def _train(loom: Loom, model, opt) -> list[float]:
-    """Each rank takes its slice of every global micro-batch; returns the norm before each clip."""
-    x, y = data()
-    rank, world = loom.global_rank, loom.world_size
-    per = MICRO // world
-    norms = []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            xs = x[step, micro, rank * per : (rank + 1) * per]
-            ys = y[step, micro, rank * per : (rank + 1) * per]
-            with loom.no_backward_sync(model, enabled=micro < ACCUM - 1):
-                loom.backward(_loss(model(xs), ys))
-        norms.append(float(loom.clip_gradients(model, opt, max_norm=MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    return norms
 
 
 def _local_params(model) -> list[torch.Tensor]:
@@ -174,7 +157,7 @@ def _rank_body(rank: int, world_size: int, flavour: str, tmp: str) -> dict:
         opt = loom.setup_optimizers(_optimizer(model.parameters()))
         scaler = loom.strategy.precision.scaler
         result: dict = {"scaler_type": type(scaler).__name__}
-        result["norms"] = _train(loom, model, opt)
+        result["norms"] = train(loom, model, opt, loss=_loss, max_norm=MAX_NORM)
         result["scale_after_parity"] = scaler.get_scale()
         result["params"] = full_state(model)
         with torch.no_grad():
