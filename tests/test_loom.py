@@ -50,27 +50,6 @@ class Net(nn.Module):
 
 
 # ---- arguments are checked before anything starts ------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("kwargs", "names"),
-    [
-        ({"accelerator": "tpu"}, ["'tpu'", "'auto'", "'cpu'", "'cuda'", "'mps'"]),
-        (
-            {"strategy": "deepspeed"},
-            ["'deepspeed'", "'auto'", "'single_device'", "'ddp'", "'fsdp'", "'fsdp2'"],
-        ),
-        (
-            {"precision": "8-mixed"},
-            ["'8-mixed'", "'32-true'", "'64-true'", "'bf16-mixed'", "'16-mixed'", "'bf16-true'", "'16-true'"],
-        ),
-    ],
-)
-def test_unknown_strings_list_the_valid_ones(kwargs, names):
-    with pytest.raises(ConfigurationError) as info:
-        Loom(**kwargs)
-    for name in names:
-        assert name in str(info.value)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_cpu_only_machine():
     with pytest.raises(ConfigurationError, match=r"accelerator='cuda'.*not available.*accelerator='cpu'"):
@@ -179,12 +158,6 @@ def test_nonfinite_norm_still_raises_without_a_scaler():
     assert not torch.isfinite(loom.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False))
 
 
-@pytest.mark.parametrize("devices", [0, -1, "two", 1.5])
-def test_bad_cpu_devices(devices):
-    with pytest.raises(ConfigurationError, match="number of processes"):
-        Loom(accelerator="cpu", devices=devices)
-
-
 def test_devices_must_match_an_external_launcher(monkeypatch):
     # As torchrun sets it for rank 0 of 2 processes.
     env = {
@@ -202,22 +175,7 @@ def test_devices_must_match_an_external_launcher(monkeypatch):
     assert (loom.world_size, loom.global_rank, loom.strategy.name) == (2, 0, "ddp")
 
 
-def test_single_device_strategy_with_several_processes():
-    with pytest.raises(ConfigurationError, match="runs one process.*2 processes"):
-        Loom(accelerator="cpu", devices=2, strategy="single_device")
-
-
 # ---- misuse ------------------------------------------------------------------------------------------------
-def test_setup_module_twice():
-    loom = Loom(accelerator="cpu")
-    model = Net()
-    wrapped = loom.setup_module(model)
-    with pytest.raises(MisuseError, match="setup_module was called twice"):
-        loom.setup_module(wrapped)
-    with pytest.raises(MisuseError, match="setup_module was called twice"):
-        loom.setup_module(model)
-
-
 def test_optimizer_with_parameters_of_no_setup_module():
     loom = Loom(accelerator="cpu")
     model = loom.setup_module(Net())
@@ -229,17 +187,6 @@ def test_optimizer_with_parameters_of_no_setup_module():
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(MisuseError, match="twice"):
         loom.setup_optimizers(opt)
-
-
-def test_clip_gradients_needs_exactly_one_of_max_norm_and_clip_val():
-    loom = Loom(accelerator="cpu")
-    model = loom.setup_module(Net())
-    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    loom.backward(model(torch.randn(3, 4)).sum())
-    with pytest.raises(ValueError, match="exactly one of max_norm"):
-        loom.clip_gradients(model, opt, max_norm=1.0, clip_val=1.0)
-    with pytest.raises(ValueError, match="exactly one of max_norm"):
-        loom.clip_gradients(model, opt)
 
 
 def test_clip_gradients_single_process_matches_torch():
@@ -268,28 +215,11 @@ def test_no_backward_sync_on_a_module_not_set_up():
         loom.clip_gradients(Net(), torch.optim.SGD(Net().parameters(), lr=0.1), max_norm=1.0)
 
 
-def test_ddp_calls_before_launch():
-    loom = Loom(accelerator="cpu", devices=2, strategy="ddp")
-    assert isinstance(loom.strategy, DDPStrategy)
-    for call in (
-        lambda: loom.all_reduce(torch.ones(1)),
-        lambda: loom.all_gather(torch.ones(1)),
-        lambda: loom.broadcast(1),
-        lambda: loom.barrier(),
-        lambda: loom.setup_module(Net()),
-        lambda: loom.save("unused.pt", {}),
-    ):
-        with pytest.raises(MisuseError, match=r"before loom.launch\(\)"):
-            call()
-
-
-def test_launch_twice_is_harmless_and_bad_function():
+def test_launch_twice_is_harmless():
     loom = Loom(accelerator="cpu")
     loom.launch()
     assert loom.launch() is None  # a second launch starts nothing, as in Fabric
     assert loom.launch(lambda lm, a, b=0: (a, b), 1, b=2) == (1, 2)
-    with pytest.raises(MisuseError, match="needs a callable"):
-        Loom(accelerator="cpu").launch(42)
 
 
 # ---- one process ---------------------------------------------------------------------------------------------

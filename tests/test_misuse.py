@@ -143,7 +143,11 @@ def saved_full(tmp: Path) -> Path:
 
 
 # ---- Loom(...) arguments -----------------------------------------------------------------------------------
-@mistake(ConfigurationError, "Unknown strategy 'fsdp3'", "Valid strategies: 'auto', 'single_device', 'ddp'")
+@mistake(
+    ConfigurationError,
+    "Unknown strategy 'fsdp3'",
+    "Valid strategies: 'auto', 'single_device', 'ddp', 'fsdp', 'fsdp2', or a torchloom.strategies.Strategy",
+)
 def strategy_fsdp3(tmp: Path) -> None:
     cpu(devices=2, strategy="fsdp3")
 
@@ -173,7 +177,11 @@ def precision_bf16_underscore(tmp: Path) -> None:
     cpu(precision="bf16_mixed")
 
 
-@mistake(ConfigurationError, "Unknown precision 'fp16'", "Valid precisions: '32-true', '64-true'")
+@mistake(
+    ConfigurationError,
+    "Unknown precision 'fp16'",
+    "Valid precisions: '32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true'.",
+)
 def precision_fp16(tmp: Path) -> None:
     cpu(precision="fp16")
 
@@ -191,6 +199,11 @@ def devices_negative(tmp: Path) -> None:
 @mistake(ConfigurationError, "devices='two' is not valid on CPU", "pass a positive int")
 def devices_as_a_word(tmp: Path) -> None:
     cpu(devices="two")
+
+
+@mistake(ConfigurationError, "devices=1.5 is not valid on CPU", "pass a positive int")
+def devices_as_a_float(tmp: Path) -> None:
+    cpu(devices=1.5)
 
 
 @mistake(
@@ -278,6 +291,16 @@ def launch_a_non_callable(tmp: Path) -> None:
 @mistake(MisuseError, "all_reduce was called before loom.launch()", "Call loom.launch() first")
 def all_reduce_before_launch(tmp: Path) -> None:
     cpu(devices=2, strategy="ddp").all_reduce(torch.ones(1))
+
+
+@mistake(MisuseError, "all_gather was called before loom.launch()", "Call loom.launch() first")
+def all_gather_before_launch(tmp: Path) -> None:
+    cpu(devices=2, strategy="ddp").all_gather(torch.ones(1))
+
+
+@mistake(MisuseError, "broadcast was called before loom.launch()", "Call loom.launch() first")
+def broadcast_before_launch(tmp: Path) -> None:
+    cpu(devices=2, strategy="ddp").broadcast(1)
 
 
 @mistake(MisuseError, "barrier was called before loom.launch()", "Call loom.launch() first")
