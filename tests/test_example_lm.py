@@ -50,7 +50,7 @@ def _run(out_dir, *extra: str, devices: int = 2) -> str:
 
 
 def _rows(out_dir) -> list[dict[str, str]]:
-    with open(out_dir / "logs" / "metrics.csv", newline="") as f:
+    with open(out_dir / "logs" / "version_0" / "metrics.csv", newline="") as f:
         return list(csv.DictReader(f))
 
 

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import warnings
-import weakref
 from argparse import Namespace
 from collections.abc import Mapping
 from pathlib import Path
@@ -313,7 +312,7 @@ class CSVLogger(_VersionedLogger):
             return _NoOpExperiment()
         if self._experiment is None:
             self._experiment = _CSVWriter(self.log_dir, self._append)
-            _flush_at_exit(self)
+            _flush_at_exit(self._experiment)
         return self._experiment
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -342,19 +341,20 @@ class CSVLogger(_VersionedLogger):
         self.save()
 
 
-_pending: weakref.WeakSet[CSVLogger] = weakref.WeakSet()
+# Every CSV writer of this process (rank 0 only), held until exit: rows buffered since the last flush are written
+# then, even when the script never calls finalize() or dropped its logger.
+_writers: list[_CSVWriter] = []
 
 
-def _flush_at_exit(logger: CSVLogger) -> None:
-    if not _pending:
-        atexit.register(_flush_pending)
-    _pending.add(logger)
+def _flush_at_exit(writer: _CSVWriter) -> None:
+    if not _writers:
+        atexit.register(_flush_writers)
+    _writers.append(writer)
 
 
-def _flush_pending() -> None:
-    # Rows buffered since the last flush would otherwise be lost when a script never calls finalize().
-    for logger in list(_pending):
-        logger.save()
+def _flush_writers() -> None:
+    for writer in _writers:
+        writer.save()
 
 
 def _yaml_scalar(value: Any) -> str:
