@@ -91,6 +91,8 @@ def test_tensorboard_logger_writes_events(tmp_path):
     assert [(e.step, e.value) for e in reader.Scalars("train-loss")] == [(0, 2.0), (1, 1.0), (2, 0.5)]
     assert [(e.step, round(e.value, 6)) for e in reader.Scalars("train-lr")] == [(1, 0.1)]
     assert TensorBoardLogger(tmp_path, name="tb").version == 1
+    with pytest.raises(ValueError, match="cannot log 'fast'.*a number, a one-element tensor"):
+        loom.log("speed", "fast")
 
 
 def _log_body(rank: int, world_size: int, root: str) -> dict:

@@ -197,7 +197,13 @@ def to_scalar(value: Any) -> Any:
         return value
     if hasattr(value, "item"):  # NumPy scalars
         return value.item()
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"cannot log {value!r} ({type(value).__name__}): log a number, a one-element tensor, or a dict of them "
+            "(text and other objects go to logger.experiment, e.g. add_text on TensorBoard)."
+        ) from None
 
 
 # ---- CSV ---------------------------------------------------------------------------------------------------------
