@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torchloom
 from torchloom.errors import TorchloomError
@@ -58,7 +59,17 @@ def _parser() -> argparse.ArgumentParser:
         "consolidate", help="turn a sharded checkpoint directory into one file, without a process group"
     )
     consolidate.add_argument("checkpoint", help="the sharded checkpoint directory")
-    consolidate.add_argument("out_file", help="the file to write")
+    consolidate.add_argument(
+        "out_file", nargs="?", default=None, help="the file to write (or give it as --output_file)"
+    )
+    consolidate.add_argument(
+        "--output_file",
+        "--output-file",
+        dest="output_file",
+        default=None,
+        help="the file to write, as `fabric consolidate` spells it; without either, CHECKPOINT.consolidated "
+        "beside the checkpoint (Fabric's default), which must not exist yet",
+    )
     consolidate.add_argument("--model-only", action="store_true", help="write only the model weights")
     consolidate.add_argument(
         "--format",
@@ -130,6 +141,27 @@ def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return ours + script, theirs
 
 
+def consolidated_path(checkpoint: str, out_file: str | None, output_file: str | None) -> Path:
+    """Where `torchloom consolidate` writes: OUT_FILE or --output_file (the same path if both), else Fabric's
+    default `CHECKPOINT.consolidated` beside the checkpoint, which is refused if it exists (as Fabric does), so
+    that leaving out the name never overwrites anything."""
+    if out_file is not None and output_file is not None and Path(out_file) != Path(output_file):
+        raise TorchloomError(
+            f"two output files given: OUT_FILE {out_file!r} and --output_file {output_file!r}. Give one of them."
+        )
+    chosen = out_file if out_file is not None else output_file
+    if chosen is not None:
+        return Path(chosen)
+    folder = Path(checkpoint)
+    default = folder.with_name(folder.name + ".consolidated")
+    if default.exists():
+        raise TorchloomError(
+            f"{str(default)!r} exists already (the default output name). Choose another path with --output_file, "
+            "or move or delete it first."
+        )
+    return default
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -154,15 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "consolidate":
             from torchloom.checkpointing.tools import consolidate
 
+            out_file = consolidated_path(args.checkpoint, args.out_file, args.output_file)
             consolidate(
                 args.checkpoint,
-                args.out_file,
+                out_file,
                 model_only=args.model_only,
                 fmt=args.format,
                 max_shard_size=args.max_shard_size,
                 weights_only=not args.allow_pickle,
             )
-            print(f"wrote {args.out_file}", file=sys.stderr)
+            print(f"wrote {out_file}", file=sys.stderr)
             return 0
     except TorchloomError as error:
         print(f"torchloom: error: {error}", file=sys.stderr)

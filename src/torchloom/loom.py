@@ -25,7 +25,7 @@ from torchloom.connector import command_line_defaults, configure
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
-from torchloom.loggers import Logger, to_float
+from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
 from torchloom.seed import add_worker_seeding, seed_everything
 from torchloom.strategies.base import Strategy
@@ -101,6 +101,9 @@ class Loom:
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
         )
+        env = self._strategy.cluster_environment
+        if env is not None and not env.creates_processes_externally and env.world_size() > 1:
+            mark_launching_process(self._loggers)  # this process launches the ranks and is none of them
         self._callbacks: list[Any] = (
             []
             if callbacks is None
@@ -661,15 +664,15 @@ class Loom:
         """Send scalars to every logger (rank 0 only). Tensors are converted with `.item()`."""
         if not self.is_global_zero or not self._loggers:
             return
-        values = {k: to_float(v) for k, v in metrics.items()}
+        values = {k: to_scalar(v) for k, v in metrics.items()}
         for logger in self._loggers:
             logger.log_metrics(values, step=step)
 
-    def finalize_loggers(self) -> None:
-        """Flush and close the loggers (call at the end of training)."""
+    def finalize_loggers(self, status: str = "success") -> None:
+        """Flush and close the loggers (call at the end of training): `logger.finalize(status)` on each."""
         if self.is_global_zero:
             for logger in self._loggers:
-                logger.finalize()
+                finalize_logger(logger, status)
 
     def progress(
         self, iterable: Iterable[Any], total: int | None = None, desc: str | None = None, force: bool = False
@@ -725,9 +728,10 @@ class Loom:
         if rank == 0:
             self.barrier()
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on global rank 0 only."""
-        if self.is_global_zero:
+    def print(self, *args: Any, rank_zero: str = "local", **kwargs: Any) -> None:
+        """`print(*args, **kwargs)` on local rank 0 of every node, as Fabric prints; with `rank_zero="global"`
+        on global rank 0 only (one line for the whole job)."""
+        if _prints_here(rank_zero, self.local_rank, self.global_rank):
             print(*args, **kwargs)
 
     @staticmethod
@@ -806,3 +810,15 @@ def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Mo
                 "The optimizer holds parameters of another model than the one passed to setup(); create it from "
                 "model.parameters()."
             ) from None
+
+
+def _prints_here(rank_zero: str, local_rank: int, global_rank: int) -> bool:
+    """Whether `loom.print(..., rank_zero=...)` prints on this rank."""
+    if rank_zero == "local":
+        return local_rank == 0
+    if rank_zero == "global":
+        return global_rank == 0
+    raise MisuseError(
+        f"loom.print(rank_zero={rank_zero!r}): use rank_zero='local' (local rank 0 of every node, the default, "
+        "as Fabric prints) or rank_zero='global' (global rank 0 only)."
+    )
