@@ -507,7 +507,7 @@ def test_training_step_under_every_fsdp_layout(layout):
         assert ("mark_forward_method('my_loss')" in r["unmarked"]) == has_root, r["unmarked"]
         # Shards are not whole parameters: without gradients too, bypassing the root is refused.
         assert ("mark_forward_method('my_loss')" in r["unmarked_no_grad"]) == has_root, r["unmarked_no_grad"]
-        assert "move_to_device=False cannot be honoured" in r["no_move"], r["no_move"]
+        assert "move_to_device=False) cannot be honoured" in r["no_move"], r["no_move"]
 
 
 # ---- 5: `torchloom run SCRIPT --devices 2 --accelerator cpu` (options after the script, as Fabric's READMEs) ----
