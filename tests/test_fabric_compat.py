@@ -863,3 +863,22 @@ def test_loom_mark_forward_method():
     assert {"my_loss", "describe"} <= model._forward_methods
     with pytest.raises(MisuseError, match="no model set up"):
         loom.mark_forward_method("missing")
+
+
+def test_unwrap_and_is_wrapped():
+    # Fabric's `_unwrap_objects` (which Lightning's build_your_own_trainer example imports) and `is_wrapped`.
+    from torchloom import is_wrapped, unwrap
+
+    loom = Loom(accelerator="cpu")
+    module = make_model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)))
+    model, opt = loom.setup(module, optimizer)
+    wrapped_loader = loom.setup_dataloaders(loader)
+    assert all(is_wrapped(x) for x in (model, opt, wrapped_loader))
+    assert not any(is_wrapped(x) for x in (module, optimizer, loader, 3))
+    out = unwrap({"model": model, "rest": [opt, (wrapped_loader, 5)]})
+    assert (
+        out["model"] is module and out["rest"][0] is optimizer and out["rest"][1][0] is wrapped_loader.loader
+    )
+    assert out["rest"][1][1] == 5 and unwrap(module) is module

@@ -411,3 +411,26 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
     rebuilt = DataLoader(dataset, sampler=sampler, **kwargs)
     rebuilt._torchloom_generator = own_generator  # type: ignore[attr-defined]
     return rebuilt
+
+
+def is_wrapped(obj: Any) -> bool:
+    """Whether `obj` was set up by a Loom: a `LoomModule`, `LoomOptimizer` or `LoomDataLoader` (Fabric's
+    `is_wrapped`)."""
+    return isinstance(obj, (LoomModule, LoomOptimizer, LoomDataLoader))
+
+
+def unwrap(obj: Any) -> Any:
+    """The user's own objects behind set-up ones, also inside nested dicts, lists and tuples: a `LoomModule`'s
+    module, a `LoomOptimizer`'s optimizer, a `LoomDataLoader`'s DataLoader; anything else is returned as it is
+    (what Fabric's `lightning.fabric.wrappers._unwrap_objects` does for its wrappers)."""
+
+    def one(item: Any) -> Any:
+        if isinstance(item, LoomModule):
+            return item.module
+        if isinstance(item, LoomOptimizer):
+            return item.optimizer
+        if isinstance(item, LoomDataLoader):
+            return item.loader
+        return item
+
+    return torch.utils._pytree.tree_map(one, obj)
