@@ -73,3 +73,65 @@ def training_script(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     (gathered * torch.arange(1.0, 5.0).view(2, 2)).sum().backward()
     out["sync_grads"] = (gathered.detach(), x.grad.clone())
     return out
+
+
+class Dropper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def loader_script(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+    """DDP on 2 CPU ranks: a shuffled DataLoader set up by the Fabric object feeds a model with dropout for two
+    epochs. The same data order and the same dropout masks give the same losses: the random stream the loop
+    sees must not depend on which library prepared the loader."""
+    fabric = make_fabric(kind, accelerator="cpu", devices=world_size, strategy="ddp")
+    fabric.launch()
+    fabric.seed_everything(7)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g)
+    )
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    model = Dropper()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.2))
+    losses, seen = [], []
+    for _ in range(2):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+            losses.append(loss.detach())
+            seen.append(y)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": torch.stack(losses), "labels": torch.cat(seen), "params": params}
+
+
+class StepRecorder:
+    """A callback keeping what the optimizer wrapper hands Fabric's `on_after_optimizer_step` hook."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, Any]] = []
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        self.calls.append((strategy, optimizer))
+
+
+def callback_script(kind: str) -> list[tuple[bool, bool]]:
+    """One process: a callback's on_after_optimizer_step runs after every optimizer.step(), with the strategy and
+    the user's own (unwrapped) optimizer."""
+    recorder = StepRecorder()
+    fabric = make_fabric(kind, accelerator="cpu", devices=1, callbacks=[recorder])
+    torch.manual_seed(0)
+    model = Classifier()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    for _ in range(3):
+        loss = model(torch.ones(2, 5)).sum()
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+    return [(s is fabric.strategy, o is optimizer.optimizer) for s, o in recorder.calls]

@@ -52,6 +52,16 @@ class StepNet(nn.Module):
         return f"StepNet({self.flag})"
 
 
+class ToRecorder(StepNet):
+    """Records whether setup moved it (`.to()`): on CPU a move changes nothing else one could see."""
+
+    moved = False
+
+    def to(self, *args: Any, **kwargs: Any) -> ToRecorder:
+        self.moved = True
+        return super().to(*args, **kwargs)
+
+
 def make_model() -> StepNet:
     torch.manual_seed(0)
     return StepNet()
@@ -126,6 +136,31 @@ def _ddp_body(rank: int, world_size: int) -> dict:
         return "no error"
 
     _check(out, "unmarked", unmarked)
+
+    def unmarked_no_grad() -> bool:
+        # Inference under no_grad (the reinforcement_learning example's action choice): nothing to synchronise
+        # under DDP, so it runs; the same call with gradients is still refused.
+        model = loom.setup(make_model())
+        batch = local(global_batches()[0], rank, world_size)
+        with torch.no_grad():
+            value = model.my_loss(batch)
+        assert torch.equal(value, model.module.my_loss(batch).detach())
+        try:
+            model.my_loss(batch)
+        except MisuseError:
+            return True
+        return False
+
+    _check(out, "unmarked_no_grad", unmarked_no_grad)
+
+    def no_move() -> tuple:
+        model = ToRecorder()
+        loom.setup(model, move_to_device=False)
+        moved = ToRecorder()
+        loom.setup(moved)
+        return model.moved, moved.moved
+
+    _check(out, "no_move", no_move)
 
     # 3: setting an attribute on the wrapper reaches the user's module.
     def setattr_reaches() -> tuple:
@@ -312,6 +347,21 @@ def test_step_methods_single_process_run_through_forward():
 
 # ---- 3: attributes -------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(300)
+def test_unmarked_method_without_gradients_runs_under_ddp(ddp):
+    assert _value(ddp, "unmarked_no_grad") == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_setup_without_moving_to_the_device(ddp):
+    # move_to_device=False leaves the model where it is (Fabric's meaning); the default moves it.
+    assert _value(ddp, "no_move") == [(False, True), (False, True)]
+    loom = Loom(accelerator="cpu")
+    model = ToRecorder()
+    loom.setup_module(model, move_to_device=False)
+    assert not model.moved
+
+
 def test_setattr_on_the_wrapper_reaches_the_module(ddp):
     for flag, new, training, described in _value(ddp, "setattr"):
         assert (flag, new, training, described) == ("set", 5, False, "StepNet(set)")
@@ -423,7 +473,18 @@ def _fsdp_body(rank: int, world_size: int, layout: str) -> dict:
         out["unmarked"] = "no error"
     except MisuseError as error:
         out["unmarked"] = str(error)
+    try:
+        with torch.no_grad():
+            model.my_loss(local(global_batches()[0], rank, world_size))
+        out["unmarked_no_grad"] = "no error"
+    except MisuseError as error:
+        out["unmarked_no_grad"] = str(error)
     out["wrapped_root"] = model._wrapped_root
+    try:
+        loom.setup_module(make_model(), move_to_device=False)
+        out["no_move"] = "no error"
+    except MisuseError as error:
+        out["no_move"] = str(error)
     return out
 
 
@@ -444,6 +505,9 @@ def test_training_step_under_every_fsdp_layout(layout):
     assert all(r["wrapped_root"] == has_root for r in ranks)
     for r in ranks:
         assert ("mark_forward_method('my_loss')" in r["unmarked"]) == has_root, r["unmarked"]
+        # Shards are not whole parameters: without gradients too, bypassing the root is refused.
+        assert ("mark_forward_method('my_loss')" in r["unmarked_no_grad"]) == has_root, r["unmarked_no_grad"]
+        assert "move_to_device=False) cannot be honoured" in r["no_move"], r["no_move"]
 
 
 # ---- 5: `torchloom run SCRIPT --devices 2 --accelerator cpu` (options after the script, as Fabric's READMEs) ----
@@ -525,17 +589,85 @@ def _same(a: Any, b: Any, where: str) -> None:
         assert a == b, where
 
 
-@pytest.mark.timeout(300)
-def test_fabric_script_gives_the_same_results_under_torchloom():
+def _same_through_both(script_name: str) -> list[Any]:
+    """Run fabric_scripts.`script_name` on 2 ranks through Fabric and through torchloom; assert the same
+    results on every rank; return torchloom's."""
     pytest.importorskip("lightning.fabric")
-    from fabric_scripts import training_script
+    import fabric_scripts
 
-    fabric = run_ranks(training_script, 2, "fabric", timeout=150)
-    loom = run_ranks(training_script, 2, "torchloom", timeout=150)
+    script = getattr(fabric_scripts, script_name)
+    fabric = run_ranks(script, 2, "fabric", timeout=150)
+    loom = run_ranks(script, 2, "torchloom", timeout=150)
     for rank in range(2):
         _same(fabric[rank], loom[rank], f"rank {rank}")
+    return loom
+
+
+@pytest.mark.timeout(300)
+def test_fabric_script_gives_the_same_results_under_torchloom():
+    loom = _same_through_both("training_script")
     for key, value in loom[0]["params"].items():  # and DDP kept the ranks together
         assert torch.equal(value, loom[1]["params"][key])
+
+
+@pytest.mark.timeout(300)
+def test_loader_and_dropout_give_fabrics_random_stream():
+    # Lightning's image_classifier example: a DataLoader set up by Fabric and a model with dropout. The
+    # loader must draw from the global generator at each pass as the user's loader would, or every dropout
+    # mask after it differs from Fabric's.
+    _same_through_both("loader_script")
+
+
+def test_optimizer_step_calls_on_after_optimizer_step_as_fabric_does():
+    pytest.importorskip("lightning.fabric")
+    from fabric_scripts import callback_script
+
+    fabric = callback_script("fabric")
+    assert fabric == [(True, True)] * 3
+    assert callback_script("torchloom") == fabric
+
+
+def test_shuffle_seed_follows_lightnings_seed_everything(monkeypatch):
+    # A Fabric script may keep calling lightning's seed_everything (language_model does): its seed
+    # (PL_GLOBAL_SEED) then orders the shuffled data, as it does under Fabric.
+    monkeypatch.delenv("TORCHLOOM_SEED", raising=False)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "42")
+    loom = Loom(accelerator="cpu")
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    loader = loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True))
+    assert loader.sampler.seed == 42
+    monkeypatch.setenv("TORCHLOOM_SEED", "3")  # torchloom's own seed_everything wins
+    assert loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True)).sampler.seed == 3
+
+
+# ---- `torchloom run` joins the group in Loom(), as `fabric run` does -------------------------------------------
+RAW_COLLECTIVE_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torchloom import Loom
+
+loom = Loom()
+# Straight to torch.distributed, as a library wrapping the optimizer does (the meta_learning example's cherry).
+t = torch.tensor([loom.global_rank + 1.0])
+dist.all_reduce(t)
+print("SUM", loom.global_rank, t.item(), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_torchloom_run_joins_the_group_in_the_constructor(tmp_path):
+    from harness import PYTHON, run_job, wait_no_strays
+
+    script = tmp_path / "raw.py"
+    script.write_text(RAW_COLLECTIVE_SCRIPT)
+    cmd = [PYTHON, "-m", "torchloom", "run", str(script), "--devices", "2", "--accelerator", "cpu"]
+    result, token = run_job(cmd, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("SUM")) == [
+        "SUM 0 3.0",
+        "SUM 1 3.0",
+    ]
+    assert wait_no_strays(token) == []
 
 
 # ---- Loom(...) in processes that exist already ------------------------------------------------------------------
@@ -731,3 +863,22 @@ def test_loom_mark_forward_method():
     assert {"my_loss", "describe"} <= model._forward_methods
     with pytest.raises(MisuseError, match="no model set up"):
         loom.mark_forward_method("missing")
+
+
+def test_unwrap_and_is_wrapped():
+    # Fabric's `_unwrap_objects` (which Lightning's build_your_own_trainer example imports) and `is_wrapped`.
+    from torchloom import is_wrapped, unwrap
+
+    loom = Loom(accelerator="cpu")
+    module = make_model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)))
+    model, opt = loom.setup(module, optimizer)
+    wrapped_loader = loom.setup_dataloaders(loader)
+    assert all(is_wrapped(x) for x in (model, opt, wrapped_loader))
+    assert not any(is_wrapped(x) for x in (module, optimizer, loader, 3))
+    out = unwrap({"model": model, "rest": [opt, (wrapped_loader, 5)]})
+    assert (
+        out["model"] is module and out["rest"][0] is optimizer and out["rest"][1][0] is wrapped_loader.loader
+    )
+    assert out["rest"][1][1] == 5 and unwrap(module) is module

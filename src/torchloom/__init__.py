@@ -19,7 +19,7 @@ from torchloom.errors import (
 )
 from torchloom.loom import Loom
 from torchloom.seed import seed_everything
-from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer
+from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, is_wrapped, unwrap
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,8 @@ __all__ = [
     "LoomOptimizer",
     "LoomDataLoader",
     "seed_everything",
+    "is_wrapped",
+    "unwrap",
     "TorchloomError",
     "ConfigurationError",
     "MisuseError",

@@ -176,6 +176,13 @@ class LoomDataLoader:
             self._resume = None
         else:
             epoch, start = self._epoch, 0
+        if start == 0 and getattr(self._loader, "_torchloom_generator", False):
+            # The user's loader, without a generator of its own, would draw its workers' base seed from the
+            # global generator at the start of each pass (plain PyTorch and Fabric do). Ours reads its own
+            # generator, so draw that number here and discard it: dropout and every other random call in the
+            # loop then see the same stream as under Fabric. A pass resumed mid-epoch does not draw: the
+            # interrupted run drew before its checkpoint captured the generator's state.
+            torch.empty((), dtype=torch.int64).random_()
         self._prepare_sampler(epoch, start)
         self._epoch, self._current, self._consumed = epoch + 1, epoch, start
         total = (

@@ -27,7 +27,8 @@ from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
-from torchloom.seed import add_worker_seeding, seed_everything
+from torchloom.run import RUN_ENV
+from torchloom.seed import add_worker_seeding, global_seed, seed_everything
 from torchloom.strategies.base import Strategy
 from torchloom.strategies.parallel import ParallelStrategy
 from torchloom.wrappers import (
@@ -111,6 +112,12 @@ class Loom:
             if isinstance(callbacks, (list, tuple))
             else [callbacks]
         )
+        if os.environ.get(RUN_ENV) == "1":
+            # Under `torchloom run` every rank constructs its Loom at the same point, so the group can be joined
+            # here, as Fabric does under `fabric run`: a script may then use torch.distributed directly (e.g. an
+            # optimizer wrapper that all-reduces gradients itself) before any torchloom call needs the group.
+            # Elsewhere (torchrun, SLURM) the first call that needs the group joins it.
+            self._join_if_started_externally()
 
     # ---- where this rank is ----------------------------------------------------------------------------------
     @property
@@ -271,8 +278,9 @@ class Loom:
         return out if scheduler is None else (*out, scheduler)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
-        """Move and wrap `module` for the strategy; returns a `LoomModule`. `move_to_device` is accepted for
-        Fabric's sake; the model always goes to `loom.device`, where the strategy needs it."""
+        """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
+        stays where it is (you placed it yourself, as in Fabric); sharding strategies refuse that, since they
+        place every shard on `loom.device`."""
         if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
             raise MisuseError(
                 "setup_module was called twice on the same module. Set up each model once and keep the returned "
@@ -287,7 +295,16 @@ class Loom:
         precision = self._strategy.precision
         assert precision is not None
         module = precision.convert_module(module)
-        forward_module = self._strategy.setup_module(module)
+        if move_to_device:
+            forward_module = self._strategy.setup_module(module)
+        elif self._strategy.replaces_parameters:
+            raise MisuseError(
+                f"setup_module(move_to_device=False) cannot be honoured with strategy {self._strategy.name!r}: "
+                "sharding puts each rank's shards on loom.device. Leave move_to_device=True (create the model "
+                "under loom.init_module() to build it there directly)."
+            )
+        else:
+            forward_module = self._strategy.setup_module(module, move_to_device=False)
         object.__setattr__(module, SETUP_MARK, True)
         if hasattr(module, "_fabric"):
             # A LightningModule: its self.log, self.logger and self.backward go through this back-reference.
@@ -335,7 +352,7 @@ class Loom:
                     "model.parameters()."
                 )
             assert self._strategy.precision is not None
-            out.append(LoomOptimizer(optimizer, self._strategy.precision))
+            out.append(LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks))
         return out
 
     def setup_dataloaders(
@@ -358,8 +375,9 @@ class Loom:
             if use_distributed_sampler:
                 # In one process too: the global order of an epoch is then the same at every world size, which
                 # is what lets a run saved on N ranks resume on M (see torchloom.data).
-                seed = int(os.environ.get("TORCHLOOM_SEED", 0))
-                loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
+                loader = with_distributed_sampler(
+                    loader, self.world_size, self.global_rank, seed=global_seed()
+                )
             add_worker_seeding(loader, self.global_rank)
             out.append(LoomDataLoader(loader, self.device if move_to_device else None, self.world_size))
         return out[0] if len(out) == 1 else tuple(out)

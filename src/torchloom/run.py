@@ -18,6 +18,10 @@ from torchloom.connector import CLI_ENV
 from torchloom.environments import find_free_port
 from torchloom.errors import ConfigurationError
 
+#: Set in the environment of ranks started by `torchloom run` (Fabric's `LT_CLI_USED`): `Loom()` then joins the
+#: process group in its constructor, as Fabric does under `fabric run`.
+RUN_ENV = "TORCHLOOM_RUN"
+
 
 def _processes_per_node(accelerator: str | None, devices: str | None) -> int:
     acc = select_accelerator(accelerator or "auto")
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     for name, value in options.items():
         if value is not None:
             os.environ[CLI_ENV[name]] = str(value)
+    os.environ[RUN_ENV] = "1"
     launch_args = get_args_parser().parse_args(torchrun_args(args))
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout

@@ -45,6 +45,16 @@ def seed_everything(seed: int | None = None, workers: bool | None = None, verbos
     return seed
 
 
+def global_seed() -> int:
+    """The seed the last `seed_everything` exported: torchloom's (`TORCHLOOM_SEED`), else Lightning's
+    (`PL_GLOBAL_SEED`, for a Fabric script that still calls `lightning.seed_everything`), else 0. Samplers set up
+    by `setup_dataloaders` shuffle with it, as Fabric's do with its own."""
+    for name in (SEED_ENV, "PL_GLOBAL_SEED"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
 def seed_generators_from(key: str) -> None:
     """Seed torch, Python's `random` and NumPy (if installed) from `key`, each with its own 64-bit seed."""
     digest = hashlib.blake2b(key.encode(), digest_size=24).digest()

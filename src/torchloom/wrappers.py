@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
@@ -47,7 +48,8 @@ class LoomModule(nn.Module):
     The step methods (`training_step`, `validation_step`, `test_step`, `predict_step`) and any method marked
     with `mark_forward_method` run through the same path as forward (DDP's gradient sync, FSDP's unsharding,
     the precision's autocast). Any other method of the model that runs a submodule with parameters is refused
-    on a DDP/FSDP model, because it would bypass that path.
+    on a DDP/FSDP model, because it would bypass that path (under DDP, a call that records no gradients, inside
+    `torch.no_grad()`, is allowed: every rank holds the whole model and there is nothing to synchronise).
     """
 
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision: Precision) -> None:
@@ -145,8 +147,14 @@ class LoomModule(nn.Module):
         """`method`, but calling a submodule that holds parameters inside it raises (it would bypass DDP/FSDP)."""
         original = self._original_module
         owner = type(original).__name__
+        # Under DDP every rank holds the whole model: a call that records no gradients (inference under
+        # torch.no_grad(), e.g. choosing actions or computing targets) has nothing to synchronise, so it may run
+        # the layers directly. Sharded models hold only shards outside forward, so they are always refused.
+        whole_model = isinstance(self._forward_module, DistributedDataParallel)
 
         def refuse(*_: Any) -> None:
+            if whole_model and not torch.is_grad_enabled():
+                return
             raise MisuseError(
                 f"{owner}.{name}() was called on the set-up model and runs its layers outside the strategy's "
                 f"forward, so under DDP/FSDP its gradients would not be synchronised (or its parameters not "
@@ -221,15 +229,24 @@ class LoomModule(nn.Module):
 
 
 class LoomOptimizer:
-    """The user's optimizer with `step()` routed through the precision (fp16 loss scaling).
+    """The user's optimizer with `step()` routed through the precision (fp16 loss scaling). After each step it
+    calls `on_after_optimizer_step(strategy=..., optimizer=...)` on every callback that has it (Fabric's hook).
 
     It is an instance of the user's optimizer class (so LR schedulers accept it) and shares its parameter groups
     and state, so changes made through either object show in both.
     """
 
-    def __init__(self, optimizer: Optimizer, precision: Precision) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        precision: Precision,
+        strategy: Any = None,
+        callbacks: list[Any] | tuple[Any, ...] = (),
+    ) -> None:
         self.__dict__["_optimizer"] = optimizer
         self.__dict__["_precision"] = precision
+        self.__dict__["_strategy"] = strategy
+        self.__dict__["_callbacks"] = list(callbacks)
         self.__class__ = type(f"Loom{type(optimizer).__name__}", (LoomOptimizer, type(optimizer)), {})
 
     @property
@@ -250,7 +267,13 @@ class LoomOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         kwargs = {} if closure is None else {"closure": closure}
-        return self._precision.optimizer_step(self._optimizer, **kwargs)
+        output = self._precision.optimizer_step(self._optimizer, **kwargs)
+        # Fabric's hook, called on every callback that has it after each step (skipped or not by the scaler).
+        for callback in self._callbacks:
+            hook = getattr(callback, "on_after_optimizer_step", None)
+            if callable(hook):
+                hook(strategy=self._strategy, optimizer=self._optimizer)
+        return output
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -388,3 +411,26 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
     rebuilt = DataLoader(dataset, sampler=sampler, **kwargs)
     rebuilt._torchloom_generator = own_generator  # type: ignore[attr-defined]
     return rebuilt
+
+
+def is_wrapped(obj: Any) -> bool:
+    """Whether `obj` was set up by a Loom: a `LoomModule`, `LoomOptimizer` or `LoomDataLoader` (Fabric's
+    `is_wrapped`)."""
+    return isinstance(obj, (LoomModule, LoomOptimizer, LoomDataLoader))
+
+
+def unwrap(obj: Any) -> Any:
+    """The user's own objects behind set-up ones, also inside nested dicts, lists and tuples: a `LoomModule`'s
+    module, a `LoomOptimizer`'s optimizer, a `LoomDataLoader`'s DataLoader; anything else is returned as it is
+    (what Fabric's `lightning.fabric.wrappers._unwrap_objects` does for its wrappers)."""
+
+    def one(item: Any) -> Any:
+        if isinstance(item, LoomModule):
+            return item.module
+        if isinstance(item, LoomOptimizer):
+            return item.optimizer
+        if isinstance(item, LoomDataLoader):
+            return item.loader
+        return item
+
+    return torch.utils._pytree.tree_map(one, obj)

@@ -118,12 +118,13 @@ class Strategy:
     #: Whether ranks hold different pieces of the gradients, so fp16 loss scaling must agree over ranks.
     sharded_gradients: bool = False
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move/wrap `module` and return what the forward should run through."""
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        """Move/wrap `module` and return what the forward should run through (`move_to_device=False`: leave it
+        where it is; sharding strategies do not take that argument)."""
         self._check_not_meta(module)
         assert self.precision is not None
         self.precision.check_device(self.root_device)  # one process may never call launch()
-        return module.to(self.root_device)
+        return module.to(self.root_device) if move_to_device else module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return optimizer

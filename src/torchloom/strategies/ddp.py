@@ -25,10 +25,11 @@ class DDPStrategy(ParallelStrategy):
         super().__init__(timeout=timeout, process_group_backend=process_group_backend)
         self.ddp_kwargs = ddp_kwargs
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
         self._require_group("setup_module with strategy='ddp'")
         self._check_not_meta(module)
-        module = module.to(self.root_device)
+        if move_to_device:
+            module = module.to(self.root_device)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
 
