@@ -162,7 +162,6 @@ class Loom:
             )
         self._launched = True
         env = self._strategy.cluster_environment
-        assert env is not None
         if self._rank_ready or env.creates_processes_externally or env.world_size() == 1:
             if not self._rank_ready:
                 self._setup_rank()
@@ -196,7 +195,6 @@ class Loom:
         if (
             not self._launched
             and self._strategy.is_distributed
-            and env is not None
             and env.creates_processes_externally
         ):
             self._setup_rank()
@@ -280,7 +278,6 @@ class Loom:
             )
         self._require_launch("setup_module")
         precision = self._strategy.precision
-        assert precision is not None
         module = precision.convert_module(module)
         forward_module = self._strategy.setup_module(module)
         object.__setattr__(module, SETUP_MARK, True)
@@ -329,7 +326,6 @@ class Loom:
                     "set up with loom.setup_module. Call setup_module(model) first and build the optimizer from "
                     "model.parameters()."
                 )
-            assert self._strategy.precision is not None
             out.append(LoomOptimizer(optimizer, self._strategy.precision))
         return out
 
@@ -694,7 +690,6 @@ class Loom:
     def autocast(self) -> Generator[None, None, None]:
         """Run the code inside in the precision's autocast (what forward gets), e.g. a loss computed outside the
         model."""
-        assert self._strategy.precision is not None
         with self._strategy.precision.forward_context():
             yield
 
@@ -707,7 +702,6 @@ class Loom:
     @contextlib.contextmanager
     def init_tensor(self) -> Generator[None, None, None]:
         """Create tensors inside directly on `loom.device` in the precision's parameter dtype."""
-        assert self._strategy.precision is not None
         with self.device, self._strategy.precision.module_init_context():
             yield
 

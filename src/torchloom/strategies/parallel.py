@@ -22,7 +22,12 @@ from torchloom.strategies.base import Strategy, _reduce_op
 
 
 class ParallelStrategy(Strategy):
-    """A strategy whose ranks talk over a `torch.distributed` process group."""
+    """A strategy whose ranks talk over a `torch.distributed` process group.
+
+    Args:
+        timeout: see `Strategy`.
+        process_group_backend: "gloo", "nccl", ...; default: the accelerator's ("nccl" on CUDA, "gloo" on CPU).
+    """
 
     def __init__(self, timeout: timedelta | None = None, process_group_backend: str | None = None) -> None:
         super().__init__(timeout=timeout)
@@ -30,19 +35,19 @@ class ParallelStrategy(Strategy):
 
     @property
     def world_size(self) -> int:
-        return self.cluster_environment.world_size() if self.cluster_environment else 1
+        return self.cluster_environment.world_size()
 
     @property
     def global_rank(self) -> int:
-        return self.cluster_environment.global_rank() if self.cluster_environment else 0
+        return self.cluster_environment.global_rank()
 
     @property
     def local_rank(self) -> int:
-        return self.cluster_environment.local_rank() if self.cluster_environment else 0
+        return self.cluster_environment.local_rank()
 
     @property
     def node_rank(self) -> int:
-        return self.cluster_environment.node_rank() if self.cluster_environment else 0
+        return self.cluster_environment.node_rank()
 
     @property
     def root_device(self) -> torch.device:
@@ -54,7 +59,6 @@ class ParallelStrategy(Strategy):
 
     @property
     def backend(self) -> str:
-        assert self.accelerator is not None
         return self.process_group_backend or self.accelerator.backend
 
     def setup_environment(self) -> None:
@@ -62,7 +66,6 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             return
         env = self.cluster_environment
-        assert env is not None
         env.export()
         kwargs: dict[str, Any] = {}
         if self.root_device.type == "cuda":
