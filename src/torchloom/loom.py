@@ -192,11 +192,7 @@ class Loom:
         call that needs it, so a script written for `fabric run` needs no launch(). Constructing a Loom does not
         block: the group is joined by the first setup, collective or checkpoint call, which every rank makes."""
         env = self._strategy.cluster_environment
-        if (
-            not self._launched
-            and self._strategy.is_distributed
-            and env.creates_processes_externally
-        ):
+        if not self._launched and self._strategy.is_distributed and env.creates_processes_externally:
             self._setup_rank()
 
     def close(self) -> None:
