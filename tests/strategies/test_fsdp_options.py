@@ -504,4 +504,3 @@ def _offload_body(rank: int, world_size: int, offload: bool) -> set[str]:
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     train(loom, model, opt)
     return {p.device.type for p in model.parameters()}
-
