@@ -426,6 +426,15 @@ def test_fsdp1_hybrid_over_one_process_per_replica_is_refused():
         )
 
 
+def test_module_wrap_policy_selects_modules_for_checkpointing_and_sharding():
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    checkpointed = FSDPStrategy(activation_checkpointing_policy=ModuleWrapPolicy({Block}))
+    sharded = FSDP2Strategy(shard_policy=ModuleWrapPolicy({Block}))
+    for policy in (checkpointed.activation_checkpointing_policy, sharded.shard_policy):
+        assert policy(Block()) and not policy(Net()) and not policy(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("value", [ShardingStrategy.SHARD_GRAD_OP, "SHARD_GRAD_OP", "shard_grad_op"])
 def test_sharding_strategy_as_enum_or_string(value):
     assert FSDPStrategy(sharding_strategy=value).sharding_strategy == "SHARD_GRAD_OP"

@@ -42,9 +42,14 @@ ModulePolicy = Callable[[nn.Module], bool]
 
 
 def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
-    """A set of module classes, or a callable(module) -> bool, as a callable (None stays None)."""
+    """A set of module classes, FSDP's `ModuleWrapPolicy` (what Fabric's users pass), or a callable(module) ->
+    bool, as a callable (None stays None)."""
     if policy is None:
         return None
+    wrap = sys.modules.get("torch.distributed.fsdp.wrap")
+    if wrap is not None and isinstance(policy, wrap.ModuleWrapPolicy):
+        # Its documented call: (module, recurse, nonwrapped_numel); recurse=False asks "is this one of them?".
+        return lambda module: policy(module, False, -1)
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = tuple(policy)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
