@@ -112,21 +112,22 @@ def _body(rank: int, world_size: int, name: str) -> dict:
 
 
 def _shard_size(module: torch.nn.Module) -> int:
-    """Over how many ranks the units really shard their parameters."""
+    """Over how many ranks the (first) unit really shards its parameters."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
-    if isinstance(module, FSDP):
-        return module.process_group.size()  # FSDP1: its sharding group (within a replica under hybrid)
+    unit = next((m for m in module.modules() if isinstance(m, FSDP)), None)
+    if unit is not None:
+        return unit.process_group.size()  # FSDP1: its sharding group (within a replica under hybrid)
     param = next(p for p in module.parameters() if isinstance(p, DTensor))
     return math.prod(param.device_mesh.size(i) for i, pl in enumerate(param.placements) if pl.is_shard())
 
 
-def _offloaded(module: torch.nn.Module) -> bool | None:
-    """Whether the FSDP1 root unit offloads its parameters (None under FSDP2)."""
+def _offloaded(module: torch.nn.Module) -> set[bool]:
+    """Whether the FSDP1 units offload their parameters (empty under FSDP2)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return module.cpu_offload.offload_params if isinstance(module, FSDP) else None
+    return {m.cpu_offload.offload_params for m in module.modules() if isinstance(m, FSDP)}
 
 
 # name -> (mesh shape, shard group size) the run must have used.
@@ -189,7 +190,7 @@ def test_option_parity(name):
     if name in MESHES:
         assert (results[0]["mesh"], results[0]["shard_size"]) == MESHES[name]
     if name.startswith("fsdp-"):
-        assert results[0]["offload"] is False
+        assert results[0]["offload"] == {False}
 
 
 @pytest.mark.parametrize("cls", [FSDPStrategy, FSDP2Strategy])
