@@ -350,6 +350,13 @@ def precision_given_to_the_strategy(tmp: Path) -> None:
     FSDPStrategy(precision="bf16-mixed")
 
 
+@mistake(ConfigurationError, "DDPStrategy(accelerator=...) is not an option", "Loom(accelerator=...)")
+def accelerator_given_to_ddp_strategy(tmp: Path) -> None:
+    from torchloom.strategies import DDPStrategy
+
+    DDPStrategy(accelerator="cpu")
+
+
 @mistake(ConfigurationError, "FSDP2Strategy(mp_policy=...) is not an option", "pass mixed_precision=")
 def fully_shard_mp_policy_keyword(tmp: Path) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
-from torchloom.strategies.parallel import ParallelStrategy
+from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -152,15 +152,6 @@ class _OptionTypeError(ConfigurationError, TypeError):
     torchloom's ConfigurationError."""
 
 
-# Fabric's strategies take these as arguments; in torchloom `Loom(...)` decides them and completes the strategy.
-_SET_BY_LOOM = {
-    "accelerator": "Loom(accelerator=...)",
-    "parallel_devices": "Loom(devices=...)",
-    "cluster_environment": "the environment torchloom detects (torchrun, SLURM, `torchloom run`)",
-    "precision": "Loom(precision=...)",
-}
-
-
 def _fsdp_types(*names: str) -> tuple[type, ...]:
     """torch.distributed.fsdp's classes `names`, or () when nobody has imported it: an object of one of them
     cannot exist then, and importing it here would cost a second in the launching process."""
@@ -280,9 +271,7 @@ class ShardedStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend)
         owner = type(self).__name__
-        for name, instead in {**_SET_BY_LOOM, **self._owned_unit_options}.items():
-            if name in unit_options:
-                raise ConfigurationError(f"{owner}({name}=...) is not an option: {name} is {instead}.")
+        refuse_options(owner, unit_options, self._owned_unit_options)
         if unsharded_params not in UNSHARDED_PARAMS:
             raise ConfigurationError(
                 f"unsharded_params={unsharded_params!r} is not valid. Choose one of "

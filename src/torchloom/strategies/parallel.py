@@ -15,10 +15,25 @@ import torch
 import torch.distributed as dist
 
 from torchloom import _torch_compat, diagnostics
-from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, MisuseError
+from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.launcher import _is_peer_failure
 from torchloom.strategies._gather import all_gather_with_grads
 from torchloom.strategies.base import Strategy, _reduce_op
+
+# Fabric's strategies take these as arguments; in torchloom `Loom(...)` decides them and completes the strategy.
+_SET_BY_LOOM = {
+    "accelerator": "Loom(accelerator=...)",
+    "parallel_devices": "Loom(devices=...)",
+    "cluster_environment": "the environment torchloom detects (torchrun, SLURM, `torchloom run`)",
+    "precision": "Loom(precision=...)",
+}
+
+
+def refuse_options(owner: str, given: dict[str, Any], owned: dict[str, str]) -> None:
+    """Refuse keywords meant for the wrapper (DDP, FSDP) that torchloom sets itself, saying where each comes from."""
+    for name, instead in {**_SET_BY_LOOM, **owned}.items():
+        if name in given:
+            raise ConfigurationError(f"{owner}({name}=...) is not an option: {name} is {instead}.")
 
 
 class ParallelStrategy(Strategy):
