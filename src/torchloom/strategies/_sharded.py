@@ -225,8 +225,8 @@ class ShardedStrategy(ParallelStrategy):
     """Base of "fsdp" and "fsdp2": the options both flavours share. See README, section FSDP.
 
     Args:
-        activation_checkpointing_policy: a set of module classes or a callable(module) -> bool: matching modules
-            recompute their activations in backward.
+        activation_checkpointing_policy: a set of module classes, a `ModuleWrapPolicy`, or a callable(module) ->
+            bool: matching modules recompute their activations in backward.
         activation_checkpointing: Fabric's deprecated spelling: a module class or a list of them (warns).
         cpu_offload: keep sharded parameters (and gradients, optimizer state) in CPU memory (CUDA only): a bool,
             `torch.distributed.fsdp.CPUOffload(offload_params=...)`, or for "fsdp2" also `CPUOffloadPolicy(...)`

@@ -82,23 +82,24 @@ class FSDPStrategy(ShardedStrategy):
 
     def _check_mesh(self) -> None:
         super()._check_mesh()
-        dims = len(self._mesh_shape())
+        shape = self._mesh_shape()
+        dims = len(shape)
         if dims == 2 and not self._hybrid:
             raise ConfigurationError(
                 f"device_mesh={self._mesh_option!r} is a 2-D (replicate, shard) mesh, which FullyShardedDataParallel "
                 f"uses only for hybrid sharding, but sharding_strategy={self.sharding_strategy!r}. Pass "
                 "sharding_strategy='HYBRID_SHARD', or a 1-D device_mesh."
             )
-        if dims == 2 and self._hybrid and self._mesh_shape()[1] == 1 < self._mesh_shape()[0]:
+        if dims == 2 and self._hybrid and shape[0] > 1 and shape[1] == 1:
             # FSDP1 turns a sharding group of one process into NO_SHARD within it and then never all-reduces
             # across the replicas: every rank trains on its own gradients (measured: ranks 0.03 apart after 5
             # steps of tests/strategies/test_fsdp_options.py's model).
             raise ConfigurationError(
-                f"sharding_strategy={self.sharding_strategy!r} over the mesh {self._mesh_shape()} shards over one "
+                f"sharding_strategy={self.sharding_strategy!r} over the mesh {shape} shards over one "
                 "process per replica, where FullyShardedDataParallel silently stops averaging gradients across the "
                 "replicas and ranks drift apart. Use sharding_strategy='NO_SHARD' (every rank holds the whole "
                 "model; gradients averaged over all ranks), or strategy='fsdp2' with "
-                f"device_mesh={self._mesh_shape()}."
+                f"device_mesh={shape}."
             )
         if dims == 1 and self._hybrid:
             raise ConfigurationError(
