@@ -282,6 +282,123 @@ def activation_checkpointing_policy_of_instances(tmp: Path) -> None:
     FSDP2Strategy(activation_checkpointing_policy={nn.Linear(2, 2)})
 
 
+@mistake(
+    ConfigurationError,
+    "cpu_offload must be a bool or one of torch.distributed.fsdp.CPUOffload",
+    "Pass True/False",
+)
+def cpu_offload_as_a_string(tmp: Path) -> None:
+    FSDPStrategy(cpu_offload="params")
+
+
+@mistake(
+    ConfigurationError,
+    "mixed_precision must be a torch.distributed.fsdp.MixedPrecision, got str",
+    "choose the precision with Loom(precision=...)",
+)
+def mixed_precision_as_a_string(tmp: Path) -> None:
+    FSDPStrategy(mixed_precision="bf16")
+
+
+@mistake(
+    ConfigurationError,
+    "asks the units to compute in torch.float16, but precision='bf16-mixed' computes in torch.bfloat16",
+    "leave precision at '32-true' to let mixed_precision alone choose",
+)
+def mixed_precision_against_precision(tmp: Path) -> None:
+    from torch.distributed.fsdp import MixedPrecision
+
+    strategy = FSDPStrategy(mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    cpu(devices=2, strategy=strategy, precision="bf16-mixed")
+
+
+@mistake(
+    ConfigurationError,
+    "device_mesh=(2, 2) has 2 x 2 = 4 positions, but this job has 2",
+    "e.g. device_mesh=(1, 2)",
+)
+def device_mesh_larger_than_the_world(tmp: Path) -> None:
+    cpu(devices=2, strategy=FSDP2Strategy(device_mesh=(2, 2)))
+
+
+@mistake(ConfigurationError, "device_mesh must be a tuple (replicate, shard)", "e.g. (2, 4) for 2 replicas")
+def device_mesh_as_a_string(tmp: Path) -> None:
+    FSDP2Strategy(device_mesh="2x1")
+
+
+@mistake(
+    ConfigurationError,
+    "uses only for hybrid sharding, but sharding_strategy='FULL_SHARD'",
+    "Pass sharding_strategy='HYBRID_SHARD'",
+)
+def device_mesh_2d_without_hybrid_sharding(tmp: Path) -> None:
+    cpu(devices=2, strategy=FSDPStrategy(device_mesh=(1, 2)))
+
+
+@mistake(
+    ConfigurationError,
+    "silently stops averaging gradients across the replicas",
+    "sharding_strategy='NO_SHARD'",
+)
+def fsdp1_hybrid_over_single_process_replicas(tmp: Path) -> None:
+    cpu(devices=2, strategy=FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1)))
+
+
+@mistake(ConfigurationError, "FSDP2Strategy(hybrid=True, device_mesh=(1, 2))", "give one of them")
+def hybrid_and_device_mesh(tmp: Path) -> None:
+    FSDP2Strategy(hybrid=True, device_mesh=(1, 2))
+
+
+@mistake(
+    ConfigurationError,
+    "cannot set both `activation_checkpointing` and `activation_checkpointing_policy`",
+    "Use the latter",
+)
+def activation_checkpointing_under_both_names(tmp: Path) -> None:
+    FSDPStrategy(activation_checkpointing=nn.Linear, activation_checkpointing_policy={nn.Linear})
+
+
+@mistake(ConfigurationError, "FSDPStrategy(precision=...) is not an option", "Loom(precision=...)")
+def precision_given_to_the_strategy(tmp: Path) -> None:
+    FSDPStrategy(precision="bf16-mixed")
+
+
+@mistake(ConfigurationError, "DDPStrategy(accelerator=...) is not an option", "Loom(accelerator=...)")
+def accelerator_given_to_ddp_strategy(tmp: Path) -> None:
+    from torchloom.strategies import DDPStrategy
+
+    DDPStrategy(accelerator="cpu")
+
+
+@mistake(ConfigurationError, "FSDP2Strategy(mp_policy=...) is not an option", "pass mixed_precision=")
+def fully_shard_mp_policy_keyword(tmp: Path) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    FSDP2Strategy(mp_policy=MixedPrecisionPolicy())
+
+
+@mistake(ConfigurationError, "FSDPStrategy(process_group=...) is not an option", "pass device_mesh=")
+def fsdp1_process_group_keyword(tmp: Path) -> None:
+    FSDPStrategy(process_group=None)
+
+
+@mistake(ConfigurationError, "already belongs to another Loom", "Construct a new strategy for each Loom")
+def one_strategy_for_two_looms(tmp: Path) -> None:
+    strategy = FSDP2Strategy()
+    cpu(devices=2, strategy=strategy)
+    cpu(devices=2, strategy=strategy)
+
+
+@mistake(MisuseError, "This FSDPStrategy is not part of a Loom yet", "Pass it to Loom(strategy=...)")
+def strategy_used_before_loom(tmp: Path) -> None:
+    FSDPStrategy().root_device  # noqa: B018
+
+
+@mistake(ConfigurationError, "Loom(timeout=datetime.timedelta(seconds=60)) and FSDPStrategy", "in one place")
+def timeout_in_two_places(tmp: Path) -> None:
+    cpu(devices=2, strategy=FSDPStrategy(timeout=timedelta(seconds=30)), timeout=timedelta(seconds=60))
+
+
 # ---- launch and call order ---------------------------------------------------------------------------------
 @mistake(MisuseError, "needs a callable, got int", "Pass a function defined at module level")
 def launch_a_non_callable(tmp: Path) -> None:

@@ -100,7 +100,8 @@ def strategy_class(name: str) -> type[Strategy]:
 def configure(
     accelerator: Any, devices: Any, num_nodes: int, strategy: Any, precision: Any, timeout: timedelta | None
 ) -> Strategy:
-    """Build the strategy with its accelerator, precision, cluster environment and devices."""
+    """Select the strategy and complete it, in one `_bind` step, with its accelerator, precision, cluster
+    environment, devices and timeout (which also checks its options against them)."""
     if isinstance(precision, (int, str)) or precision is None:
         precision = FABRIC_PRECISIONS.get(precision, precision)
     acc = select_accelerator(accelerator)
@@ -118,18 +119,11 @@ def configure(
         env = detect_environment(num_processes, num_nodes)
     world_size = env.world_size()
 
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")
     instance = _select_strategy(strategy, world_size)
     prec = select_precision(precision, acc.name, sharded_gradients=instance.sharded_gradients)
-    if timeout is not None:
-        if not isinstance(timeout, timedelta):
-            raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")
-        instance.timeout = timeout
-    instance.accelerator = acc
-    instance.precision = prec
-    instance.cluster_environment = env
-    instance.parallel_devices = parallel_devices
-    instance.num_nodes = num_nodes
-    instance.validate()
+    instance._bind(acc, prec, env, parallel_devices, num_nodes, timeout)
     return instance
 
 

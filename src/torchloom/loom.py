@@ -174,7 +174,6 @@ class Loom:
             )
         self._launched = True
         env = self._strategy.cluster_environment
-        assert env is not None
         if self._rank_ready or env.creates_processes_externally or env.world_size() == 1:
             if not self._rank_ready:
                 self._setup_rank()
@@ -205,12 +204,7 @@ class Loom:
         call that needs it, so a script written for `fabric run` needs no launch(). Constructing a Loom does not
         block: the group is joined by the first setup, collective or checkpoint call, which every rank makes."""
         env = self._strategy.cluster_environment
-        if (
-            not self._launched
-            and self._strategy.is_distributed
-            and env is not None
-            and env.creates_processes_externally
-        ):
+        if not self._launched and self._strategy.is_distributed and env.creates_processes_externally:
             self._setup_rank()
 
     def close(self) -> None:
@@ -293,7 +287,6 @@ class Loom:
             )
         self._require_launch("setup_module")
         precision = self._strategy.precision
-        assert precision is not None
         module = precision.convert_module(module)
         if move_to_device:
             forward_module = self._strategy.setup_module(module)
@@ -351,7 +344,6 @@ class Loom:
                     "set up with loom.setup_module. Call setup_module(model) first and build the optimizer from "
                     "model.parameters()."
                 )
-            assert self._strategy.precision is not None
             out.append(LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks))
         return out
 
@@ -717,7 +709,6 @@ class Loom:
     def autocast(self) -> Generator[None, None, None]:
         """Run the code inside in the precision's autocast (what forward gets), e.g. a loss computed outside the
         model."""
-        assert self._strategy.precision is not None
         with self._strategy.precision.forward_context():
             yield
 
@@ -730,7 +721,6 @@ class Loom:
     @contextlib.contextmanager
     def init_tensor(self) -> Generator[None, None, None]:
         """Create tensors inside directly on `loom.device` in the precision's parameter dtype."""
-        assert self._strategy.precision is not None
         with self.device, self._strategy.precision.module_init_context():
             yield
 

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Generator
@@ -20,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
-from torchloom.strategies.parallel import ParallelStrategy
+from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -40,9 +42,14 @@ ModulePolicy = Callable[[nn.Module], bool]
 
 
 def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
-    """A set of module classes, or a callable(module) -> bool, as a callable (None stays None)."""
+    """A set of module classes, FSDP's `ModuleWrapPolicy` (what Fabric's users pass), or a callable(module) ->
+    bool, as a callable (None stays None)."""
     if policy is None:
         return None
+    wrap = sys.modules.get("torch.distributed.fsdp.wrap")
+    if wrap is not None and isinstance(policy, wrap.ModuleWrapPolicy):
+        # Its documented call: (module, recurse, nonwrapped_numel); recurse=False asks "is this one of them?".
+        return lambda module: policy(module, False, -1)
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = tuple(policy)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
@@ -140,8 +147,100 @@ def _find_ancestor_inits(root: nn.Module, modules: list[nn.Module]) -> None:
     visit(root, None)
 
 
+class _OptionTypeError(ConfigurationError, TypeError):
+    """A strategy option of a type it does not take: a TypeError (as in PyTorch and Fabric) that is also
+    torchloom's ConfigurationError."""
+
+
+def _fsdp_types(*names: str) -> tuple[type, ...]:
+    """torch.distributed.fsdp's classes `names`, or () when nobody has imported it: an object of one of them
+    cannot exist then, and importing it here would cost a second in the launching process."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return tuple(getattr(fsdp, n) for n in names) if fsdp is not None else ()
+
+
+def _offload_params(value: Any, accepted: tuple[str, ...], owner: str) -> bool:
+    """Whether `cpu_offload=` asks to offload: a bool, FSDP1's `CPUOffload(offload_params=...)`, or (FSDP2's)
+    `CPUOffloadPolicy()` (offload) / `OffloadPolicy()` (none)."""
+    if isinstance(value, bool):
+        return value
+    cpu_offload = _fsdp_types("CPUOffload")
+    if cpu_offload and isinstance(value, cpu_offload):
+        return bool(value.offload_params)
+    if "CPUOffloadPolicy" in accepted and (policies := _fsdp_types("CPUOffloadPolicy", "OffloadPolicy")):
+        if isinstance(value, policies[0]):
+            return True
+        if type(value) is policies[1]:
+            return False
+    names = ", ".join(f"torch.distributed.fsdp.{n}" for n in accepted)
+    raise _OptionTypeError(
+        f"{owner}(cpu_offload={value!r}): cpu_offload must be a bool or one of {names}, got "
+        f"{type(value).__name__}. Pass True/False, or e.g. CPUOffload(offload_params=True)."
+    )
+
+
+def _checkpointing_policy(owner: str, old: Any, policy: Any) -> Any:
+    """Fabric's deprecated `activation_checkpointing=` (a module class or a list of them) as a policy."""
+    if old is None:
+        return policy
+    if policy is not None:
+        raise ConfigurationError(
+            "You cannot set both `activation_checkpointing` and `activation_checkpointing_policy`. Use the latter."
+        )
+    classes = tuple(old) if isinstance(old, (list, tuple, set, frozenset)) else (old,)
+    as_module_policy(set(classes), "activation_checkpointing")  # the same error as the policy for non-classes
+    # Fabric's own deprecation message, so that a Fabric user recognises it. FutureWarning: shown by default.
+    warnings.warn(
+        f"`{owner}(activation_checkpointing={old})` is deprecated, use "
+        f"`{owner}(activation_checkpointing_policy={set(classes)})` instead.",
+        FutureWarning,
+        stacklevel=4,  # the user's call: _checkpointing_policy <- ShardedStrategy <- the flavour's __init__
+    )
+    return set(classes)
+
+
+def _mesh_spec(value: Any, owner: str) -> tuple[int, ...] | DeviceMesh | None:
+    if value is None or isinstance(value, DeviceMesh):
+        return value
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) in (1, 2)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
+    ):
+        return tuple(value)
+    raise _OptionTypeError(
+        f"{owner}(device_mesh={value!r}): device_mesh must be a tuple (replicate, shard) of positive ints, "
+        "e.g. (2, 4) for 2 replicas of 4-way sharding, a tuple (shard,), or a "
+        f"torch.distributed.device_mesh.DeviceMesh; got {type(value).__name__}."
+    )
+
+
+def _make_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+    """A 1-D mesh ("shard",) or a 2-D mesh ("replicate", "shard") over every rank."""
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
 class ShardedStrategy(ParallelStrategy):
-    """Base of "fsdp" and "fsdp2". See README, section FSDP, for what each option does."""
+    """Base of "fsdp" and "fsdp2": the options both flavours share. See README, section FSDP.
+
+    Args:
+        activation_checkpointing_policy: a set of module classes, a `ModuleWrapPolicy`, or a callable(module) ->
+            bool: matching modules recompute their activations in backward.
+        activation_checkpointing: Fabric's deprecated spelling: a module class or a list of them (warns).
+        cpu_offload: keep sharded parameters (and gradients, optimizer state) in CPU memory (CUDA only): a bool,
+            `torch.distributed.fsdp.CPUOffload(offload_params=...)`, or for "fsdp2" also `CPUOffloadPolicy(...)`
+            / `OffloadPolicy()`.
+        mixed_precision: the units' dtypes, overriding what `Loom(precision=...)` would choose for them:
+            `torch.distributed.fsdp.MixedPrecision` ("fsdp") or `MixedPrecisionPolicy` ("fsdp2"). Its
+            `param_dtype` must agree with a `precision=` other than "32-true" (checked in `Loom(...)`).
+        device_mesh: the mesh units shard over: a tuple (replicate, shard) whose product is the world size
+            (hybrid sharding, HSDP), a tuple (shard,), or a DeviceMesh of your own.
+        state_dict_type: "sharded" (default) or "full", the checkpoint format `loom.save` writes.
+        unsharded_params: what happens to parameters outside every unit: "replicate" (default), "shard", "error".
+        timeout, process_group_backend: see `ParallelStrategy`.
+        **unit_options: passed to every unit torchloom makes (see `unit_kwargs`).
+    """
 
     flavour: str = ""
     supports_meta_init = True
@@ -150,18 +249,29 @@ class ShardedStrategy(ParallelStrategy):
     sharded_gradients = True
     #: Whether activation checkpointing goes on before the units are made (FSDP2) or after (FSDP1).
     _checkpoint_before_sharding = True
+    #: torch.distributed.fsdp classes `cpu_offload=` and `mixed_precision=` take, besides a bool.
+    _offload_types: tuple[str, ...] = ("CPUOffload",)
+    _mixed_precision_type: str = ""
+    #: Unit keywords that torchloom sets itself -> what to do instead.
+    _owned_unit_options: dict[str, str] = {}
 
     def __init__(
         self,
         *,
         activation_checkpointing_policy: Any = None,
-        cpu_offload: bool = False,
+        activation_checkpointing: Any = None,
+        cpu_offload: Any = False,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
         state_dict_type: str = "sharded",
         unsharded_params: str = "replicate",
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
+        **unit_options: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        owner = type(self).__name__
+        refuse_options(owner, unit_options, self._owned_unit_options)
         if unsharded_params not in UNSHARDED_PARAMS:
             raise ConfigurationError(
                 f"unsharded_params={unsharded_params!r} is not valid. Choose one of "
@@ -173,12 +283,25 @@ class ShardedStrategy(ParallelStrategy):
                 f"state_dict_type={state_dict_type!r} is not valid. Choose 'sharded' (a directory, every rank "
                 "writes its shard) or 'full' (one file written by rank 0)."
             )
+        mp_type = _fsdp_types(self._mixed_precision_type)
+        if mixed_precision is not None and not (mp_type and isinstance(mixed_precision, mp_type)):
+            raise _OptionTypeError(
+                f"{owner}(mixed_precision={mixed_precision!r}): mixed_precision must be a "
+                f"torch.distributed.fsdp.{self._mixed_precision_type}, got {type(mixed_precision).__name__}. "
+                "Or leave it out and choose the precision with Loom(precision=...)."
+            )
         self.activation_checkpointing_policy = as_module_policy(
-            activation_checkpointing_policy, "activation_checkpointing_policy"
+            _checkpointing_policy(owner, activation_checkpointing, activation_checkpointing_policy),
+            "activation_checkpointing_policy",
         )
-        self.cpu_offload = bool(cpu_offload)
+        self.cpu_offload = _offload_params(cpu_offload, self._offload_types, owner)
+        self._cpu_offload_option = cpu_offload
+        self.mixed_precision = mixed_precision
+        self._mesh_option = _mesh_spec(device_mesh, owner)
+        self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
         self.state_dict_type = state_dict_type
         self.unsharded_params = unsharded_params
+        self._unit_options = unit_options
         self._layouts: dict[int, Layout] = {}
         self._grad_syncs: dict[int, ReplicatedGradSync] = {}
         self._groups: dict[int, dict[int, dist.ProcessGroup]] = {}
@@ -191,6 +314,90 @@ class ShardedStrategy(ParallelStrategy):
                 "cpu_offload=True moves sharded parameters from the GPU to CPU memory, but this job already runs "
                 "on the CPU. Remove cpu_offload, or use accelerator='cuda'."
             )
+        self._check_mesh()
+        self._check_mixed_precision()
+
+    # ---- the mesh and the configuration every unit gets -----------------------------------------------------
+    @property
+    def _hybrid(self) -> bool:
+        """Whether the flavour's own option asks for hybrid sharding (replicate across nodes, shard within)."""
+        return False
+
+    def _mesh_shape(self) -> tuple[int, ...]:
+        option = self._mesh_option
+        if isinstance(option, tuple):
+            return option
+        if isinstance(option, DeviceMesh):
+            return tuple(option.mesh.shape)
+        if self._hybrid:
+            return (self.num_nodes, self.world_size // self.num_nodes)
+        return (self.world_size,)
+
+    def _check_mesh(self) -> None:
+        world, nodes = self.world_size, self.num_nodes
+        if self._mesh_option is None:
+            if self._hybrid and world % nodes:
+                raise ConfigurationError(
+                    f"Hybrid sharding replicates across the {nodes} nodes and shards within each, so every node "
+                    f"needs the same number of processes, but this job has {world} processes. Start the same "
+                    "number on every node, or pass device_mesh=(replicate, shard) with replicate x shard = "
+                    f"{world}."
+                )
+            return
+        shape = self._mesh_shape()
+        if math.prod(shape) != world:
+            example = f"({nodes}, {world // nodes})" if world % nodes == 0 else f"(1, {world})"
+            raise ConfigurationError(
+                f"device_mesh={self._mesh_option!r} has {' x '.join(map(str, shape))} = {math.prod(shape)} "
+                f"positions, but this job has {world} processes. The product must equal the world size "
+                f"(devices x num_nodes): e.g. device_mesh={example}."
+            )
+
+    def _check_mixed_precision(self) -> None:
+        """An explicit `mixed_precision=` decides the units' dtypes. "32-true" leaves them to it alone; any other
+        precision already fixes the dtype forward computes in, and a different `param_dtype` would make the
+        units compute in one dtype while Loom converts to another: refused."""
+        wanted = getattr(self.mixed_precision, "param_dtype", None)
+        precision = self.precision
+        compute = precision.autocast_dtype if precision.is_mixed else precision.param_dtype
+        if wanted is None or wanted == compute or (compute == torch.float32 and not precision.is_mixed):
+            return
+        raise ConfigurationError(
+            f"mixed_precision={self.mixed_precision!r} asks the units to compute in {wanted}, but "
+            f"precision={precision.name!r} computes in {compute}. Make them agree: leave precision at '32-true' "
+            f"to let mixed_precision alone choose the units' dtypes, or set param_dtype={compute}."
+        )
+
+    def _mixed_precision_for_units(self) -> Any:
+        """The user's `mixed_precision`, else what the precision implies for units (None: full precision)."""
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        if not self.precision.is_mixed:
+            return None
+        # Half-precision compute, fp32 sharded master weights, gradients reduced in fp32. Autocast (from the
+        # precision) still wraps forward, so that fp32 replicated leftovers work with half-precision units.
+        policy = _fsdp_types(self._mixed_precision_type)[0]
+        return policy(param_dtype=self.precision.autocast_dtype, reduce_dtype=torch.float32)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh units shard over, made on first use (after launch): `device_mesh=` as given (a tuple becomes
+        a mesh of that shape), else for hybrid sharding (num_nodes, processes per node), else 1-D."""
+        if self._mesh is None:
+            self._require_group(f"the {self.name!r} device mesh")
+            self._mesh = _make_mesh(self.root_device.type, self._mesh_shape())
+        return self._mesh
+
+    def unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
+        """The keyword arguments torchloom gives every unit it makes (`FullyShardedDataParallel(block, **kw)`
+        under "fsdp", `fully_shard(block, **kw)` under "fsdp2"): mesh, sharding, mixed precision, offload,
+        meta-device initialisation and your extra unit keywords. Pass them to units you make yourself so they
+        match: `fully_shard(block, **loom.strategy.unit_kwargs())`. `mesh`: shard over this mesh instead of
+        `device_mesh`."""
+        return {**self._flavour_unit_kwargs(mesh or self.device_mesh), **self._unit_options}
+
+    def _flavour_unit_kwargs(self, mesh: DeviceMesh) -> dict[str, Any]:
+        raise NotImplementedError
 
     # ---- flavour-specific pieces ------------------------------------------------------------------------------
     @property
@@ -388,7 +595,6 @@ class ShardedStrategy(ParallelStrategy):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        assert self.precision is not None
         self.precision.unscale_gradients(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = self._total_norm(module, optimizer, float(norm_type))

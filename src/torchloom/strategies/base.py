@@ -1,7 +1,10 @@
 """The Strategy interface: how modules are wrapped, gradients synchronised, and state collected.
 
-`Loom` delegates every distributed decision to its strategy. A strategy gets its accelerator, precision,
-cluster environment and device list from the connector (`torchloom.connector`) before `launch()`.
+`Loom` delegates every distributed decision to its strategy. A strategy is built in two steps: its constructor
+takes the user's options (`FSDPStrategy(auto_wrap_policy=...)` is a configuration), and the connector
+(`torchloom.connector`) completes it once with `_bind(...)`: the accelerator, precision, cluster environment and
+devices that `Loom(...)`'s arguments select. After that step every property below is set; before it, reading one
+raises an error that says to pass the strategy to `Loom(strategy=...)`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Generator
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +29,13 @@ from torchloom import checkpointing
 from torchloom.accelerators import Accelerator
 from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.environments import ClusterEnvironment
-from torchloom.errors import CheckpointError, MisuseError, describe_failure, raise_shared_failure
+from torchloom.errors import (
+    CheckpointError,
+    ConfigurationError,
+    MisuseError,
+    describe_failure,
+    raise_shared_failure,
+)
 from torchloom.precision import Precision
 
 if TYPE_CHECKING:
@@ -43,21 +53,110 @@ _REDUCE_OPS = {
 }
 
 
+@dataclass(frozen=True)
+class _Binding:
+    """What `Loom(...)`'s arguments decide for a strategy; see `Strategy._bind`."""
+
+    accelerator: Accelerator
+    precision: Precision
+    cluster_environment: ClusterEnvironment
+    parallel_devices: list[torch.device]
+    num_nodes: int
+    timeout: timedelta
+
+
 class Strategy:
-    """Single-process base: no wrapping, collectives are the identity."""
+    """Single-process base: no wrapping, collectives are the identity.
+
+    Args:
+        timeout: how long a collective waits for the other ranks (default 30 minutes); the same as
+            `Loom(timeout=...)`, which may be given instead (giving both, with different values, is refused).
+    """
 
     #: Registry name, e.g. "ddp".
     name: str = ""
 
     def __init__(self, timeout: timedelta | None = None) -> None:
-        self.accelerator: Accelerator | None = None
-        self.precision: Precision | None = None
-        self.cluster_environment: ClusterEnvironment | None = None
-        self.parallel_devices: list[torch.device] = [torch.device("cpu")]
-        self.num_nodes: int = 1
-        self.timeout = timeout or DEFAULT_TIMEOUT
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")
+        self._timeout = timeout
+        self._binding: _Binding | None = None
         self._pending_save: Any = None
         self._exit_hook = False
+
+    # ---- the one step that completes a strategy --------------------------------------------------------------
+    def _bind(
+        self,
+        accelerator: Accelerator,
+        precision: Precision,
+        cluster_environment: ClusterEnvironment,
+        parallel_devices: list[torch.device],
+        num_nodes: int,
+        timeout: timedelta | None = None,
+    ) -> None:
+        """Complete the strategy with what `Loom(...)` selected, then check the options against it (before any
+        process starts). Called once, by the connector; a strategy belongs to one `Loom`."""
+        if self._binding is not None:
+            raise ConfigurationError(
+                f"This {type(self).__name__} already belongs to another Loom. Construct a new strategy for each "
+                "Loom: it holds that Loom's process groups and modules."
+            )
+        if timeout is not None and self._timeout is not None and timeout != self._timeout:
+            raise ConfigurationError(
+                f"Loom(timeout={timeout!r}) and {type(self).__name__}(timeout={self._timeout!r}) disagree. Pass "
+                "the timeout in one place."
+            )
+        self._binding = _Binding(
+            accelerator,
+            precision,
+            cluster_environment,
+            list(parallel_devices),
+            num_nodes,
+            timeout or self._timeout or DEFAULT_TIMEOUT,
+        )
+        try:
+            self.validate()
+        except BaseException:
+            self._binding = None  # a strategy refused here can be fixed and passed again
+            raise
+
+    @property
+    def _bound(self) -> _Binding:
+        if self._binding is None:
+            raise MisuseError(
+                f"This {type(self).__name__} is not part of a Loom yet, so it has no accelerator, precision or "
+                f"processes. Pass it to Loom(strategy=...), which completes it, and use loom.strategy."
+            )
+        return self._binding
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self._bound.accelerator
+
+    @property
+    def precision(self) -> Precision:
+        return self._bound.precision
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment:
+        return self._bound.cluster_environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment) -> None:
+        # A rank started by an elastic agent replaces the environment it inherited from the launching process.
+        self._binding = replace(self._bound, cluster_environment=environment)
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._bound.parallel_devices
+
+    @property
+    def num_nodes(self) -> int:
+        return self._bound.num_nodes
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._bound.timeout
 
     # ---- placement -------------------------------------------------------------------------------------------
     @property
@@ -89,7 +188,6 @@ class Strategy:
 
     def setup_environment(self) -> None:
         """Called once per rank by `Loom.launch()` before the user's code runs."""
-        assert self.accelerator is not None and self.precision is not None
         self.accelerator.setup_device(self.root_device)
         self.precision.check_device(self.root_device)
 
@@ -103,7 +201,6 @@ class Strategy:
         work: strategies that can materialise create parameters on the meta device (buffers stay real, so the
         ones computed in `__init__`, such as rotary `inv_freq`, keep their values); others create everything on
         the target device without copies."""
-        assert self.precision is not None
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.root_device)
             if empty_init and self.supports_meta_init:
@@ -122,7 +219,6 @@ class Strategy:
         """Move/wrap `module` and return what the forward should run through (`move_to_device=False`: leave it
         where it is; sharding strategies do not take that argument)."""
         self._check_not_meta(module)
-        assert self.precision is not None
         self.precision.check_device(self.root_device)  # one process may never call launch()
         return module.to(self.root_device) if move_to_device else module
 
@@ -130,7 +226,6 @@ class Strategy:
         return optimizer
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
-        assert self.precision is not None
         self.precision.backward(tensor, **kwargs)
 
     @contextlib.contextmanager
@@ -146,7 +241,6 @@ class Strategy:
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        assert self.precision is not None
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
@@ -163,7 +257,6 @@ class Strategy:
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
-        assert self.precision is not None
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_value_(params, clip_val)

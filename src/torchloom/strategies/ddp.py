@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchloom.strategies.parallel import ParallelStrategy
+from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
 
 class DDPStrategy(ParallelStrategy):
@@ -23,6 +23,9 @@ class DDPStrategy(ParallelStrategy):
         self, timeout: timedelta | None = None, process_group_backend: str | None = None, **ddp_kwargs: Any
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        refuse_options(
+            type(self).__name__, ddp_kwargs, {"device_ids": "set by torchloom to each rank's device"}
+        )
         self.ddp_kwargs = ddp_kwargs
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:

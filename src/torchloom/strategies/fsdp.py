@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # torch.distributed.fsdp is imported where it is used, not here: it pulls in DTensor (about a second of start-up)
 # and this module is imported by `Loom(strategy="fsdp")` in the launching process too, which shards nothing.
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -35,41 +35,31 @@ class FSDPStrategy(ShardedStrategy):
     Args:
         auto_wrap_policy: a set of module classes (each instance becomes a unit) or an FSDP policy callable.
             Ignored, with a warning, when the model already has units.
-        activation_checkpointing_policy: a set of module classes or a callable(module) -> bool.
-        sharding_strategy: "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD" or "HYBRID_SHARD" (shard within a node,
-            replicate across nodes).
-        cpu_offload: keep sharded parameters (and gradients) in CPU memory.
-        state_dict_type: "sharded" (default) or "full", the checkpoint format `loom.save` writes.
-        unsharded_params: what happens to parameters outside every unit: "replicate" (default), "shard", "error".
-        **fsdp_kwargs: passed to every FullyShardedDataParallel unit (e.g. `limit_all_gathers`,
-            `backward_prefetch`, `forward_prefetch`). `use_orig_params` defaults to True.
+        sharding_strategy: "FULL_SHARD" (default), "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD" (shard within a
+            node, replicate across nodes; or as `device_mesh=(replicate, shard)` says), "_HYBRID_SHARD_ZERO2", or
+            a `torch.distributed.fsdp.ShardingStrategy` member.
+        **options: the options both FSDP strategies share (`activation_checkpointing_policy`, `cpu_offload`,
+            `mixed_precision`, `device_mesh`, `state_dict_type`, `unsharded_params`, `timeout`,
+            `process_group_backend`; see `ShardedStrategy`); any other keyword goes to every
+            FullyShardedDataParallel unit (e.g. `limit_all_gathers`, `backward_prefetch`, `forward_prefetch`).
+            `use_orig_params` defaults to True.
     """
 
     name = "fsdp"
     flavour = "fsdp"
     # FSDP1 wraps modules; checkpoint wrappers go around the units afterwards, as PyTorch recommends.
     _checkpoint_before_sharding = False
+    _mixed_precision_type = "MixedPrecision"
+    _owned_unit_options = {
+        "device_id": "set by torchloom to each rank's device (Loom(devices=...))",
+        "param_init_fn": "torchloom's: it initialises meta-device modules with their reset_parameters()",
+        "process_group": "derived from the mesh: pass device_mesh=(replicate, shard) or a DeviceMesh instead",
+    }
 
     def __init__(
-        self,
-        auto_wrap_policy: Any = None,
-        activation_checkpointing_policy: Any = None,
-        sharding_strategy: str = "FULL_SHARD",
-        cpu_offload: bool = False,
-        state_dict_type: str = "sharded",
-        unsharded_params: str = "replicate",
-        timeout: timedelta | None = None,
-        process_group_backend: str | None = None,
-        **fsdp_kwargs: Any,
+        self, auto_wrap_policy: Any = None, *, sharding_strategy: Any = "FULL_SHARD", **options: Any
     ) -> None:
-        super().__init__(
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            cpu_offload=cpu_offload,
-            state_dict_type=state_dict_type,
-            unsharded_params=unsharded_params,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
-        )
+        super().__init__(**options)
         # A ShardingStrategy member or its name; kept as the name ("FULL_SHARD", ...).
         key = str(getattr(sharding_strategy, "name", sharding_strategy)).upper()
         if key not in SHARDING_STRATEGIES:
@@ -80,52 +70,60 @@ class FSDPStrategy(ShardedStrategy):
         self.sharding_strategy = key
         as_module_policy(auto_wrap_policy, "auto_wrap_policy")  # refuses what FSDP would fail on much later
         self.auto_wrap_policy = auto_wrap_policy
-        self.fsdp_kwargs = {"use_orig_params": True, **fsdp_kwargs}
-        self._mesh: Any = None
+        self._unit_options.setdefault("use_orig_params", True)
 
     @property
     def has_policy(self) -> bool:
         return self.auto_wrap_policy is not None
 
-    # ---- the configuration every unit gets -------------------------------------------------------------------
-    def unit_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments every FullyShardedDataParallel unit gets (device, mesh, sharding strategy, mixed
-        precision, offload, meta-device init). `wrap()` inside `loom.init_module()` uses them already; pass them
-        to units you construct yourself: `FSDP(block, **loom.strategy.unit_kwargs())`."""
-        from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    @property
+    def _hybrid(self) -> bool:
+        return "HYBRID" in self.sharding_strategy
 
-        assert self.precision is not None
+    def _check_mesh(self) -> None:
+        super()._check_mesh()
+        shape = self._mesh_shape()
+        dims = len(shape)
+        if dims == 2 and not self._hybrid:
+            raise ConfigurationError(
+                f"device_mesh={self._mesh_option!r} is a 2-D (replicate, shard) mesh, which FullyShardedDataParallel "
+                f"uses only for hybrid sharding, but sharding_strategy={self.sharding_strategy!r}. Pass "
+                "sharding_strategy='HYBRID_SHARD', or a 1-D device_mesh."
+            )
+        if dims == 2 and self._hybrid and shape[0] > 1 and shape[1] == 1:
+            # FSDP1 turns a sharding group of one process into NO_SHARD within it and then never all-reduces
+            # across the replicas: every rank trains on its own gradients (measured: ranks 0.03 apart after 5
+            # steps of tests/strategies/test_fsdp_options.py's model).
+            raise ConfigurationError(
+                f"sharding_strategy={self.sharding_strategy!r} over the mesh {shape} shards over one "
+                "process per replica, where FullyShardedDataParallel silently stops averaging gradients across the "
+                "replicas and ranks drift apart. Use sharding_strategy='NO_SHARD' (every rank holds the whole "
+                "model; gradients averaged over all ranks), or strategy='fsdp2' with "
+                f"device_mesh={shape}."
+            )
+        if dims == 1 and self._hybrid:
+            raise ConfigurationError(
+                f"sharding_strategy={self.sharding_strategy!r} needs a 2-D (replicate, shard) mesh, but "
+                f"device_mesh={self._mesh_option!r} is 1-D. Pass device_mesh=(replicate, shard), or leave it out "
+                "to replicate across nodes and shard within each."
+            )
+
+    def _flavour_unit_kwargs(self, mesh: DeviceMesh) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+
+        # A device mesh also makes FSDP1 use DTensor (not the deprecated ShardedTensor) in sharded state dicts.
         kwargs: dict[str, Any] = {
             "device_id": self.root_device,
+            "device_mesh": mesh,
             "sharding_strategy": ShardingStrategy[self.sharding_strategy],
             "param_init_fn": self._param_init_fn,
         }
-        # A device mesh makes FSDP1 use DTensor (not the deprecated ShardedTensor) in sharded state dicts.
-        kwargs["device_mesh"] = self._device_mesh()
         if self.cpu_offload:
             kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-        if self.precision.is_mixed:
-            # Compute in half precision, keep fp32 master shards, reduce gradients in fp32. Autocast (from the
-            # precision) still wraps forward so that replicated leftovers in fp32 mix with half-precision units.
-            kwargs["mixed_precision"] = MixedPrecision(
-                param_dtype=self.precision.autocast_dtype, reduce_dtype=torch.float32
-            )
-        return {**kwargs, **self.fsdp_kwargs}
-
-    def _device_mesh(self) -> Any:
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            if self.sharding_strategy == "HYBRID_SHARD":
-                shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
-                self._mesh = init_device_mesh(
-                    self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
-                )
-            else:
-                self._mesh = init_device_mesh(
-                    self.root_device.type, (self.world_size,), mesh_dim_names=("shard",)
-                )
-        return self._mesh
+        mixed_precision = self._mixed_precision_for_units()
+        if mixed_precision is not None:
+            kwargs["mixed_precision"] = mixed_precision
+        return kwargs
 
     def _param_init_fn(self, module: nn.Module) -> None:
         # FSDP calls this for each module of a unit that sits on the meta device, before flattening. Initialise

@@ -6,13 +6,12 @@ Units come from the user's own `fully_shard(block)` calls after `loom.launch()`,
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit
@@ -32,87 +31,65 @@ class FSDP2Strategy(ShardedStrategy):
             bottom-up, then the root. Ignored, with a warning, when the model already has units.
         reshard_after_forward: free unsharded parameters after forward (FULL_SHARD-like, default) or keep them
             until backward (SHARD_GRAD_OP-like).
-        activation_checkpointing_policy: a set of module classes or a callable(module) -> bool.
-        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
-        state_dict_type: "sharded" (default) or "full", the checkpoint format `loom.save` writes.
-        unsharded_params: what happens to parameters outside every unit: "replicate" (default), "shard", "error".
-        hybrid: shard within each node and replicate across nodes (a 2-D mesh of shape (num_nodes, per-node)).
-        device_mesh: a DeviceMesh of your own (1-D: shard; 2-D: replicate x shard); overrides `hybrid`.
-        **fully_shard_kwargs: passed to every `fully_shard` call.
+        hybrid: shard within each node and replicate across nodes (a 2-D mesh of shape (num_nodes, per-node));
+            `device_mesh=(replicate, shard)` chooses the shape yourself (give one of the two).
+        **options: the options both FSDP strategies share (`activation_checkpointing_policy`, `cpu_offload`
+            (also `CPUOffloadPolicy(...)`), `mixed_precision` (a `MixedPrecisionPolicy`), `device_mesh`,
+            `state_dict_type`, `unsharded_params`, `timeout`, `process_group_backend`; see `ShardedStrategy`);
+            any other keyword goes to every `fully_shard` call.
     """
 
     name = "fsdp2"
     flavour = "fsdp2"
+    _offload_types = ("CPUOffload", "CPUOffloadPolicy", "OffloadPolicy")
+    _mixed_precision_type = "MixedPrecisionPolicy"
+    _owned_unit_options = {
+        "mesh": "torchloom's: pass device_mesh=(replicate, shard) or a DeviceMesh instead",
+        "mp_policy": "torchloom's: pass mixed_precision=MixedPrecisionPolicy(...) instead",
+        "offload_policy": "torchloom's: pass cpu_offload=CPUOffloadPolicy(...) (or True) instead",
+    }
 
     def __init__(
         self,
         shard_policy: Any = None,
+        *,
         reshard_after_forward: bool | int = True,
-        activation_checkpointing_policy: Any = None,
-        cpu_offload: bool = False,
-        state_dict_type: str = "sharded",
-        unsharded_params: str = "replicate",
         hybrid: bool = False,
-        device_mesh: DeviceMesh | None = None,
-        timeout: timedelta | None = None,
-        process_group_backend: str | None = None,
-        **fully_shard_kwargs: Any,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            cpu_offload=cpu_offload,
-            state_dict_type=state_dict_type,
-            unsharded_params=unsharded_params,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
-        )
+        super().__init__(**options)
+        if hybrid and self._mesh_option is not None:
+            raise ConfigurationError(
+                f"FSDP2Strategy(hybrid=True, device_mesh={self._mesh_option!r}): give one of them. hybrid=True "
+                "makes the mesh (num_nodes, processes per node); device_mesh=(replicate, shard) chooses the shape."
+            )
         self.shard_policy = as_module_policy(shard_policy, "shard_policy")
         self.reshard_after_forward = reshard_after_forward
         self.hybrid = bool(hybrid)
-        self._mesh = device_mesh
-        self.fully_shard_kwargs = fully_shard_kwargs
 
     @property
     def has_policy(self) -> bool:
         return self.shard_policy is not None
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The mesh units are sharded over (made on first use, after launch)."""
-        if self._mesh is None:
-            self._require_group("the FSDP2 device mesh")
-            if self.hybrid:
-                if self.world_size % self.num_nodes:
-                    raise ConfigurationError("hybrid=True needs the same number of processes on every node.")
-                shape: tuple[int, ...] = (self.num_nodes, self.world_size // self.num_nodes)
-                self._mesh = init_device_mesh(
-                    self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
-                )
-            else:
-                self._mesh = init_device_mesh(
-                    self.root_device.type, (self.world_size,), mesh_dim_names=("shard",)
-                )
-        return self._mesh
+    def _hybrid(self) -> bool:
+        return self.hybrid
 
-    def unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
-        """The keyword arguments torchloom passes to `fully_shard` (mesh, resharding, mixed precision, offload).
-        Pass them to your own calls to give hand-made units the same configuration:
-        `fully_shard(block, **loom.strategy.unit_kwargs())`."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    def _flavour_unit_kwargs(self, mesh: DeviceMesh) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-        assert self.precision is not None
+        offload = self._cpu_offload_option
+        if not isinstance(offload, OffloadPolicy):
+            offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         kwargs: dict[str, Any] = {
-            "mesh": mesh or self.device_mesh,
+            "mesh": mesh,
             "reshard_after_forward": self.reshard_after_forward,
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            "offload_policy": offload,
         }
-        if self.precision.is_mixed:
-            # Half-precision compute, fp32 gradient reduction; autocast (from the precision) still wraps forward
-            # so that fp32 replicated leftovers work with half-precision units.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=self.precision.autocast_dtype, reduce_dtype=torch.float32
-            )
-        return {**kwargs, **self.fully_shard_kwargs}
+        mixed_precision = self._mixed_precision_for_units()
+        if mixed_precision is not None:
+            kwargs["mp_policy"] = mixed_precision
+        return kwargs
 
     # ---- making units ----------------------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -15,14 +15,34 @@ import torch
 import torch.distributed as dist
 
 from torchloom import _torch_compat, diagnostics
-from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, MisuseError
+from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.launcher import _is_peer_failure
 from torchloom.strategies._gather import all_gather_with_grads
 from torchloom.strategies.base import Strategy, _reduce_op
 
+# Fabric's strategies take these as arguments; in torchloom `Loom(...)` decides them and completes the strategy.
+_SET_BY_LOOM = {
+    "accelerator": "Loom(accelerator=...)",
+    "parallel_devices": "Loom(devices=...)",
+    "cluster_environment": "the environment torchloom detects (torchrun, SLURM, `torchloom run`)",
+    "precision": "Loom(precision=...)",
+}
+
+
+def refuse_options(owner: str, given: dict[str, Any], owned: dict[str, str]) -> None:
+    """Refuse keywords meant for the wrapper (DDP, FSDP) that torchloom sets itself, saying where each comes from."""
+    for name, instead in {**_SET_BY_LOOM, **owned}.items():
+        if name in given:
+            raise ConfigurationError(f"{owner}({name}=...) is not an option: {name} is {instead}.")
+
 
 class ParallelStrategy(Strategy):
-    """A strategy whose ranks talk over a `torch.distributed` process group."""
+    """A strategy whose ranks talk over a `torch.distributed` process group.
+
+    Args:
+        timeout: see `Strategy`.
+        process_group_backend: "gloo", "nccl", ...; default: the accelerator's ("nccl" on CUDA, "gloo" on CPU).
+    """
 
     def __init__(self, timeout: timedelta | None = None, process_group_backend: str | None = None) -> None:
         super().__init__(timeout=timeout)
@@ -30,19 +50,19 @@ class ParallelStrategy(Strategy):
 
     @property
     def world_size(self) -> int:
-        return self.cluster_environment.world_size() if self.cluster_environment else 1
+        return self.cluster_environment.world_size()
 
     @property
     def global_rank(self) -> int:
-        return self.cluster_environment.global_rank() if self.cluster_environment else 0
+        return self.cluster_environment.global_rank()
 
     @property
     def local_rank(self) -> int:
-        return self.cluster_environment.local_rank() if self.cluster_environment else 0
+        return self.cluster_environment.local_rank()
 
     @property
     def node_rank(self) -> int:
-        return self.cluster_environment.node_rank() if self.cluster_environment else 0
+        return self.cluster_environment.node_rank()
 
     @property
     def root_device(self) -> torch.device:
@@ -54,7 +74,6 @@ class ParallelStrategy(Strategy):
 
     @property
     def backend(self) -> str:
-        assert self.accelerator is not None
         return self.process_group_backend or self.accelerator.backend
 
     def setup_environment(self) -> None:
@@ -62,7 +81,6 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             return
         env = self.cluster_environment
-        assert env is not None
         env.export()
         kwargs: dict[str, Any] = {}
         if self.root_device.type == "cuda":
