@@ -357,7 +357,7 @@ def _fsync_body(rank: int, world_size: int, root: str) -> dict:
                 path = Path(root) / f"{fmt}-{fsync}-{async_save}"
                 calls["n"] = 0
                 loom.save(path, {"model": model}, async_save=async_save, fsync=fsync)
-                strategy.finish_pending_save()
+                loom._checkpointer.finish_pending_save()
                 count = calls["n"]
                 fresh = loom.setup_module(Net())  # other weights until loaded
                 loom.load(path, {"model": fresh})
