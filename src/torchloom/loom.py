@@ -489,7 +489,7 @@ class Loom:
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
         flushed to disk (fsync) and swapped into place only when complete, so neither a crash mid-save nor a
         power loss afterwards replaces a good checkpoint with a broken one. With `async_save=True` the write
-        continues in the background; the next save or load (or the end of the process) waits for it and raises
+        continues in the background; the next save, load, load_raw or save_raw (or close) waits for it and raises
         if it failed.
 
         `fsync=False` skips the flush to disk (as `torch.save` does, and DCP's `sync_files=False`): the save
