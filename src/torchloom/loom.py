@@ -92,8 +92,8 @@ class Loom:
             precision=precision,
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
-        assert self._strategy.precision is not None  # configure() gives every strategy its precision
-        self._checkpointer = Checkpointer(self._strategy, self._strategy.precision)
+        # Checkpoints are the Checkpointer's; it reaches the strategy and its precision through declared protocols.
+        self._checkpointer = Checkpointer(self._strategy, self._strategy.precision)  # type: ignore[arg-type]
         self._launched = False
         self._closed = False
         self._rank_ready = False  # this process is a rank that has joined the process group
