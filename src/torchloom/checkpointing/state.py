@@ -132,7 +132,7 @@ def collect(io: StateAccess, entry: Entry, full: bool = True) -> Any:
         assert entry.owner is not None  # resolve() gives every OPTIMIZER entry its owner
         return io.optimizer_state_dict(entry.owner, entry.obj, full=full)
     if entry.kind in (POSITIONAL_OPTIMIZER, STATEFUL):
-        # Without an owning module there are no parameter names: PyTorch's positional format.
+        # An optimizer without an owning module has no parameter names: PyTorch's positional format.
         return entry.obj.state_dict()
     return entry.obj
 
