@@ -38,6 +38,7 @@ from torchloom import (
     TorchloomError,
     seed_everything,
 )
+from torchloom.checkpointing import FORMAT_VERSION
 from torchloom.loggers import CSVLogger
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy
 
@@ -595,7 +596,11 @@ def load_directory_that_is_not_a_checkpoint(tmp: Path) -> None:
     loom.load(tmp / "logs", {"model": model})
 
 
-@mistake(CheckpointError, "newer torchloom (format version 99; this one reads up to 1)", "Upgrade torchloom")
+@mistake(
+    CheckpointError,
+    f"newer torchloom (format version 99; this one reads up to {FORMAT_VERSION})",
+    "Upgrade torchloom",
+)
 def load_newer_format_full(tmp: Path) -> None:
     path = saved_full(tmp)
     checkpoint = torch.load(path, weights_only=False)
@@ -857,7 +862,7 @@ def load_raw_of_a_sharded_directory(tmp: Path) -> None:
 
 @mistake(
     CheckpointError,
-    "newer torchloom (format version 7; this one reads up to 1)",
+    f"newer torchloom (format version 7; this one reads up to {FORMAT_VERSION})",
     "Upgrade torchloom",
     ranks=True,
 )

@@ -18,9 +18,10 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from torchloom import checkpointing, launcher
+from torchloom import launcher
 from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
+from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
@@ -94,6 +95,8 @@ class Loom:
             precision=precision,
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
+        # Checkpoints are the Checkpointer's; it reaches the strategy and its precision through declared protocols.
+        self._checkpointer = Checkpointer(self._strategy, self._strategy.precision)  # type: ignore[arg-type]
         self._launched = False
         self._closed = False
         self._rank_ready = False  # this process is a rank that has joined the process group
@@ -219,7 +222,7 @@ class Loom:
             return
         self._closed = True
         try:
-            self._strategy.finish_pending_save()
+            self._checkpointer.close()
         finally:
             self._strategy.teardown()
 
@@ -501,7 +504,7 @@ class Loom:
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
         flushed to disk (fsync) and swapped into place only when complete, so neither a crash mid-save nor a
         power loss afterwards replaces a good checkpoint with a broken one. With `async_save=True` the write
-        continues in the background; the next save or load (or the end of the process) waits for it and raises
+        continues in the background; the next save, load, load_raw or save_raw (or close) waits for it and raises
         if it failed.
 
         `fsync=False` skips the flush to disk (as `torch.save` does, and DCP's `sync_files=False`): the save
@@ -509,12 +512,10 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
-        if filter:
-            state = self._filtered(state, filter)
         try:
             with _record("save"):
-                self._strategy.save_checkpoint(
-                    Path(path), state, self._owner_of(state), async_save=async_save, fsync=fsync
+                self._checkpointer.save(
+                    Path(path), state, self._forward_modules(), filter, async_save=async_save, fsync=fsync
                 )
         except CollectiveTimeoutError as error:
             # The collective that timed out is one inside save; what the user must change is the call to save.
@@ -541,12 +542,8 @@ class Loom:
         any code its author chose."""
         self._require_launch("load")
         with _record("load"):
-            return self._strategy.load_checkpoint(
-                Path(path),
-                state or {},
-                strict=strict,
-                owner_of=self._owner_of(state or {}),
-                weights_only=weights_only,
+            return self._checkpointer.load(
+                Path(path), state or {}, self._forward_modules(), strict=strict, weights_only=weights_only
             )
 
     def load_raw(
@@ -562,37 +559,11 @@ class Loom:
         into a module in any layout, each rank reading only what it holds. For the latter, returns
         `(missing_keys, unexpected_keys)` (non-empty only with `strict=False`)."""
         self._require_launch("load_raw")
-        # A pending asynchronous save may be writing this very path: let it finish (and report) first.
-        self._strategy.finish_pending_save()
-        if checkpointing.hf.is_checkpoint(Path(path)):
-            if not isinstance(obj, (nn.Module, LoomModule)):
-                raise MisuseError("A safetensors checkpoint holds model weights: pass the model to load_raw.")
-            with _record("load_raw"), checkpointing.torch_internal_warnings_filtered():
-                return checkpointing.hf.load(self._strategy, state_module(obj), Path(path), strict)
-        raw = checkpointing.full.read(Path(path), weights_only=weights_only is not False)
-        if isinstance(obj, (nn.Module, LoomModule)):
-            checkpointing.load_module(self._strategy, state_module(obj), raw, strict, name=str(path))
-        else:
-            unwrap_optimizer(obj).load_state_dict(raw)
-
-    def _filtered(
-        self,
-        state: dict[str, Any],
-        filter: dict[str, Callable[[str, Any], bool]],
-    ) -> dict[str, Any]:
-        if self._strategy.checkpoint_format != "full":
-            raise MisuseError(
-                "save(..., filter=) works with full checkpoints (one file). With FSDP, pass "
-                "state_dict_type='full' to the strategy, or save everything and filter when loading."
+        target = state_module(obj) if isinstance(obj, (nn.Module, LoomModule)) else unwrap_optimizer(obj)
+        with _record("load_raw"):
+            return self._checkpointer.load_raw(
+                Path(path), target, strict, weights_only=weights_only is not False
             )
-        unknown = [k for k in filter if not isinstance(state, dict) or k not in state]
-        if unknown:
-            raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
-        owner_of = self._owner_of(state)
-        out = dict(state)
-        for key, keep in filter.items():
-            out[key] = _FilteredState(self._strategy, state[key], keep, owner_of)
-        return out
 
     def save_raw(
         self,
@@ -609,26 +580,12 @@ class Loom:
         so `from_pretrained(out_dir)` loads it. Every rank must call it. `out_dir` is replaced in one step;
         other files already there (tokenizer) are kept."""
         self._require_launch("save_raw")
-        self._strategy.finish_pending_save()
-        with _record("save_raw"), checkpointing.torch_internal_warnings_filtered():
-            checkpointing.hf.save(
-                self._strategy, state_module(model), Path(out_dir), dtype, max_shard_size, config
-            )
+        with _record("save_raw"):
+            self._checkpointer.save_raw(Path(out_dir), state_module(model), dtype, max_shard_size, config)
 
-    def _owner_of(self, state: dict[str, Any]) -> Callable[[Optimizer], nn.Module | None]:
-        # A `state` that is not a dict is refused, with its fix, when the checkpoint is collected.
-        values = state.values() if isinstance(state, dict) else ()
-        candidates = [state_module(v) for v in values if isinstance(v, (nn.Module, LoomModule))]
-        candidates += [m.forward_module for m in self._modules]
-
-        def owner(optimizer: Optimizer) -> nn.Module | None:
-            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            for module in candidates:
-                if ids <= {id(p) for p in module.parameters()}:
-                    return module
-            return None
-
-        return owner
+    def _forward_modules(self) -> list[nn.Module]:
+        """The modules set up with this Loom: an optimizer saved or loaded is matched to one by its parameters."""
+        return [m.forward_module for m in self._modules]
 
     # ---- preemption ------------------------------------------------------------------------------------------
     def on_preempt(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
@@ -752,39 +709,6 @@ class Loom:
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
-
-
-class _FilteredState:
-    """An entry of `save(..., filter=)`: its state dict (collected as save would) with only the items `keep`
-    accepts."""
-
-    def __init__(
-        self, strategy: Strategy, value: Any, keep: Callable[[str, Any], bool], owner_of: Any
-    ) -> None:
-        self._strategy, self._value, self._keep, self._owner_of = strategy, value, keep, owner_of
-
-    def state_dict(self) -> Any:
-        value = self._value
-        if isinstance(value, (nn.Module, LoomModule)):
-            collected = self._strategy.module_state_dict(state_module(value), full=True)
-        elif isinstance(value, (Optimizer, LoomOptimizer)):
-            optimizer = unwrap_optimizer(value)
-            owner = self._owner_of(optimizer)
-            collected = (
-                optimizer.state_dict()
-                if owner is None
-                else self._strategy.optimizer_state_dict(owner, optimizer, full=True)
-            )
-        elif callable(getattr(value, "state_dict", None)):
-            collected = value.state_dict()
-        else:
-            collected = value
-        if not isinstance(collected, dict):
-            return collected
-        return {k: v for k, v in collected.items() if self._keep(k, v)}
-
-    def load_state_dict(self, state_dict: Any) -> None:  # only so that it counts as an object with state
-        raise NotImplementedError
 
 
 def _not_an_op(group: Any, reduce_op: Any) -> Any:

@@ -16,7 +16,7 @@ from harness import run_ranks
 from torch import nn
 
 from torchloom.checkpointing.full import private_snapshot
-from torchloom.checkpointing.state import MODULE, OPTIMIZER, STATEFUL, VALUE
+from torchloom.checkpointing.state import MODULE, OPTIMIZER, STATEFUL, VALUE, Entry
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -30,8 +30,12 @@ def test_snapshot_copies_live_tensors_once_and_keeps_fresh_ones():
     opt.step()
     fresh = torch.randn(5)  # what an FSDP gather produces: memory no live object owns
     user_tensor = torch.ones(2)
-    state = {"model": model, "optimizer": opt, "user": user_tensor, "sched": object()}
-    kinds = {"model": MODULE, "optimizer": OPTIMIZER, "user": VALUE, "sched": STATEFUL}
+    entries = {
+        "model": Entry(MODULE, model),
+        "optimizer": Entry(OPTIMIZER, opt, owner=model),
+        "user": Entry(VALUE, user_tensor),
+        "sched": Entry(STATEFUL, object()),
+    }
     weight_view = model.weight.detach()[1:]  # a view into a live storage, at another address
     moment = opt.state[model.weight]["exp_avg"]
     payload = {
@@ -40,7 +44,7 @@ def test_snapshot_copies_live_tensors_once_and_keeps_fresh_ones():
         "user": user_tensor,
         "sched": {"lr": torch.tensor(0.1)},
     }
-    snap = private_snapshot(payload, state, kinds)
+    snap = private_snapshot(payload, entries)
 
     assert _storage(snap["model"]["gathered"]) == _storage(fresh)  # not copied a second time
     copied = [

@@ -416,7 +416,7 @@ def _checkpoint_body(
         saved = _full_cpu_state(loom, model)
         step(loom, model, opt, 7)
         after_one_more = _full_cpu_state(loom, model)
-        loom.strategy.finish_pending_save()  # the write of an asynchronous save is complete
+        loom._checkpointer.finish_pending_save()  # the write of an asynchronous save is complete
 
         loom2, model2, opt2 = make()
         state = {"model": model2, "optimizer": opt2, "step": 0}

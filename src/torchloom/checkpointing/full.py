@@ -12,40 +12,25 @@ from __future__ import annotations
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from torchloom.checkpointing import atomic, rng
+from torchloom.checkpointing import atomic
+from torchloom.checkpointing._interface import StateAccess
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
     META_KEY,
     MODULE,
     OPTIMIZER,
     VALUE,
-    OwnerLookup,
+    Entry,
     check_missing,
     collect_state,
+    kinds_of,
     restore_entry,
 )
 from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
-from torchloom.wrappers import state_module, unwrap_optimizer
-
-if TYPE_CHECKING:
-    from torchloom.strategies.base import Strategy
-
-
-def metadata(strategy: Strategy, fmt: str, kinds: dict[str, str]) -> dict[str, Any]:
-    assert strategy.precision is not None
-    return {
-        "version": FORMAT_VERSION,
-        "format": fmt,
-        "world_size": strategy.world_size,
-        "strategy": strategy.name,
-        "precision": strategy.precision.name,
-        "grad_scaler": strategy.precision.state_dict(),
-        "kinds": kinds,
-    }
 
 
 def write_file(obj: dict[str, Any], path: Path, fsync: bool = True) -> None:
@@ -86,43 +71,47 @@ def write_error(payload: dict[str, Any], path: Path, exc: BaseException) -> str:
     return f"Cannot write checkpoint {str(path)!r}: {type(exc).__name__}: {exc}"
 
 
+def needs_record(entries: dict[str, Entry]) -> bool:
+    """Plain values only (a state dict, a dict of tensors): nothing torchloom converted, nothing to record, and
+    an extra key would break `model.load_state_dict(torch.load(path))`."""
+    return any(entry.kind != VALUE for entry in entries.values())
+
+
 def save(
-    strategy: Strategy,
+    io: StateAccess,
     path: Path,
-    state: dict[str, Any],
-    owner_of: OwnerLookup,
+    entries: dict[str, Entry],
+    record: dict[str, Any] | None,
     async_save: bool = False,
     fsync: bool = True,
 ) -> Future | None:
-    """Every rank collects (sharded strategies gather to rank 0 here); rank 0 writes; every rank learns the
-    outcome. With `async_save`, rank 0 writes a private copy in a background thread and returns its future."""
-    payload, kinds = collect_state(strategy, state, owner_of, full=True)
-    if any(kind != VALUE for kind in kinds.values()):
-        # Plain values only (a state dict, a dict of tensors): nothing torchloom converted, nothing to record,
-        # and an extra key would break `model.load_state_dict(torch.load(path))`.
-        payload[META_KEY] = metadata(strategy, "full", kinds)
-        payload[META_KEY][rng.KEY] = rng.gather(strategy)
+    """Every rank collects (sharded strategies gather to rank 0 here); rank 0 writes `entries` and, as the key
+    `__torchloom__`, `record`; every rank learns the outcome. With `async_save`, rank 0 writes a private copy in
+    a background thread and returns its future."""
+    payload = collect_state(io, entries, full=True)
+    if record is not None:
+        payload[META_KEY] = record
     if async_save:
-        if strategy.global_rank != 0:
+        if io.global_rank != 0:
             return None
-        snapshot = private_snapshot(payload, state, kinds)
+        snapshot = private_snapshot(payload, entries)
         del payload  # the writer holds the snapshot; the gathered tensors it did not copy live on in it
         return _writer().submit(_write_or_explain, snapshot, path, fsync)
     failure, own = None, None
-    if strategy.global_rank == 0:
+    if io.global_rank == 0:
         try:
             atomic.remove_stale_temporaries(path)
             write_file(payload, path, fsync=fsync)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             own = exc
             failure = describe_failure(write_error(payload, path, exc), exc)
-    if strategy.is_distributed:
+    if io.is_distributed:
         # Doubles as the barrier: no rank returns before the file is in place (or has failed everywhere).
-        failure = strategy.broadcast(failure, src=0)
+        failure = io.broadcast(failure, src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)
 
 
-def private_snapshot(payload: dict[str, Any], state: dict[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+def private_snapshot(payload: dict[str, Any], entries: dict[str, Entry]) -> dict[str, Any]:
     """`payload` with every tensor that training could still change replaced by a host copy of it, and every
     other tensor kept as it is: at most one copy of the state in host memory, never two.
 
@@ -132,7 +121,8 @@ def private_snapshot(payload: dict[str, Any], state: dict[str, Any], kinds: dict
     write finished. A tensor is live when it shares storage with a parameter, buffer or optimizer state of the
     objects being saved; tensors on a device are copied to the host anyway (that is the one copy), and the
     values of other entries (user objects, schedulers: their provenance is unknown) are always copied."""
-    live = _live_storages(state, kinds)
+    live = _live_storages(entries)
+    kinds = kinds_of(entries)
 
     def private(t: Any, known: bool) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -156,16 +146,15 @@ def _storage_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() if t.numel() else 0
 
 
-def _live_storages(state: dict[str, Any], kinds: dict[str, str]) -> set[int]:
+def _live_storages(entries: dict[str, Entry]) -> set[int]:
     """The storages of every parameter, buffer and optimizer state tensor of the modules and optimizers saved
     (a DTensor's local shard; an FSDP1 parameter is a view into its unit's flat parameter, same storage)."""
     tensors: list[torch.Tensor] = []
-    for key, value in state.items():
-        if kinds.get(key) == MODULE:
-            module = state_module(value)
-            tensors += [*module.parameters(), *module.buffers()]
-        elif kinds.get(key) == OPTIMIZER:
-            for per_param in unwrap_optimizer(value).state.values():
+    for entry in entries.values():
+        if entry.kind == MODULE:
+            tensors += [*entry.obj.parameters(), *entry.obj.buffers()]
+        elif entry.kind == OPTIMIZER:
+            for per_param in entry.obj.state.values():
                 tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
     live = {0}
     for t in tensors:
@@ -241,22 +230,19 @@ def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
 
 
 def load(
-    strategy: Strategy,
+    io: StateAccess,
     path: Path,
-    state: dict[str, Any],
+    entries: dict[str, Entry],
     strict: bool,
-    owner_of: OwnerLookup,
     weights_only: bool = True,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore `entries` from the file at `path`. Returns the saved plain values and leftovers (every entry of
+    the checkpoint, named or not, that is not loaded into an object), and the file's `__torchloom__` record."""
     checkpoint = read(path, weights_only=weights_only)
-    available = [k for k in checkpoint if k != META_KEY]
-    check_missing(state, available, strict)
-    for key in state:
+    record = checkpoint.pop(META_KEY, None)
+    check_missing(entries, list(checkpoint), strict)
+    for key, entry in entries.items():
         if key in checkpoint:
-            restore_entry(strategy, state, key, checkpoint[key], strict, owner_of, full=True)
-    meta = checkpoint.get(META_KEY)
-    if isinstance(meta, dict) and meta.get("grad_scaler") and strategy.precision is not None:
-        strategy.precision.load_state_dict(meta["grad_scaler"])
-    if isinstance(meta, dict):
-        rng.restore_saved(strategy, meta.get(rng.KEY))
-    return {k: v for k, v in checkpoint.items() if k not in state and k != META_KEY}
+            restore_entry(io, key, entry, checkpoint[key], strict, full=True)
+    values = {k: v for k, v in checkpoint.items() if k not in entries or entries[k].kind == VALUE}
+    return values, record if isinstance(record, dict) else {}

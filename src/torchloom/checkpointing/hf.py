@@ -42,7 +42,7 @@ from torchloom.checkpointing import atomic
 from torchloom.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from torchloom.strategies.base import Strategy
+    from torchloom.checkpointing._interface import StateAccess
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -187,13 +187,13 @@ def _ignored(module: nn.Module, attribute: str) -> list[re.Pattern[str]]:
     return [re.compile(p) for p in patterns]
 
 
-def load(strategy: Strategy, module: nn.Module, path: Path, strict: bool = True) -> LoadResult:
+def load(io: StateAccess, module: nn.Module, path: Path, strict: bool = True) -> LoadResult:
     """Load a safetensors checkpoint into `module` as it is set up (any layout); see the module docstring."""
     _check_buffers(module)
     # The sharded state dict: DTensors for sharded parameters, plain tensors for the rest. For FSDP2 and unsharded
     # modules its values share storage with the parameters, so loading into them loads the model; FSDP1 builds
     # new tensors, which set_model_state_dict then copies in with PyTorch's own machinery.
-    template = strategy.module_state_dict(module, full=False)
+    template = io.module_state_dict(module, full=False)
     template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
     groups = _names_by_tensor(module, set(template))
     with contextlib.ExitStack() as stack:
@@ -223,7 +223,7 @@ def load(strategy: Strategy, module: nn.Module, path: Path, strict: bool = True)
                     # a copy per name, so each copy gets the values.
                     _copy_local(template[other], first)
     if "fsdp" in analyze(module).flavours:
-        strategy.load_module_state_dict(module, template, strict=False, full=False)
+        io.load_module_state_dict(module, template, strict=False, full=False)
     if missing:
         warnings.warn(
             f"load_raw(strict=False): the checkpoint {str(path)!r} does not provide {_listing(missing)}; they keep "
@@ -380,7 +380,7 @@ def file_names(count: int) -> list[str]:
 
 
 def save(
-    strategy: Strategy,
+    io: StateAccess,
     module: nn.Module,
     out_dir: Path,
     dtype: torch.dtype | None = None,
@@ -390,10 +390,10 @@ def save(
 ) -> None:
     """Write `module`'s weights to `out_dir` in Hugging Face's layout; see the module docstring."""
     max_bytes = parse_size(max_shard_size)
-    template = strategy.module_state_dict(module, full=False)
+    template = io.module_state_dict(module, full=False)
     template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
     names = _stored_names(module, template)
-    _write({n: template[n] for n in names}, out_dir, dtype, max_bytes, config, fsync, strategy)
+    _write({n: template[n] for n in names}, out_dir, dtype, max_bytes, config, fsync, io)
 
 
 def write_dir(
@@ -415,9 +415,9 @@ def _write(
     max_bytes: int,
     config: Any,
     fsync: bool,
-    strategy: Strategy | None,
+    io: StateAccess | None,
 ) -> None:
-    """Every rank (or one process, `strategy=None`) writes its files of `tensors` (DTensors or plain)."""
+    """Every rank (or one process, `io=None`) writes its files of `tensors` (DTensors or plain)."""
     from torch.distributed.tensor import DTensor
 
     def out_dtype(t: torch.Tensor) -> torch.dtype:
@@ -426,8 +426,8 @@ def _write(
     sizes = {n: int(torch.Size(t.shape).numel()) * out_dtype(t).itemsize for n, t in tensors.items()}
     files = plan_files(sizes, max_bytes)
     file_of = file_names(len(files))
-    distributed = strategy is not None and strategy.is_distributed and strategy.world_size > 1
-    rank, world = (strategy.global_rank, strategy.world_size) if distributed else (0, 1)
+    distributed = io is not None and io.is_distributed and io.world_size > 1
+    rank, world = (io.global_rank, io.world_size) if distributed else (0, 1)
 
     tmp: Path | None = None
     error: str | None = None
@@ -439,7 +439,7 @@ def _write(
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"Cannot create a directory beside {str(out_dir)!r}: {type(exc).__name__}: {exc}"
     if distributed:
-        error, tmp = strategy.broadcast((error, tmp), src=0)
+        error, tmp = io.broadcast((error, tmp), src=0)
     if error:
         raise CheckpointError(error)
     assert tmp is not None
@@ -468,7 +468,7 @@ def _write(
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
     finally:
         writer.shutdown(wait=True)
-    errors = strategy.all_gather_object(error) if distributed else [error]
+    errors = io.all_gather_object(error) if distributed else [error]
     failed = [e for e in errors if e]
     error = None
     if rank == 0:
@@ -481,7 +481,7 @@ def _write(
             error = f"Cannot finish {str(out_dir)!r}: {type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
     if distributed:
-        error = strategy.broadcast(error, src=0)
+        error = io.broadcast(error, src=0)
     if failed or error:
         raise CheckpointError(
             f"Writing the weights to {str(out_dir)!r} failed ({'; '.join(failed) or error}); the previous "

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from torchloom.strategies.base import Strategy
+    from torchloom.checkpointing._interface import StateAccess
 
 log = logging.getLogger("torchloom")
 
@@ -61,24 +61,24 @@ def restore(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def gather(strategy: Strategy) -> list[dict[str, Any]]:
+def gather(io: StateAccess) -> list[dict[str, Any]]:
     """Every rank's generators, in rank order (a collective: every rank calls it)."""
     mine = capture()
-    return strategy.all_gather_object(mine) if strategy.is_distributed else [mine]
+    return io.all_gather_object(mine) if io.is_distributed else [mine]
 
 
-def restore_saved(strategy: Strategy, saved: list[dict[str, Any]] | None) -> None:
+def restore_saved(io: StateAccess, saved: list[dict[str, Any]] | None) -> None:
     """Give this rank the generators it had when `saved` was written, if the world size is the same."""
     if not saved:
         return
-    if len(saved) != strategy.world_size:
-        if strategy.global_rank == 0:
+    if len(saved) != io.world_size:
+        if io.global_rank == 0:
             log.warning(
                 "torchloom: the checkpoint holds the random generators of %d ranks, this run has %d: they were "
                 "not restored (Python, NumPy, torch and CUDA generators start as this run seeded them), so "
                 "dropout and random augmentation do not continue the saved streams.",
                 len(saved),
-                strategy.world_size,
+                io.world_size,
             )
         return
-    restore(saved[strategy.global_rank])
+    restore(saved[io.global_rank])

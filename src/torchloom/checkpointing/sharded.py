@@ -4,7 +4,8 @@ own shards in parallel.
     path/
       .metadata, __<rank>_<n>.distcp   DCP: the models and optimizers (replicated tensors stored once)
       torchloom.json                   format, version, world size, and what kind each entry is
-      extra.pt                         everything else: LR schedulers, user objects, plain values
+      extra.pt                         everything else: LR schedulers, user objects, plain values, and the
+                                       `__torchloom__` record of the run's state (loss scaler, generators)
 
 DCP reshards on load, so a checkpoint written by N ranks loads into any number of ranks, or into one process
 with a plain model.
@@ -16,7 +17,7 @@ import json
 import pickle
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,16 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchloom import _torch_compat
-from torchloom.checkpointing import atomic, rng
-from torchloom.checkpointing.full import metadata, unsafe_content_error, write_error
+from torchloom.checkpointing import atomic, record
+from torchloom.checkpointing._interface import StateAccess
+from torchloom.checkpointing.full import unsafe_content_error, write_error
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
+    META_KEY,
     MODULE,
     OPTIMIZER,
-    OwnerLookup,
+    VALUE,
+    Entry,
     check_missing,
     check_module_keys,
     collect_state,
@@ -40,10 +44,6 @@ from torchloom.checkpointing.state import (
     torch_internal_warnings_filtered,
 )
 from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
-from torchloom.wrappers import state_module, unwrap_optimizer
-
-if TYPE_CHECKING:
-    from torchloom.strategies.base import Strategy
 
 META_FILE = "torchloom.json"
 EXTRA_FILE = "extra.pt"
@@ -84,43 +84,42 @@ def _staging_options(device: torch.device) -> Any:
     )
 
 
-def _dcp_kwargs(strategy: Strategy) -> dict[str, Any]:
-    if strategy.is_distributed and dist.is_initialized():
-        return {"process_group": strategy.checkpoint_group}
+def _dcp_kwargs(io: StateAccess) -> dict[str, Any]:
+    if io.is_distributed and dist.is_initialized():
+        return {"process_group": io.checkpoint_group}
     return {"no_dist": True}
 
 
 def save(
-    strategy: Strategy,
+    io: StateAccess,
     path: Path,
-    state: dict[str, Any],
-    owner_of: OwnerLookup,
+    entries: dict[str, Entry],
+    meta: dict[str, Any],
     async_save: bool = False,
     fsync: bool = True,
 ) -> Future | None:
-    """Write `state` as a sharded checkpoint at `path`. With `async_save`, return a future that completes once the
+    """Write `entries` as a sharded checkpoint at `path`, with the `__torchloom__` record `meta` (its
+    descriptive part also as torchloom.json). With `async_save`, return a future that completes once the
     checkpoint is in place (rank 0 swaps it in); the shards are staged in memory before this returns."""
-    entries, kinds = collect_state(strategy, state, owner_of, full=False)
-    tensors = {k: v for k, v in entries.items() if kinds[k] in (MODULE, OPTIMIZER)}
-    extra = {k: v for k, v in entries.items() if k not in tensors}
-    assert strategy.precision is not None
-    if strategy.precision.state_dict():
-        extra["__grad_scaler__"] = strategy.precision.state_dict()
-    extra["__rng__"] = rng.gather(strategy)
+    collected = collect_state(io, entries, full=False)
+    tensors = {k: v for k, v in collected.items() if entries[k].kind in (MODULE, OPTIMIZER)}
+    extra = {k: v for k, v in collected.items() if k not in tensors}
+    described, run_state = record.split(meta)
+    extra[META_KEY] = run_state
     # Every rank must write into the same temporary directory: rank 0 names it.
-    tmp = atomic.temporary_sibling(path) if strategy.global_rank == 0 else None
+    tmp = atomic.temporary_sibling(path) if io.global_rank == 0 else None
     failure, own = None, None
-    if strategy.global_rank == 0:
+    if io.global_rank == 0:
         try:
             atomic.remove_stale_temporaries(path)
             tmp.mkdir(parents=True)
             torch.save(extra, tmp / EXTRA_FILE)
-            (tmp / META_FILE).write_text(json.dumps(_json_safe(metadata(strategy, "sharded", kinds))))
+            (tmp / META_FILE).write_text(json.dumps(described))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             own = exc
             failure = describe_failure(write_error(extra, path, exc), exc)
-    if strategy.is_distributed:
-        failure, tmp = strategy.broadcast((failure, tmp), src=0)
+    if io.is_distributed:
+        failure, tmp = io.broadcast((failure, tmp), src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)
     assert tmp is not None
     # DCP flushes every shard file to disk itself (sync_files); rank 0 then flushes the rest before the swap.
@@ -129,15 +128,15 @@ def save(
         future = dcp.async_save(
             tensors,
             storage_writer=writer,
-            async_stager=_stager(strategy.root_device),
-            **_dcp_kwargs(strategy),
+            async_stager=_stager(io.root_device),
+            **_dcp_kwargs(io),
         )
         done: Future = Future()
 
         def finish(f: Future) -> None:
             try:
                 f.result()
-                if strategy.global_rank == 0:
+                if io.global_rank == 0:
                     # DCP's coordinator writes .metadata last, after every rank's shards: all are on disk.
                     if fsync:
                         atomic.fsync_tree(tmp)
@@ -149,11 +148,11 @@ def save(
         future.add_done_callback(finish)
         return done
     try:
-        dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(strategy))
+        dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(io))
     except Exception as exc:
         raise CheckpointError(f"Writing the sharded checkpoint {str(path)!r} failed: {exc}") from exc
     failure, own = None, None
-    if strategy.global_rank == 0:
+    if io.global_rank == 0:
         try:
             if fsync:
                 atomic.fsync_tree(tmp)
@@ -163,16 +162,10 @@ def save(
             failure = describe_failure(
                 f"Cannot move the sharded checkpoint into place at {str(path)!r}: {exc}", exc
             )
-    if strategy.is_distributed:
-        failure = strategy.broadcast(failure, src=0)
+    if io.is_distributed:
+        failure = io.broadcast(failure, src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)
     return None
-
-
-def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:
-    out = dict(meta)
-    out.pop("grad_scaler", None)  # tensors: kept in extra.pt instead
-    return out
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -239,62 +232,66 @@ def tensor_entries(md: Any) -> dict[str, dict[str, tuple[torch.Size, torch.dtype
 
 
 def load(
-    strategy: Strategy,
+    io: StateAccess,
     path: Path,
-    state: dict[str, Any],
+    entries: dict[str, Entry],
     strict: bool,
-    owner_of: OwnerLookup,
     weights_only: bool = True,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore `entries` from the sharded checkpoint at `path`. Returns the saved plain values and leftovers
+    (every entry, named or not, that is not loaded into an object), and the `__torchloom__` record."""
     meta = read_meta(path)
     md = read_dcp_metadata(path)
     stored = tensor_entries(md)
     extra = read_extra(path, weights_only)
+    run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
     kinds = meta.get("kinds") or {k: MODULE for k in stored}
-    check_missing(state, list(kinds), strict)
+    check_missing(entries, list(kinds), strict)
 
     template: dict[str, Any] = {}
-    for key, value in state.items():
+    for key, entry in entries.items():
         if key not in kinds or kinds[key] not in (MODULE, OPTIMIZER):
             continue
         if kinds[key] == MODULE:
-            module = state_module(value)
             # One state dict serves both the check and the template: each call walks the whole model.
-            current = strategy.module_state_dict(module, full=False)
+            current = io.module_state_dict(_module_of(entry, key), full=False)
             check_module_keys(shapes_of(current), stored.get(key, {}), strict, key)
             template[key] = {k: v for k, v in current.items() if k in stored.get(key, {})}
         else:
-            optimizer = unwrap_optimizer(value)
-            owner = owner_of(optimizer)
-            if owner is None:
+            if entry.owner is None:
                 raise CheckpointError(
                     f"Entry {key!r} is an optimizer whose parameters belong to no module set up with this Loom, so "
                     "its state cannot be matched by parameter name. Set up its model first."
                 )
-            template[key] = strategy.optimizer_state_dict(owner, optimizer, full=False)
+            template[key] = io.optimizer_state_dict(entry.owner, entry.obj, full=False)
     if template:
         try:
-            dcp.load(template, checkpoint_id=str(path), **_dcp_kwargs(strategy))
+            dcp.load(template, checkpoint_id=str(path), **_dcp_kwargs(io))
         except Exception as exc:
             raise CheckpointError(f"Loading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
-    for key, value in state.items():
+    for key, entry in entries.items():
         if key in template:
             if kinds[key] == MODULE:
-                strategy.load_module_state_dict(state_module(value), template[key], strict=strict, full=False)
+                io.load_module_state_dict(entry.obj, template[key], strict=strict, full=False)
             else:
-                optimizer = unwrap_optimizer(value)
-                strategy.load_optimizer_state_dict(owner_of(optimizer), optimizer, template[key], full=False)
+                io.load_optimizer_state_dict(entry.owner, entry.obj, template[key], full=False)
         elif key in extra:
-            restore_entry(strategy, state, key, extra[key], strict, owner_of)
-    if extra.get("__grad_scaler__") and strategy.precision is not None:
-        strategy.precision.load_state_dict(extra["__grad_scaler__"])
-    rng.restore_saved(strategy, extra.get("__rng__"))
-    unnamed = [k for k in kinds if k not in state]
-    remaining = {k: extra[k] for k in unnamed if k in extra}
-    tensor_keys = [k for k in unnamed if k not in extra]
+            restore_entry(io, key, entry, extra[key], strict)
+    wanted = [k for k in kinds if k not in entries or entries[k].kind == VALUE]
+    values = {k: extra[k] for k in wanted if k in extra}
+    tensor_keys = [k for k in wanted if k not in extra]
     if tensor_keys:
-        remaining.update(read_entries(path, tensor_keys))
-    return remaining
+        values.update(read_entries(path, tensor_keys))
+    return values, run_state
+
+
+def _module_of(entry: Entry, key: str) -> Any:
+    if entry.kind != MODULE:
+        raise CheckpointError(
+            f"Entry {key!r} of the checkpoint holds a model's state, but `state[{key!r}]` is not a module "
+            f"(a {type(entry.obj).__name__}). Pass the model there."
+        )
+    return entry.obj
 
 
 def read_extra(path: Path, weights_only: bool = True) -> dict[str, Any]:

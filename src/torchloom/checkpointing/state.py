@@ -1,33 +1,35 @@
 """Turning the user's `state` dict into saveable values, and loading saved values back into the objects.
 
-Modules and optimizers go through the strategy (which uses `torch.distributed.checkpoint.state_dict`): a
-module's keys are its own parameter names, an optimizer's state is keyed by parameter name. Objects with
-`state_dict()`/`load_state_dict()` (LR schedulers, user objects) are stored by their state dict; anything else is
-stored as it is.
+Modules and optimizers go through the layout's state-dict access (`StateAccess`, which strategies implement
+with `torch.distributed.checkpoint.state_dict`): a module's keys are its own parameter names, an optimizer's state
+is keyed by parameter name. Objects with `state_dict()`/`load_state_dict()` (LR schedulers, user objects) are
+stored by their state dict; anything else is stored as it is.
+
+`resolve` classifies each entry once, at the top of a save or load, including which module an optimizer's
+parameters belong to; everything below works on the resolved `Entry`s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from torchloom.checkpointing._interface import StateAccess
 from torchloom.errors import CheckpointError
 from torchloom.wrappers import LoomModule, LoomOptimizer, state_module, unwrap_optimizer
 
-if TYPE_CHECKING:
-    from torchloom.strategies.base import Strategy
-
 META_KEY = "__torchloom__"
-FORMAT_VERSION = 1
-
-# Finds the module whose parameters an optimizer updates (None: the optimizer has no known owner).
-OwnerLookup = Callable[[Optimizer], "nn.Module | None"]
+# 2: a sharded checkpoint keeps the grad scaler and the random generators in extra.pt's `__torchloom__` record,
+# as a full file keeps them in its `__torchloom__` metadata (version 1 stored them as `__grad_scaler__` and
+# `__rng__`; both are still read).
+FORMAT_VERSION = 2
 
 MODULE, OPTIMIZER, POSITIONAL_OPTIMIZER, STATEFUL, VALUE = (
     "module",
@@ -73,14 +75,42 @@ def has_state(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
-def kind_of(value: Any, owner_of: OwnerLookup) -> str:
-    if is_module(value):
-        return MODULE
-    if is_optimizer(value):
-        return OPTIMIZER if owner_of(unwrap_optimizer(value)) is not None else POSITIONAL_OPTIMIZER
-    if has_state(value):
-        return STATEFUL
-    return VALUE
+@dataclass(frozen=True)
+class Entry:
+    """One entry of the user's `state`, classified: `obj` is the module or optimizer itself (wrappers removed),
+    the object with state, or the plain value; `owner` is the module an optimizer's parameters belong to."""
+
+    kind: str
+    obj: Any
+    owner: nn.Module | None = None
+
+
+def resolve(state: dict[str, Any], modules: Iterable[nn.Module] = ()) -> dict[str, Entry]:
+    """Classify every entry of `state`. An optimizer is matched by parameter name when all its parameters
+    belong to one module: one of `state`'s own, or one of `modules` (those set up with the Loom)."""
+    check_state_arg(state)
+    candidates = [state_module(v) for v in state.values() if is_module(v)] + list(modules)
+    out: dict[str, Entry] = {}
+    for key, value in state.items():
+        if is_module(value):
+            out[key] = Entry(MODULE, state_module(value))
+        elif is_optimizer(value):
+            optimizer = unwrap_optimizer(value)
+            owner = _owner_of(optimizer, candidates)
+            out[key] = Entry(OPTIMIZER if owner is not None else POSITIONAL_OPTIMIZER, optimizer, owner)
+        elif has_state(value):
+            out[key] = Entry(STATEFUL, value)
+        else:
+            out[key] = Entry(VALUE, value)
+    return out
+
+
+def _owner_of(optimizer: Optimizer, candidates: list[nn.Module]) -> nn.Module | None:
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in candidates:
+        if ids <= {id(p) for p in module.parameters()}:
+            return module
+    return None
 
 
 def check_state_arg(state: Any) -> None:
@@ -93,29 +123,26 @@ def check_state_arg(state: Any) -> None:
         raise CheckpointError(f"{META_KEY!r} is reserved for torchloom's metadata; rename that entry.")
 
 
-def collect_state(
-    strategy: Strategy, state: dict[str, Any], owner_of: OwnerLookup, full: bool = True
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every entry as a saveable value, and each entry's kind. With `full=False`, modules and optimizers stay
-    sharded (DTensors) for `torch.distributed.checkpoint`."""
-    check_state_arg(state)
-    out: dict[str, Any] = {}
-    kinds: dict[str, str] = {}
-    for key, value in state.items():
-        kind = kinds[key] = kind_of(value, owner_of)
-        if kind == MODULE:
-            out[key] = strategy.module_state_dict(state_module(value), full=full)
-        elif kind == OPTIMIZER:
-            optimizer = unwrap_optimizer(value)
-            out[key] = strategy.optimizer_state_dict(owner_of(optimizer), optimizer, full=full)
-        elif kind == POSITIONAL_OPTIMIZER:
-            # Without an owning module there are no parameter names: PyTorch's positional format.
-            out[key] = unwrap_optimizer(value).state_dict()
-        elif kind == STATEFUL:
-            out[key] = value.state_dict()
-        else:
-            out[key] = value
-    return out, kinds
+def collect(io: StateAccess, entry: Entry, full: bool = True) -> Any:
+    """One entry as a saveable value. With `full=False`, modules and optimizers stay sharded (DTensors) for
+    `torch.distributed.checkpoint`."""
+    if entry.kind == MODULE:
+        return io.module_state_dict(entry.obj, full=full)
+    if entry.kind == OPTIMIZER:
+        assert entry.owner is not None  # resolve() gives every OPTIMIZER entry its owner
+        return io.optimizer_state_dict(entry.owner, entry.obj, full=full)
+    if entry.kind in (POSITIONAL_OPTIMIZER, STATEFUL):
+        # An optimizer without an owning module has no parameter names: PyTorch's positional format.
+        return entry.obj.state_dict()
+    return entry.obj
+
+
+def collect_state(io: StateAccess, entries: dict[str, Entry], full: bool = True) -> dict[str, Any]:
+    return {key: collect(io, entry, full) for key, entry in entries.items()}
+
+
+def kinds_of(entries: dict[str, Entry]) -> dict[str, str]:
+    return {key: entry.kind for key, entry in entries.items()}
 
 
 def check_missing(state: dict[str, Any], available: list[str], strict: bool) -> None:
@@ -128,29 +155,16 @@ def check_missing(state: dict[str, Any], available: list[str], strict: bool) -> 
 
 
 def restore_entry(
-    strategy: Strategy,
-    state: dict[str, Any],
-    key: str,
-    saved: Any,
-    strict: bool,
-    owner_of: OwnerLookup,
-    full: bool = True,
+    io: StateAccess, key: str, entry: Entry, saved: Any, strict: bool, full: bool = True
 ) -> None:
-    """Load one saved entry into `state[key]` in place (plain values replace `state[key]`)."""
-    value = state[key]
-    if is_module(value):
-        load_module(strategy, state_module(value), saved, strict, name=key, full=full)
-    elif is_optimizer(value):
-        optimizer = unwrap_optimizer(value)
-        owner = owner_of(optimizer)
-        if owner is None or is_positional(saved):
-            optimizer.load_state_dict(saved)
-        else:
-            strategy.load_optimizer_state_dict(owner, optimizer, saved, full=full)
-    elif has_state(value):
-        value.load_state_dict(saved)
-    else:
-        state[key] = saved
+    """Load one saved entry into its object in place (a plain value is the caller's to put back)."""
+    if entry.kind == MODULE:
+        load_module(io, entry.obj, saved, strict, name=key, full=full)
+    elif entry.kind == OPTIMIZER and not is_positional(saved):
+        assert entry.owner is not None
+        io.load_optimizer_state_dict(entry.owner, entry.obj, saved, full=full)
+    elif entry.kind in (OPTIMIZER, POSITIONAL_OPTIMIZER, STATEFUL):
+        entry.obj.load_state_dict(saved)
 
 
 def check_module_keys(
@@ -194,17 +208,17 @@ def shapes_of(state_dict: dict[str, Any]) -> dict[str, tuple[torch.Size, torch.d
 
 
 def load_module(
-    strategy: Strategy, module: nn.Module, saved: Any, strict: bool, name: str = "model", full: bool = True
+    io: StateAccess, module: nn.Module, saved: Any, strict: bool, name: str = "model", full: bool = True
 ) -> None:
     """Load a module's saved state after checking it against the module."""
     if not isinstance(saved, dict):
         raise CheckpointError(
             f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict."
         )
-    expected = strategy.module_state_shapes(module)
+    expected = io.module_state_shapes(module)
     check_module_keys(expected, shapes_of(saved), strict, name)
     usable = {k: v for k, v in saved.items() if k in expected}
-    strategy.load_module_state_dict(module, usable, strict=strict, full=full)
+    io.load_module_state_dict(module, usable, strict=strict, full=full)
 
 
 def is_positional(optimizer_state: Any) -> bool:

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from torchloom.checkpointing import atomic, full, hf, rng, sharded
-from torchloom.checkpointing.state import META_KEY, MODULE
+from torchloom.checkpointing import atomic, full, hf, record, sharded
+from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, MODULE
 from torchloom.errors import CheckpointError
 
 
@@ -144,17 +144,16 @@ def consolidate(
         result.update(sharded.read_entries(path, keys=[key]))
     if not model_only:
         extra = sharded.read_extra(path, weights_only)
-        scaler = extra.pop("__grad_scaler__", None)
-        generators = extra.pop("__rng__", None)
+        run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
         result.update(extra)
+        # The record a full save writes, in this torchloom's format version (the layout of any version read).
         result[META_KEY] = {
             **meta,
+            "version": FORMAT_VERSION,
             "format": "full",
-            "grad_scaler": scaler or {},
+            **run_state,
             "consolidated_from": str(path),
         }
-        if generators:
-            result[META_KEY][rng.KEY] = generators
     elif len(wanted) == 1:
         result = result[wanted[0]]
     if fmt == "hf":

@@ -9,15 +9,10 @@ raises an error that says to pass the strategy to `Loom(strategy=...)`.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import sys
-import traceback
 from collections.abc import Generator
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,16 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from torchloom import checkpointing
 from torchloom.accelerators import Accelerator
-from torchloom.checkpointing.state import torch_internal_warnings_filtered
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import (
-    CheckpointError,
     ConfigurationError,
     MisuseError,
-    describe_failure,
-    raise_shared_failure,
 )
 from torchloom.precision import Precision
 
@@ -81,8 +71,6 @@ class Strategy:
             raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")
         self._timeout = timeout
         self._binding: _Binding | None = None
-        self._pending_save: Any = None
-        self._exit_hook = False
 
     # ---- the one step that completes a strategy --------------------------------------------------------------
     def _bind(
@@ -271,11 +259,13 @@ class Strategy:
             )
 
     # ---- state for checkpoints -------------------------------------------------------------------------------
-    # torch.distributed.checkpoint's state-dict API serves every strategy: keys are the original module's own
-    # names, and optimizer state is keyed by parameter name rather than position. `full=False` asks for the
-    # sharded form (DTensors) that the sharded checkpoint format writes; unsharded strategies have only one form.
-    # The API is imported on first use: it pulls in FSDP and DTensor (about a second), which the launching
-    # process and a job that never saves do not need.
+    # What `torchloom.checkpointing` needs from a strategy (its `StateAccess` protocol: these state-dict
+    # methods, the checkpoint format and group, ranks, broadcast and all_gather_object); the checkpoints
+    # themselves are the Checkpointer's, which `Loom` holds. torch.distributed.checkpoint's state-dict API serves
+    # every strategy: keys are the original module's own names, and optimizer state is keyed by parameter name
+    # rather than position. `full=False` asks for the sharded form (DTensors) that the sharded checkpoint format
+    # writes; unsharded strategies have only one form. The API is imported on first use: it pulls in FSDP and
+    # DTensor (about a second), which the launching process and a job that never saves do not need.
 
     #: The checkpoint format `loom.save` writes: "full" (one file) or "sharded" (a directory).
     checkpoint_format: str = "full"
@@ -325,73 +315,8 @@ class Strategy:
         """The process group checkpoint I/O coordinates over (None in one process)."""
         return None
 
-    def save_checkpoint(
-        self,
-        path: Path,
-        state: dict[str, Any],
-        owner_of: checkpointing.OwnerLookup,
-        async_save: bool = False,
-        fsync: bool = True,
-    ) -> None:
-        self.finish_pending_save()
-        with torch_internal_warnings_filtered():
-            pending = checkpointing.save(
-                self, path, state, owner_of, self.checkpoint_format, async_save=async_save, fsync=fsync
-            )
-        if async_save and pending is None:
-            pending = Future()
-            pending.set_result(None)
-        self._pending_save = pending
-        if self._pending_save is not None and not self._exit_hook:
-            self._exit_hook = True
-            atexit.register(self._wait_at_exit)
-
-    def load_checkpoint(
-        self,
-        path: Path,
-        state: dict[str, Any],
-        strict: bool,
-        owner_of: checkpointing.OwnerLookup,
-        weights_only: bool = True,
-    ) -> dict[str, Any]:
-        self.finish_pending_save()
-        with torch_internal_warnings_filtered():
-            return checkpointing.load(self, path, state, strict, owner_of, weights_only=weights_only)
-
-    def finish_pending_save(self) -> None:
-        """Wait for the last `async_save`; raise here if it failed."""
-        # Every rank holds a future after an async save (a finished one where it had nothing to write), so all
-        # ranks agree on whether to meet here.
-        pending, self._pending_save = self._pending_save, None
-        if pending is None:
-            return
-        failure, own = None, None
-        try:
-            pending.result()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            own = exc
-            failure = describe_failure(
-                f"The previous asynchronous save failed: {type(exc).__name__}: {exc}", exc
-            )
-        rank = self.global_rank
-        if self.is_distributed:
-            # Every rank waits for rank 0, the one that moves the checkpoint into place.
-            failures = self.all_gather_object(failure)
-            rank, failure = next(((r, f) for r, f in enumerate(failures) if f), (rank, None))
-            own = own if rank == self.global_rank else None
-        raise_shared_failure(failure, rank, own, CheckpointError)
-
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
-
-    def _wait_at_exit(self) -> None:
-        pending = self._pending_save
-        if pending is not None:
-            try:
-                pending.result()
-            except Exception:  # noqa: BLE001 - the process is ending; say so, with the whole story
-                print("torchloom: the last asynchronous save failed:", file=sys.stderr)
-                traceback.print_exc(file=sys.stderr)
 
     # ---- collectives (identity in one process) ---------------------------------------------------------------
     def all_reduce(self, data: Any, reduce_op: str = "mean", group: Any = None) -> Any:

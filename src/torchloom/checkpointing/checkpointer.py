@@ -1,0 +1,218 @@
+"""`Checkpointer`: the one owner of checkpoints. `Loom` holds one and delegates `save`, `load`, `load_raw` and
+`save_raw` to it; it talks to the strategy only through `StateAccess` and to the precision only through
+`ScalerState`.
+
+It picks the format (the strategy's) when saving and detects it when loading, records torchloom's metadata and
+the run's state (`record`), and owns the asynchronous save's life: at most one save is pending; the next save,
+load, raw load or raw save waits for it first (one of them may be writing the very path), `close()` waits for it
+at the end of the job, and interpreter exit waits for it if `close()` never ran.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchloom.checkpointing import atomic, full, hf, record
+from torchloom.checkpointing._interface import ScalerState, StateAccess
+from torchloom.checkpointing.state import (
+    STATEFUL,
+    Entry,
+    collect,
+    kinds_of,
+    load_module,
+    resolve,
+    torch_internal_warnings_filtered,
+)
+from torchloom.errors import CheckpointError, MisuseError, describe_failure, raise_shared_failure
+
+#: `save(..., filter=)`: for an entry, a function `(name, value) -> bool` that keeps the matching items.
+Filter = Callable[[str, Any], bool]
+
+
+class Checkpointer:
+    """Saves and loads checkpoints for one Loom: `io` is its strategy, `scaler` its precision."""
+
+    def __init__(self, io: StateAccess, scaler: ScalerState) -> None:
+        self._io = io
+        self._scaler = scaler
+        self._pending: Future | None = None
+        self._exit_hook = False
+
+    # ---- the user's checkpoints ------------------------------------------------------------------------------
+    def save(
+        self,
+        path: Path,
+        state: dict[str, Any],
+        modules: Iterable[nn.Module] = (),
+        filter: dict[str, Filter] | None = None,
+        async_save: bool = False,
+        fsync: bool = True,
+    ) -> None:
+        """Every rank calls it. `modules` are the set-up modules an optimizer of `state` may belong to."""
+        self.finish_pending_save()
+        fmt = self._io.checkpoint_format
+        entries = resolve(state, modules)
+        if filter:
+            entries = self._filtered(entries, filter, fmt)
+        with torch_internal_warnings_filtered():
+            if fmt == "sharded":
+                # torch.distributed.checkpoint (about a second to import) is loaded when a sharded checkpoint
+                # is touched.
+                from torchloom.checkpointing import sharded
+
+                pending = sharded.save(
+                    self._io, path, entries, self._record(fmt, entries), async_save=async_save, fsync=fsync
+                )
+            else:
+                meta = self._record(fmt, entries) if full.needs_record(entries) else None
+                pending = full.save(self._io, path, entries, meta, async_save=async_save, fsync=fsync)
+        if async_save and pending is None:
+            # Every rank holds a future after an async save (a finished one where it had nothing to write), so
+            # all ranks agree on whether to meet in `finish_pending_save`.
+            pending = Future()
+            pending.set_result(None)
+        self._pending = pending
+        if pending is not None and not self._exit_hook:
+            self._exit_hook = True
+            atexit.register(self._wait_at_exit)
+
+    def load(
+        self,
+        path: Path,
+        state: dict[str, Any],
+        modules: Iterable[nn.Module] = (),
+        strict: bool = True,
+        weights_only: bool = True,
+    ) -> dict[str, Any]:
+        """Restore `state` in place (plain values are replaced in it); return the entries it did not name."""
+        self.finish_pending_save()
+        entries = resolve(state, modules)
+        path = atomic.recover(path)
+        with torch_internal_warnings_filtered():
+            # A path that does not exist is reported by full.read, with the same words for both formats.
+            if path.is_dir():  # a sharded checkpoint
+                from torchloom.checkpointing import sharded
+
+                values, run_state = sharded.load(self._io, path, entries, strict, weights_only=weights_only)
+            else:
+                values, run_state = full.load(self._io, path, entries, strict, weights_only=weights_only)
+        record.restore_run_state(self._io, self._scaler, run_state)
+        state.update({k: v for k, v in values.items() if k in entries})
+        return {k: v for k, v in values.items() if k not in entries}
+
+    def _record(self, fmt: str, entries: dict[str, Entry]) -> dict[str, Any]:
+        return {
+            **record.describe(self._io, self._scaler, fmt, kinds_of(entries)),
+            **record.run_state(self._io, self._scaler),
+        }
+
+    def _filtered(self, entries: dict[str, Entry], filter: dict[str, Filter], fmt: str) -> dict[str, Entry]:
+        if fmt != "full":
+            raise MisuseError(
+                "save(..., filter=) works with full checkpoints (one file). With FSDP, pass "
+                "state_dict_type='full' to the strategy, or save everything and filter when loading."
+            )
+        unknown = [k for k in filter if k not in entries]
+        if unknown:
+            raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
+        out = dict(entries)
+        for key, keep in filter.items():
+            # Recorded as an object with state: what it holds is not the whole module's or optimizer's state.
+            out[key] = Entry(STATEFUL, _Filtered(self._io, entries[key], keep))
+        return out
+
+    # ---- plain and Hugging Face files ------------------------------------------------------------------------
+    def load_raw(self, path: Path, obj: Any, strict: bool = True, weights_only: bool = True) -> Any:
+        """A plain state dict file into a module (`obj` unwrapped) or optimizer, or a Hugging Face checkpoint
+        into a module (returns its `(missing_keys, unexpected_keys)`)."""
+        # A pending asynchronous save may be writing this very path: let it finish (and report) first.
+        self.finish_pending_save()
+        is_module = isinstance(obj, nn.Module)
+        if hf.is_checkpoint(path):
+            if not is_module:
+                raise MisuseError("A safetensors checkpoint holds model weights: pass the model to load_raw.")
+            with torch_internal_warnings_filtered():
+                return hf.load(self._io, obj, path, strict)
+        raw = full.read(path, weights_only=weights_only)
+        if is_module:
+            load_module(self._io, obj, raw, strict, name=str(path))
+        else:
+            obj.load_state_dict(raw)
+        return None
+
+    def save_raw(
+        self,
+        out_dir: Path,
+        module: nn.Module,
+        dtype: torch.dtype | None = None,
+        max_shard_size: int | str = "5GB",
+        config: Any = None,
+    ) -> None:
+        self.finish_pending_save()
+        with torch_internal_warnings_filtered():
+            hf.save(self._io, module, out_dir, dtype, max_shard_size, config)
+
+    # ---- the asynchronous save's life ------------------------------------------------------------------------
+    def finish_pending_save(self) -> None:
+        """Wait for the last `async_save`; raise here, on every rank, if it failed on any."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        failure, own = None, None
+        try:
+            pending.result()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            own = exc
+            failure = describe_failure(
+                f"The previous asynchronous save failed: {type(exc).__name__}: {exc}", exc
+            )
+        rank = self._io.global_rank
+        if self._io.is_distributed:
+            # Every rank waits for rank 0, the one that moves the checkpoint into place.
+            failures = self._io.all_gather_object(failure)
+            rank, failure = next(((r, f) for r, f in enumerate(failures) if f), (rank, None))
+            own = own if rank == self._io.global_rank else None
+        raise_shared_failure(failure, rank, own, CheckpointError)
+
+    def close(self) -> None:
+        """The end of the job: wait for a pending save (raising if it failed); interpreter exit then has
+        nothing left to wait for."""
+        if self._exit_hook:
+            atexit.unregister(self._wait_at_exit)
+            self._exit_hook = False
+        self.finish_pending_save()
+
+    def _wait_at_exit(self) -> None:
+        pending = self._pending
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - the process is ending; say so, with the whole story
+                print("torchloom: the last asynchronous save failed:", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
+
+
+class _Filtered:
+    """An entry of `save(..., filter=)`: its state dict (collected as save would) with only the items `keep`
+    accepts."""
+
+    def __init__(self, io: StateAccess, entry: Entry, keep: Filter) -> None:
+        self._io, self._entry, self._keep = io, entry, keep
+
+    def state_dict(self) -> Any:
+        collected = collect(self._io, self._entry, full=True)
+        if not isinstance(collected, dict):
+            return collected
+        return {k: v for k, v in collected.items() if self._keep(k, v)}
+
+    def load_state_dict(self, state_dict: Any) -> None:  # only so that it counts as an object with state
+        raise NotImplementedError

@@ -1,0 +1,63 @@
+"""torchloom's own record in a checkpoint, under the reserved key `__torchloom__`: what wrote it (format version,
+format, world size, strategy, precision, the kind of each entry) and the run's state (the loss scaler and every
+rank's random generators).
+
+The run's state has one place in both formats: the `__torchloom__` record of the pickle torchloom writes, the
+full file itself or a sharded checkpoint's `extra.pt`. The descriptive part of a sharded checkpoint's record is
+kept in `torchloom.json` as well, readable without unpickling anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchloom.checkpointing import rng
+from torchloom.checkpointing._interface import ScalerState, StateAccess
+from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY
+
+#: The keys of the run's state inside the record (tensors and numbers: not JSON).
+GRAD_SCALER, RNG = "grad_scaler", rng.KEY
+RUN_STATE = (GRAD_SCALER, RNG)
+# Where format version 1 kept the run's state in a sharded checkpoint's extra.pt, as top-level entries.
+_V1_SHARDED = {"__grad_scaler__": GRAD_SCALER, "__rng__": RNG}
+
+
+def describe(io: StateAccess, scaler: ScalerState, fmt: str, kinds: dict[str, str]) -> dict[str, Any]:
+    """The descriptive part of the record (plain JSON values)."""
+    return {
+        "version": FORMAT_VERSION,
+        "format": fmt,
+        "world_size": io.world_size,
+        "strategy": io.name,
+        "precision": scaler.name,
+        "kinds": kinds,
+    }
+
+
+def run_state(io: StateAccess, scaler: ScalerState) -> dict[str, Any]:
+    """The loss scaler's state and every rank's generators (a collective: every rank calls it)."""
+    return {GRAD_SCALER: scaler.state_dict(), RNG: rng.gather(io)}
+
+
+def restore_run_state(io: StateAccess, scaler: ScalerState, record: dict[str, Any] | None) -> None:
+    if not isinstance(record, dict):
+        return
+    if record.get(GRAD_SCALER):
+        scaler.load_state_dict(record[GRAD_SCALER])
+    rng.restore_saved(io, record.get(RNG))
+
+
+def split(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(descriptive part, run state) of a record."""
+    return (
+        {k: v for k, v in record.items() if k not in RUN_STATE},
+        {k: v for k, v in record.items() if k in RUN_STATE},
+    )
+
+
+def pop_from_extra(extra: dict[str, Any], version: int) -> dict[str, Any]:
+    """Take the run's state out of a sharded checkpoint's extra.pt contents (format `version` wrote them)."""
+    if version >= 2:
+        found = extra.pop(META_KEY, None)
+        return dict(found) if isinstance(found, dict) else {}
+    return {key: extra.pop(old) for old, key in _V1_SHARDED.items() if old in extra}
