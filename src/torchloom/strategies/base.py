@@ -22,10 +22,7 @@ from torch.optim import Optimizer
 
 from torchloom.accelerators import Accelerator
 from torchloom.environments import ClusterEnvironment
-from torchloom.errors import (
-    ConfigurationError,
-    MisuseError,
-)
+from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.precision import Precision
 
 if TYPE_CHECKING:
