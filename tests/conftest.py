@@ -35,3 +35,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         else:
             continue
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+_GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_outlives_its_test():
+    """A test that runs a one-process sharded Loom in the test process (and does not close it) must not leave
+    its process group or its exported rank variables to the next test, which would see a torchrun job."""
+    before = {key: os.environ.get(key) for key in _GROUP_ENV}
+    yield
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

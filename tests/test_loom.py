@@ -223,6 +223,23 @@ def test_launch_twice_is_harmless():
 
 
 # ---- one process ---------------------------------------------------------------------------------------------
+def test_a_closed_one_process_sharded_loom_leaves_no_rank_variables(monkeypatch):
+    # A notebook trains on one process with fsdp2, then asks for 2 processes: the second Loom must not mistake
+    # the first one's exported rank variables for a torchrun job of world size 1.
+    import torch.distributed as dist
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    with Loom(accelerator="cpu", devices=1, strategy="fsdp2") as loom:
+        loom.launch()
+        assert dist.is_initialized() and os.environ["WORLD_SIZE"] == "1"
+    assert not dist.is_initialized()
+    assert [
+        k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ
+    ] == []
+    assert Loom(accelerator="cpu", devices=2).world_size == 2
+
+
 def test_single_process_defaults_and_identity_collectives(capsys):
     loom = Loom(accelerator="cpu")
     assert isinstance(loom.strategy, SingleDeviceStrategy)

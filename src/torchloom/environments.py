@@ -43,16 +43,32 @@ class ClusterEnvironment:
         """Processes on this node, where the environment says; None where it does not."""
         return None
 
-    def export(self) -> None:
-        """Write MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE so `init_process_group(init_method="env://")` works."""
-        os.environ["MASTER_ADDR"] = self.main_address
-        os.environ["MASTER_PORT"] = str(self.main_port)
-        os.environ["RANK"] = str(self.global_rank())
-        os.environ["WORLD_SIZE"] = str(self.world_size())
-        os.environ["LOCAL_RANK"] = str(self.local_rank())
+    def export(self) -> dict[str, str | None]:
+        """Write MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK so `init_process_group(init_method="env://")`
+        works. Returns what they were before, for `restore_environment`."""
+        values = {
+            "MASTER_ADDR": self.main_address,
+            "MASTER_PORT": str(self.main_port),
+            "RANK": str(self.global_rank()),
+            "WORLD_SIZE": str(self.world_size()),
+            "LOCAL_RANK": str(self.local_rank()),
+        }
+        previous = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
+        return previous
 
     def __repr__(self) -> str:
         return type(self).__name__
+
+
+def restore_environment(previous: dict[str, str | None]) -> None:
+    """Undo `ClusterEnvironment.export`. A process that ran a one-process sharded job (a notebook, a test) must
+    not look like a rank of a torchrun job to the next `Loom` it creates."""
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class TorchElasticEnvironment(ClusterEnvironment):

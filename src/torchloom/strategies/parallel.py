@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchloom import _torch_compat, diagnostics
+from torchloom.environments import restore_environment
 from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.launcher import _is_peer_failure
 from torchloom.strategies._gather import all_gather_with_grads
@@ -81,7 +82,7 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             return
         env = self.cluster_environment
-        env.export()
+        self._exported_environment = env.export()
         kwargs: dict[str, Any] = {}
         if self.root_device.type == "cuda":
             # Binding the group to this rank's GPU lets NCCL connect eagerly and avoids device guessing.
@@ -111,6 +112,9 @@ class ParallelStrategy(Strategy):
         else:
             diagnostics.start(self.global_rank, self.world_size)
 
+    #: What `setup_environment` found in the variables it set, restored by `teardown`.
+    _exported_environment: dict[str, str | None] | None = None
+
     #: Set when this rank's work ended in an exception: its exit then does not wait for the other ranks.
     failed: bool = False
 
@@ -118,6 +122,9 @@ class ParallelStrategy(Strategy):
         """Wait until every rank is done (at most `exit_timeout()`), then destroy the process group."""
         diagnostics.stop()
         shutdown_process_group(self.world_size, min(self.timeout, exit_timeout()))
+        if self._exported_environment is not None:
+            restore_environment(self._exported_environment)
+            self._exported_environment = None
 
     def _teardown_at_exit(self) -> None:
         # A rank dying of an exception skips this: the launcher stops the job anyway, and its peers may be stuck
