@@ -61,7 +61,7 @@ class StateAccess(Protocol):
     ) -> Any: ...
 
     def optimizer_state_dict(
-        self, module: nn.Module, optimizer: Optimizer, full: bool = True
+        self, module: nn.Module, optimizer: Optimizer, full: bool = True, template: bool = False
     ) -> dict[str, Any]: ...
 
     def load_optimizer_state_dict(

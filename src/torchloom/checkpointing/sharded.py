@@ -263,7 +263,9 @@ def load(
                     f"Entry {key!r} is an optimizer whose parameters belong to no module set up with this Loom, so "
                     "its state cannot be matched by parameter name. Set up its model first."
                 )
-            template[key] = io.optimizer_state_dict(entry.owner, entry.obj, full=False)
+            template[key] = _stored_optimizer_state(
+                io.optimizer_state_dict(entry.owner, entry.obj, full=False, template=True), key, md
+            )
     if template:
         try:
             dcp.load(template, checkpoint_id=str(path), **_dcp_kwargs(io))
@@ -283,6 +285,25 @@ def load(
     if tensor_keys:
         values.update(read_entries(path, tensor_keys))
     return values, run_state
+
+
+def _stored_optimizer_state(current: dict[str, Any], key: str, md: Any) -> dict[str, Any]:
+    """The load template for optimizer entry `key`: its state dict, less the state of parameters that had none
+    when saved. An optimizer has state only for the parameters it has stepped (none before the first step or
+    after a step the loss scaler skipped; none for a parameter that never got a gradient), but PyTorch gives a
+    fresh optimizer state for every parameter to build the template. A parameter with none of its state keys in
+    the checkpoint had no state; one with only some of them is still asked for whole, so a damaged checkpoint
+    still fails to load."""
+    saved = md.state_dict_metadata
+    state = current.get("state")
+    if not isinstance(state, dict):
+        return current
+    kept = {
+        param: value
+        for param, value in state.items()
+        if not isinstance(value, dict) or any(f"{key}.state.{param}.{name}" in saved for name in value)
+    }
+    return {**current, "state": kept}
 
 
 def _module_of(entry: Entry, key: str) -> Any:

@@ -292,20 +292,39 @@ class Strategy:
         )
 
     def optimizer_state_dict(
-        self, module: nn.Module, optimizer: Optimizer, full: bool = True
+        self, module: nn.Module, optimizer: Optimizer, full: bool = True, template: bool = False
     ) -> dict[str, Any]:
+        """The optimizer's state dict. With `template`, the template to load a checkpoint into: state for every
+        parameter, which PyTorch creates (a zero-gradient step at lr 0) if the optimizer has none yet."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
+        had_state = bool(optimizer.state)
+        state = get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
+        if not had_state and not template:
+            # PyTorch gives an optimizer without state and without gradients (before its first step) state to
+            # save by stepping it with zero gradients at lr 0: that would leave the live optimizer one step count
+            # ahead (Adam's next update then uses the wrong bias correction) and save state it never had. Undo
+            # both, so a checkpoint holds exactly the state the optimizer had.
+            optimizer.state.clear()
+            state["state"] = {}
+        return state
 
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        stateless = not state.get("state")
+        # strict=False: a parameter without saved state is no damage, it had none when saved (it never got a
+        # gradient); with strict, PyTorch refuses it. A truncated sharded checkpoint still fails in DCP's load,
+        # which asks for every key of every parameter that has state (`sharded._stored_optimizer_state`).
         set_optimizer_state_dict(
-            module, optimizer, state, options=self._state_dict_options(full, loading=True)
+            module, optimizer, state, options=self._state_dict_options(full, loading=True, strict=False)
         )
+        if stateless:
+            # PyTorch initialises the optimizer's state (a zero-gradient step at lr 0) before it loads; a saved
+            # optimizer that had no state (before its first step, or after a skipped one) must get none.
+            optimizer.state.clear()
 
     @property
     def checkpoint_group(self) -> Any:
