@@ -314,17 +314,18 @@ class Strategy:
     ) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        stateless = not state.get("state")
+        stateless = _params_without_state(optimizer, state)
         # strict=False: a parameter without saved state is no damage, it had none when saved (it never got a
         # gradient); with strict, PyTorch refuses it. A truncated sharded checkpoint still fails in DCP's load,
         # which asks for every key of every parameter that has state (`sharded._stored_optimizer_state`).
         set_optimizer_state_dict(
             module, optimizer, state, options=self._state_dict_options(full, loading=True, strict=False)
         )
-        if stateless:
-            # PyTorch initialises the optimizer's state (a zero-gradient step at lr 0) before it loads; a saved
-            # optimizer that had no state (before its first step, or after a skipped one) must get none.
-            optimizer.state.clear()
+        # PyTorch initialises the optimizer's state (a zero-gradient step at lr 0) before it loads, and the full
+        # format's load keeps that state for parameters the checkpoint has none for; a parameter that had no state
+        # when saved (before the first step, after a skipped one, or one that never got a gradient) gets none.
+        for param in stateless:
+            optimizer.state.pop(param, None)
 
     @property
     def checkpoint_group(self) -> Any:
@@ -399,3 +400,23 @@ def _reduce_op(name: str) -> dist.ReduceOp:
     if key not in _REDUCE_OPS:
         raise ValueError(f"Unknown reduce_op {name!r}. Valid: {', '.join(repr(k) for k in _REDUCE_OPS)}.")
     return _REDUCE_OPS[key]
+
+
+def _params_without_state(optimizer: Optimizer, state: dict[str, Any]) -> list[torch.Tensor]:
+    """The optimizer's parameters that `state` (a name-keyed optimizer state dict) holds no state for. Its groups
+    list parameter names in the optimizer's own order (what PyTorch's loading relies on too); where the layout
+    differs (FSDP1's flat parameters), none are named and PyTorch's load alone decides."""
+    saved_state, saved_groups = state.get("state"), state.get("param_groups")
+    if not isinstance(saved_state, dict) or not isinstance(saved_groups, list):
+        return []
+    if not saved_state:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+    if len(saved_groups) != len(optimizer.param_groups):
+        return []
+    out = []
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        names = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(names, list) or len(names) != len(group["params"]):
+            return []
+        out.extend(p for name, p in zip(names, group["params"]) if name not in saved_state)
+    return out
