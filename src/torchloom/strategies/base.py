@@ -414,9 +414,9 @@ def _params_without_state(optimizer: Optimizer, state: dict[str, Any]) -> list[t
     if len(saved_groups) != len(optimizer.param_groups):
         return []
     out = []
-    for saved, group in zip(saved_groups, optimizer.param_groups):
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
         names = saved.get("params") if isinstance(saved, dict) else None
         if not isinstance(names, list) or len(names) != len(group["params"]):
             return []
-        out.extend(p for name, p in zip(names, group["params"]) if name not in saved_state)
+        out.extend(p for name, p in zip(names, group["params"], strict=True) if name not in saved_state)
     return out
