@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: what a machine with a CUDA GPU runs, in under 10 minutes, to prove the GPU path.
 #
-#   1. the CUDA tests (pytest -m cuda tests/gpu): every strategy x precision on 1 and 2 GPUs, hand-made units,
+#   1. the CUDA tests (pytest -m cuda tests: tests/gpu and the CUDA cases elsewhere): every strategy x precision
+#      on 1 and 2 GPUs, hand-made units, offload placement, the desync report under NCCL,
 #      meta init with and without cpu_offload, checkpoints with offload, the leftover sync under NCCL;
 #   2. benchmarks/step_overhead.py --device cuda: torchloom's step time against raw PyTorch on 2 GPUs;
 #   3. benchmarks/memory.py --device cuda: torch.cuda.max_memory_allocated against the floor, on 2 GPUs;
@@ -50,7 +51,7 @@ fail() {
 }
 
 # The benchmarks' own smoke test is left out: steps 2 and 3 run them at full size.
-TESTS_CMD=("$PY" -m pytest -q -m cuda -rs -k "not benchmarks_tiny" tests/gpu)
+TESTS_CMD=("$PY" -m pytest -q -m cuda -rs -k "not benchmarks_tiny" tests)
 STEP_CMD=("$PY" benchmarks/step_overhead.py --device cuda --dim 1024 --tokens 1024 --repeats 40
     --json "$OUT/step_overhead_cuda.json")
 MEMORY_CMD=("$PY" benchmarks/memory.py --device cuda --configs a,a_raw,c --json "$OUT/memory_cuda.json")
