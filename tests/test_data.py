@@ -288,3 +288,78 @@ def test_a_custom_sampler_resumes_at_every_world_size():
     assert parts(2, 0) == whole and parts(1, 0) == whole  # the same draw at every world size
     for ws in (1, 2, 3):
         assert parts(ws, 7)[:13] == whole[7:], ws
+
+
+def _rebuilt_every_epoch(rank: int, world_size: int, ckpt: str, save_after: int | None, resume: bool):
+    """A loop that builds and sets up its loaders again every epoch (k-fold style: a shuffled loader and a
+    `SubsetRandomSampler` one over the same dataset). Returns every epoch's global order of both."""
+    from torch.utils.data import SubsetRandomSampler
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
+    loom.launch()
+    loom.seed_everything(3)
+    data = TensorDataset(torch.arange(12))
+    model = loom.setup_module(nn.Linear(1, 1))
+    first = 0
+    if resume:
+        first = loom.load(ckpt, {"model": model})["epoch"] + 1
+    orders = []
+    for epoch in range(first, 4):
+        shuffled = loom.setup_dataloaders(DataLoader(data, batch_size=2, shuffle=True))
+        subset = loom.setup_dataloaders(DataLoader(data, batch_size=2, sampler=SubsetRandomSampler(range(6))))
+        orders.append(
+            [
+                [i for (idx,) in loader for i in loom.all_gather(idx).T.flatten().tolist()]
+                for loader in (shuffled, subset)
+            ]
+        )
+        if epoch == save_after:
+            loom.save(ckpt, {"model": model, "epoch": epoch})
+    return orders
+
+
+@pytest.mark.timeout(300)
+def test_a_loader_set_up_again_every_epoch_gets_a_new_order_that_resumes(tmp_path):
+    """As a new DataLoader does in plain PyTorch, a loader set up again draws a new order: never its first
+    epoch's order again. The orders are the same at every world size, and a checkpoint keeps the count of loaders
+    set up, so a resumed run sets up the same orders as the uninterrupted one."""
+    ckpt = str(tmp_path / "ckpt.pt")
+    alone = _rebuilt_every_epoch(0, 1, ckpt, None, False)
+    shuffled = [epoch[0] for epoch in alone]
+    subsets = [epoch[1] for epoch in alone]
+    assert all(sorted(order) == list(range(12)) for order in shuffled)
+    assert all(sorted(order) == list(range(6)) for order in subsets)
+    assert len({tuple(o) for o in shuffled}) == 4, shuffled  # no epoch repeats another's order
+    assert len({tuple(o) for o in subsets}) == 4, subsets
+    # The first loader set up keeps DistributedSampler's order for the global seed.
+    g = torch.Generator().manual_seed(3)
+    assert shuffled[0] == torch.randperm(12, generator=g).tolist()
+
+    two = run_ranks(_rebuilt_every_epoch, 2, ckpt, 1, False)
+    assert two[0] == two[1] == alone  # world-size independent
+    resumed = run_ranks(_rebuilt_every_epoch, 2, ckpt, None, True)
+    assert resumed[0] == alone[2:]
+    # Resumed on another world size too.
+    assert _rebuilt_every_epoch(0, 1, ckpt, None, True) == alone[2:]
+
+
+def test_seeding_again_replays_the_same_loader_orders():
+    """As in plain PyTorch, where seeding again makes a new loader repeat the orders drawn after the last
+    seeding: the count of set-up loaders restarts at every seed_everything."""
+    loom = Loom(accelerator="cpu", devices=1)
+    data = TensorDataset(torch.arange(20))
+
+    def orders() -> list[list[int]]:
+        loom.seed_everything(5)
+        return [
+            [
+                int(i)
+                for (idx,) in loom.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+                for i in idx
+            ]
+            for _ in range(3)
+        ]
+
+    first = orders()
+    assert len({tuple(o) for o in first}) == 3
+    assert orders() == first

@@ -638,7 +638,9 @@ def test_shuffle_seed_follows_lightnings_seed_everything(monkeypatch):
     loader = loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True))
     assert loader.sampler.seed == 42
     monkeypatch.setenv("TORCHLOOM_SEED", "3")  # torchloom's own seed_everything wins
-    assert loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True)).sampler.seed == 3
+    # (A new Loom: a second loader set up on this one would get a seed of its own, derived from the seed.)
+    loader = Loom(accelerator="cpu").setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True))
+    assert loader.sampler.seed == 3
 
 
 # ---- `torchloom run` joins the group in Loom(), as `fabric run` does -------------------------------------------

@@ -270,6 +270,19 @@ def shard_policy_of_class_names(tmp: Path) -> None:
 
 
 @mistake(
+    ConfigurationError,
+    "is an FSDP1 auto-wrap policy (module, recurse, nonwrapped_numel)",
+    "pass the set of your block classes",
+)
+def shard_policy_in_fsdp1_form(tmp: Path) -> None:
+    import functools
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    FSDP2Strategy(shard_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}))
+
+
+@mistake(
     ConfigurationError, "got ['Block']", "auto_wrap_policy must be a set of nn.Module classes or a callable"
 )
 def auto_wrap_policy_of_class_names(tmp: Path) -> None:

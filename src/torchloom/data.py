@@ -12,6 +12,7 @@ with another, it still sees each remaining sample of the epoch once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Iterator
@@ -24,6 +25,18 @@ from torchloom.errors import CheckpointError, MisuseError
 from torchloom.seed import seed_generators_from
 
 log = logging.getLogger("torchloom")
+
+
+def loader_seed(seed: int, number: int) -> int:
+    """The sampler seed of the `number`-th loader a Loom sets up (counting from 0), from the global `seed`.
+
+    The first keeps `seed` itself (the order `DistributedSampler(seed=seed)` gives). Later ones get a seed hashed
+    from both: a loader built again every epoch would otherwise repeat its first epoch's order forever, and
+    `seed + number` would make loader n's epoch e the order of loader n + 1's epoch e - 1."""
+    if number == 0:
+        return seed
+    digest = hashlib.blake2b(f"torchloom-loader/{seed}/{number}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def move_to_device(data: Any, device: torch.device) -> Any:

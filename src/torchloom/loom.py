@@ -23,13 +23,14 @@ from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
 from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
+from torchloom.data import loader_seed
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
 from torchloom.run import RUN_ENV
-from torchloom.seed import add_worker_seeding, global_seed, seed_everything
+from torchloom.seed import add_worker_seeding, global_seed, on_reseed, seed_everything
 from torchloom.strategies.base import Strategy
 from torchloom.strategies.parallel import ParallelStrategy
 from torchloom.wrappers import (
@@ -96,7 +97,13 @@ class Loom:
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         # Checkpoints are the Checkpointer's; it reaches the strategy and its precision through declared protocols.
-        self._checkpointer = Checkpointer(self._strategy, self._strategy.precision)  # type: ignore[arg-type]
+        # Loaders set up since the last seed_everything: each gets its own order (see setup_dataloaders); a
+        # checkpoint keeps the count.
+        self._counters = {"loaders": 0}
+        on_reseed(self)
+        self._checkpointer = Checkpointer(  # type: ignore[arg-type]
+            self._strategy, self._strategy.precision, self._counters
+        )
         self._launched = False
         self._closed = False
         self._rank_ready = False  # this process is a rank that has joined the process group
@@ -356,6 +363,12 @@ class Loom:
         """Give each rank its own part of the data (shuffle kept, epoch advanced per pass) and move batches to
         `loom.device`. Returns one loader or a tuple.
 
+        Each pass over a returned loader is a new epoch with a new order. A loader built again and set up again
+        (every epoch, every fold) gets a new order too, as a new `DataLoader` does in plain PyTorch: the n-th
+        loader set up on this Loom since the last `seed_everything` shuffles from a seed derived from the global
+        seed and n, the same on every rank and at every world size (seeding again replays the same orders), and
+        a checkpoint keeps n so a resumed run continues the same orders.
+
         Every DataLoader worker of every rank gets its own random seed (from the global seed, the rank and the
         worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across workers or
         ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)` turns this off."""
@@ -370,9 +383,9 @@ class Loom:
             if use_distributed_sampler:
                 # In one process too: the global order of an epoch is then the same at every world size, which
                 # is what lets a run saved on N ranks resume on M (see torchloom.data).
-                loader = with_distributed_sampler(
-                    loader, self.world_size, self.global_rank, seed=global_seed()
-                )
+                seed = loader_seed(global_seed(), self._counters["loaders"])
+                loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
+            self._counters["loaders"] += 1
             add_worker_seeding(loader, self.global_rank)
             out.append(LoomDataLoader(loader, self.device if move_to_device else None, self.world_size))
         return out[0] if len(out) == 1 else tuple(out)
@@ -703,6 +716,9 @@ class Loom:
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
         """Seed Python, NumPy (if installed) and torch; returns the seed. See `torchloom.seed_everything`."""
         return seed_everything(seed, workers=workers, verbose=verbose)
+
+    def _reseeded(self) -> None:
+        self._counters["loaders"] = 0
 
     def __repr__(self) -> str:
         return (

@@ -7,6 +7,7 @@ import hashlib
 import os
 import random
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,15 @@ from torch.utils.data import DataLoader
 
 SEED_ENV = "TORCHLOOM_SEED"
 SEED_WORKERS_ENV = "TORCHLOOM_SEED_WORKERS"
+
+# Objects told when `seed_everything` runs (their `_reseeded()` is called): a Loom numbers the loaders it sets up
+# from the last seeding, so seeding again replays the same orders, as it does in plain PyTorch.
+_RESEED_LISTENERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def on_reseed(listener: Any) -> None:
+    """Call `listener._reseeded()` after every later `seed_everything` (held weakly)."""
+    _RESEED_LISTENERS.add(listener)
 
 
 def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
@@ -42,6 +52,8 @@ def seed_everything(seed: int | None = None, workers: bool | None = None, verbos
     except ImportError:
         pass
     torch.manual_seed(seed)
+    for listener in list(_RESEED_LISTENERS):
+        listener._reseeded()
     return seed
 
 

@@ -4,12 +4,13 @@ them (`CPUOffload` objects, `device_mesh=(replicate, shard)`, `mixed_precision=`
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import pytest
 import torch
-from fsdp_models import Block, Net, full_state, reference, train
+from fsdp_models import N_BLOCKS, Block, Net, full_state, reference, train
 from harness import run_ranks
 from torch.distributed.fsdp import (
     CPUOffload,
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     ShardingStrategy,
 )
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from torchloom import Loom
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy
@@ -68,6 +70,28 @@ CONFIGS = {
         lambda: FSDP2Strategy(shard_policy={Block}, cpu_offload=OffloadPolicy()),
         "32-true",
     ),
+    # Policies as callables: a predicate(module) for the units, and FSDP1's (module, recurse, nonwrapped_numel)
+    # form (what Fabric's users pass) for checkpointing, size-based and by class.
+    "fsdp-checkpointing-policy-callables": (
+        lambda: FSDPStrategy(
+            auto_wrap_policy=lambda module: isinstance(module, Block),
+            activation_checkpointing_policy=functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls={Block}
+            ),
+        ),
+        "32-true",
+    ),
+    "fsdp2-checkpointing-size-policy": (
+        lambda: FSDP2Strategy(
+            shard_policy={Block},
+            # A Block holds 1072 parameters, its layers 544 at most, the embedding and head fewer: exactly the
+            # blocks are wrapped (the ModuleList's remainder is 0, and torch's recursion never wraps the root).
+            activation_checkpointing_policy=functools.partial(
+                size_based_auto_wrap_policy, min_num_params=1000
+            ),
+        ),
+        "32-true",
+    ),
     "fsdp-checkpointing-deprecated": (
         lambda: FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing=Block),
         "32-true",
@@ -104,7 +128,12 @@ def _body(rank: int, world_size: int, name: str) -> dict:
     return {
         "params": full_state(model),
         "norms": norms,
-        "checkpointed": any(isinstance(m, CheckpointWrapper) for m in model.forward_module.modules()),
+        "checkpointed": sorted(
+            _class_name(m._checkpoint_wrapped_module)
+            for m in model.forward_module.modules()
+            if isinstance(m, CheckpointWrapper)
+        ),
+        "units": _unit_types(model.forward_module),
         "mesh": tuple(loom.strategy.device_mesh.mesh.shape),
         "shard_size": _shard_size(model.forward_module),
         "offload": _offloaded(model.forward_module),
@@ -121,6 +150,23 @@ def _shard_size(module: torch.nn.Module) -> int:
         return unit.process_group.size()  # FSDP1: its sharding group (within a replica under hybrid)
     param = next(p for p in module.parameters() if isinstance(p, DTensor))
     return math.prod(param.device_mesh.size(i) for i, pl in enumerate(param.placements) if pl.is_shard())
+
+
+def _unit_types(module: torch.nn.Module) -> list[str]:
+    """The class of every module that is an FSDP unit (FSDP1 wrappers or FSDP2-managed modules)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def name(m: torch.nn.Module) -> str:
+        inner = m.module if isinstance(m, FSDP) else m
+        return _class_name(getattr(inner, "_checkpoint_wrapped_module", inner))
+
+    return sorted(name(m) for m in module.modules() if isinstance(m, (FSDP, FSDPModule)))
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    # fully_shard gives a module the class FSDP<its class>.
+    return type(module).__name__.removeprefix("FSDP")
 
 
 def _offloaded(module: torch.nn.Module) -> set[bool]:
@@ -186,7 +232,10 @@ def test_option_parity(name):
             assert _largest_gap(result["params"], fp32) > 0.5 * bf16_effect, (rank, bf16_effect)
             norms, ref = torch.tensor(result["norms"]), torch.tensor(expected_norms)
             assert float((norms - ref).abs().max()) < 0.02 * float(ref.abs().max()), (norms, ref)
-    assert results[0]["checkpointed"] == ("checkpointing" in name)
+    # A checkpointing policy wraps exactly the blocks.
+    assert results[0]["checkpointed"] == (["Block"] * N_BLOCKS if "checkpointing" in name else [])
+    if "policy" in name:
+        assert results[0]["units"] == ["Block"] * N_BLOCKS + ["Net"], results[0]["units"]
     if name in MESHES:
         assert (results[0]["mesh"], results[0]["shard_size"]) == MESHES[name]
     if name.startswith("fsdp-"):

@@ -39,11 +39,14 @@ Filter = Callable[[str, Any], bool]
 
 
 class Checkpointer:
-    """Saves and loads checkpoints for one Loom: `io` is its strategy, `scaler` its precision."""
+    """Saves and loads checkpoints for one Loom: `io` is its strategy, `scaler` its precision, `counters` the
+    numbers the Loom keeps that a resumed run must continue from (saved with the run's state, updated in place by
+    a load)."""
 
-    def __init__(self, io: StateAccess, scaler: ScalerState) -> None:
+    def __init__(self, io: StateAccess, scaler: ScalerState, counters: dict[str, int] | None = None) -> None:
         self._io = io
         self._scaler = scaler
+        self._counters = counters if counters is not None else {}
         self._pending: Future | None = None
         self._exit_hook = False
 
@@ -105,14 +108,14 @@ class Checkpointer:
                 values, run_state = sharded.load(self._io, path, entries, strict, weights_only=weights_only)
             else:
                 values, run_state = full.load(self._io, path, entries, strict, weights_only=weights_only)
-        record.restore_run_state(self._io, self._scaler, run_state)
+        record.restore_run_state(self._io, self._scaler, self._counters, run_state)
         state.update({k: v for k, v in values.items() if k in entries})
         return {k: v for k, v in values.items() if k not in entries}
 
     def _record(self, fmt: str, entries: dict[str, Entry]) -> dict[str, Any]:
         return {
             **record.describe(self._io, self._scaler, fmt, kinds_of(entries)),
-            **record.run_state(self._io, self._scaler),
+            **record.run_state(self._io, self._scaler, self._counters),
         }
 
     def _filtered(self, entries: dict[str, Entry], filter: dict[str, Filter], fmt: str) -> dict[str, Entry]:

@@ -1,6 +1,6 @@
 """torchloom's own record in a checkpoint, under the reserved key `__torchloom__`: what wrote it (format version,
-format, world size, strategy, precision, the kind of each entry) and the run's state (the loss scaler and every
-rank's random generators).
+format, world size, strategy, precision, the kind of each entry) and the run's state (the loss scaler, every
+rank's random generators, and the Loom's counters).
 
 The run's state has one place in both formats: the `__torchloom__` record of the pickle torchloom writes, the
 full file itself or a sharded checkpoint's `extra.pt`. The descriptive part of a sharded checkpoint's record is
@@ -16,8 +16,8 @@ from torchloom.checkpointing._interface import ScalerState, StateAccess
 from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY
 
 #: The keys of the run's state inside the record (tensors and numbers: not JSON).
-GRAD_SCALER, RNG = "grad_scaler", rng.KEY
-RUN_STATE = (GRAD_SCALER, RNG)
+GRAD_SCALER, RNG, COUNTERS = "grad_scaler", rng.KEY, "counters"
+RUN_STATE = (GRAD_SCALER, RNG, COUNTERS)
 # Where format version 1 kept the run's state in a sharded checkpoint's extra.pt, as top-level entries.
 _V1_SHARDED = {"__grad_scaler__": GRAD_SCALER, "__rng__": RNG}
 
@@ -34,17 +34,22 @@ def describe(io: StateAccess, scaler: ScalerState, fmt: str, kinds: dict[str, st
     }
 
 
-def run_state(io: StateAccess, scaler: ScalerState) -> dict[str, Any]:
-    """The loss scaler's state and every rank's generators (a collective: every rank calls it)."""
-    return {GRAD_SCALER: scaler.state_dict(), RNG: rng.gather(io)}
+def run_state(io: StateAccess, scaler: ScalerState, counters: dict[str, int]) -> dict[str, Any]:
+    """The loss scaler's state, every rank's generators and the Loom's counters (a collective: every rank calls
+    it)."""
+    return {GRAD_SCALER: scaler.state_dict(), RNG: rng.gather(io), COUNTERS: dict(counters)}
 
 
-def restore_run_state(io: StateAccess, scaler: ScalerState, record: dict[str, Any] | None) -> None:
+def restore_run_state(
+    io: StateAccess, scaler: ScalerState, counters: dict[str, int], record: dict[str, Any] | None
+) -> None:
     if not isinstance(record, dict):
         return
     if record.get(GRAD_SCALER):
         scaler.load_state_dict(record[GRAD_SCALER])
     rng.restore_saved(io, record.get(RNG))
+    # Checkpoints written before the counters existed leave them as they are.
+    counters.update({k: int(v) for k, v in (record.get(COUNTERS) or {}).items() if k in counters})
 
 
 def split(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import sys
@@ -41,9 +42,32 @@ STATE_DICT_TYPES = ("sharded", "full")
 ModulePolicy = Callable[[nn.Module], bool]
 
 
-def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
+def is_wrap_policy(policy: Any) -> bool:
+    """Whether `policy` has FSDP1's auto-wrap form rather than being a predicate `(module) -> bool`: a policy
+    object (`ModuleWrapPolicy`, `CustomPolicy`) or a callable taking `(module, recurse, nonwrapped_numel)`, such
+    as `functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})` (what Fabric's users pass
+    to both `auto_wrap_policy` and `activation_checkpointing_policy`)."""
+    wrap = sys.modules.get("torch.distributed.fsdp.wrap")
+    if wrap is not None and isinstance(policy, (wrap.ModuleWrapPolicy, wrap.CustomPolicy)):
+        return True
+    if not callable(policy) or isinstance(policy, type):
+        return False
+    try:
+        params = inspect.signature(policy).parameters
+    except (TypeError, ValueError):  # builtins without a signature: call them as predicates
+        return False
+    if "recurse" in params or "nonwrapped_numel" in params:
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params.values() if p.kind in positional and p.default is inspect.Parameter.empty]
+    return len(required) >= 3
+
+
+def as_module_policy(policy: Any, what: str, wrap_form: bool = False) -> Any:
     """A set of module classes, FSDP's `ModuleWrapPolicy` (what Fabric's users pass), or a callable(module) ->
-    bool, as a callable (None stays None)."""
+    bool, as a callable(module) -> bool (None stays None). With `wrap_form`, a policy in FSDP1's auto-wrap form
+    (`is_wrap_policy`) is returned as it is, for torch to apply with its own recursion (size-based policies need
+    the count of parameters not yet wrapped, which only that recursion knows); without, it is refused."""
     if policy is None:
         return None
     wrap = sys.modules.get("torch.distributed.fsdp.wrap")
@@ -59,6 +83,13 @@ def as_module_policy(policy: Any, what: str) -> ModulePolicy | None:
         return lambda module: isinstance(module, classes)
     if isinstance(policy, type) and issubclass(policy, nn.Module):
         return lambda module: isinstance(module, policy)
+    if is_wrap_policy(policy):
+        if wrap_form:
+            return policy
+        raise ConfigurationError(
+            f"{what}={policy!r} is an FSDP1 auto-wrap policy (module, recurse, nonwrapped_numel), which {what} "
+            "does not take: pass the set of your block classes (e.g. {Block}) or a callable(module) -> bool."
+        )
     if callable(policy):
         return policy
     raise ConfigurationError(f"{what} must be a set of nn.Module classes or a callable, got {policy!r}.")
@@ -225,8 +256,10 @@ class ShardedStrategy(ParallelStrategy):
     """Base of "fsdp" and "fsdp2": the options both flavours share. See README, section FSDP.
 
     Args:
-        activation_checkpointing_policy: a set of module classes, a `ModuleWrapPolicy`, or a callable(module) ->
-            bool: matching modules recompute their activations in backward.
+        activation_checkpointing_policy: a set of module classes, a `ModuleWrapPolicy`, a callable(module) ->
+            bool, or an FSDP1 auto-wrap policy callable `(module, recurse, nonwrapped_numel) -> bool` (e.g.
+            `partial(transformer_auto_wrap_policy, ...)`, `CustomPolicy`): matching modules recompute their
+            activations in backward.
         activation_checkpointing: Fabric's deprecated spelling: a module class or a list of them (warns).
         cpu_offload: keep sharded parameters (and gradients, optimizer state) in CPU memory (CUDA only): a bool,
             `torch.distributed.fsdp.CPUOffload(offload_params=...)`, or for "fsdp2" also `CPUOffloadPolicy(...)`
@@ -293,6 +326,7 @@ class ShardedStrategy(ParallelStrategy):
         self.activation_checkpointing_policy = as_module_policy(
             _checkpointing_policy(owner, activation_checkpointing, activation_checkpointing_policy),
             "activation_checkpointing_policy",
+            wrap_form=True,
         )
         self.cpu_offload = _offload_params(cpu_offload, self._offload_types, owner)
         self._cpu_offload_option = cpu_offload
@@ -492,7 +526,10 @@ class ShardedStrategy(ParallelStrategy):
 
         if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
             return  # the user already placed activation checkpointing; do not nest another layer
-        apply_activation_checkpointing(module, check_fn=policy)
+        if is_wrap_policy(policy):
+            apply_activation_checkpointing(module, auto_wrap_policy=policy)
+        else:
+            apply_activation_checkpointing(module, check_fn=policy)
 
     def _materialize(self, module: nn.Module, pending: list[tuple[str, nn.Module]]) -> None:
         if not pending:

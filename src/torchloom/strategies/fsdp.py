@@ -17,7 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._replicated import broadcast_tensors
-from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy, materialize_meta
+from torchloom.strategies._sharded import (
+    ShardedStrategy,
+    _init_fn,
+    as_module_policy,
+    is_wrap_policy,
+    materialize_meta,
+)
 from torchloom.strategies.base import real_parameters
 
 if TYPE_CHECKING:
@@ -33,7 +39,8 @@ class FSDPStrategy(ShardedStrategy):
     """FullyShardedDataParallel with torchloom's handling of hand-made units and replicated leftovers.
 
     Args:
-        auto_wrap_policy: a set of module classes (each instance becomes a unit) or an FSDP policy callable.
+        auto_wrap_policy: a set of module classes (each instance becomes a unit), a callable(module) -> bool, or
+            an FSDP policy (`ModuleWrapPolicy`, `CustomPolicy`, a `(module, recurse, nonwrapped_numel)` callable).
             Ignored, with a warning, when the model already has units.
         sharding_strategy: "FULL_SHARD" (default), "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD" (shard within a
             node, replicate across nodes; or as `device_mesh=(replicate, shard)` says), "_HYBRID_SHARD_ZERO2", or
@@ -68,7 +75,8 @@ class FSDPStrategy(ShardedStrategy):
                 f"{', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
             )
         self.sharding_strategy = key
-        as_module_policy(auto_wrap_policy, "auto_wrap_policy")  # refuses what FSDP would fail on much later
+        # Refuses what FSDP would fail on much later.
+        as_module_policy(auto_wrap_policy, "auto_wrap_policy", wrap_form=True)
         self.auto_wrap_policy = auto_wrap_policy
         self._unit_options.setdefault("use_orig_params", True)
 
@@ -163,13 +171,16 @@ class FSDPStrategy(ShardedStrategy):
     # ---- making units ----------------------------------------------------------------------------------------
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
         policy = self.auto_wrap_policy
         if isinstance(policy, (set, frozenset, list, tuple)):
             policy = ModuleWrapPolicy(set(policy))
         elif isinstance(policy, type) and issubclass(policy, nn.Module):
             policy = ModuleWrapPolicy({policy})
+        elif policy is not None and not is_wrap_policy(policy):
+            # A predicate(module) -> bool: FSDP would call it as (module, recurse, nonwrapped_numel).
+            policy = CustomPolicy(policy)
         return FSDP(module, auto_wrap_policy=policy, **self.unit_kwargs())
 
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
