@@ -279,7 +279,9 @@ def shard_policy_in_fsdp1_form(tmp: Path) -> None:
 
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    FSDP2Strategy(shard_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}))
+    FSDP2Strategy(
+        shard_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+    )
 
 
 @mistake(
