@@ -119,3 +119,46 @@ def _close_body(rank: int, world_size: int) -> list:
 @pytest.mark.timeout(120)
 def test_close_ends_the_job_together_and_only_once():
     assert run_ranks(_close_body, 2, timeout=90) == [[True, False, True], [True, False, True]]
+
+
+TWO_TRAININGS = """
+import torch
+from torchloom import Loom
+
+for i, strategy in enumerate(["ddp", "fsdp2", "ddp"]):
+    with Loom(accelerator="cpu", devices=2, strategy=strategy) as loom:
+        loom.launch()
+        model = loom.setup_module(torch.nn.Linear(2, 1))
+        loom.backward(model(torch.ones(1, 2)).sum())
+        total = loom.all_reduce(torch.tensor([float(loom.global_rank + 1)]), reduce_op="sum")
+        print(f"training {i} rank {loom.global_rank} sum {total.item()}", flush=True)
+"""
+
+
+def _two_trainings(rank: int, world_size: int) -> list[float]:
+    import torch
+
+    sums = []
+    for strategy in ("ddp", "fsdp2", "ddp"):
+        with Loom(accelerator="cpu", devices=world_size, strategy=strategy) as loom:
+            loom.launch()
+            model = loom.setup_module(torch.nn.Linear(2, 1))
+            loom.backward(model(torch.ones(1, 2)).sum())
+            sums.append(loom.all_reduce(torch.tensor([float(rank + 1)]), reduce_op="sum").item())
+    return sums
+
+
+@pytest.mark.timeout(200)
+def test_a_job_can_close_a_loom_and_train_again(tmp_path):
+    """Trainings one after another in one script: each Loom after a closed one makes a new process group. Under a
+    launcher the job's store outlives the groups, and the first group's keys in it made the second hang."""
+    from harness import run_job
+
+    script = tmp_path / "two.py"
+    script.write_text(TWO_TRAININGS)
+    result, _ = run_job([PYTHON, str(script)], timeout=150)
+    assert result.returncode == 0, result.stdout
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("training"))
+    assert lines == [f"training {i} rank {r} sum 3.0" for i in range(3) for r in range(2)], result.stdout
+    # Ranks started without a launcher (rank 0 serves the store) too.
+    assert run_ranks(_two_trainings, 2, timeout=120) == [[3.0] * 3] * 2

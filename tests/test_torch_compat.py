@@ -201,3 +201,16 @@ def test_launch_config_shutdown_timeout_only_where_torch_has_it(monkeypatch):
     assert old.nproc_per_node == 2 and not hasattr(old, "shutdown_timeout")
     with pytest.raises(TypeError, match="no_such_option"):
         _torch_compat.launch_config(**base, no_such_option=1)
+
+
+def test_compiled_parts():
+    model = torch.nn.Linear(2, 2)
+    assert _torch_compat.compiled_parts(model) is None
+    compiled = torch.compile(model, backend="eager")
+    original, compile_like = _torch_compat.compiled_parts(compiled)
+    assert original is model
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    again = compile_like(other)
+    assert (
+        type(again) is type(compiled) and again._orig_mod is other and again.dynamo_ctx is compiled.dynamo_ctx
+    )

@@ -9,6 +9,7 @@ difference is handled here too (`launch_config`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -155,3 +156,24 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
         raise _missing("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from None
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+# ---- torch.compile -------------------------------------------------------------------------------------------
+def compiled_parts(module: Any) -> tuple[Any, Callable[[Any], Any]] | None:
+    """For a module `torch.compile` returned: (the module it compiled, a function that compiles another module
+    the same way: same backend, mode and options). None for any other module.
+
+    A compiled module is an `OptimizedModule` holding the original as `_orig_mod` and its compile context as
+    `dynamo_ctx`; calling that context on a module is what `torch.compile` does itself."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return None  # nothing was compiled in this process
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None:
+        raise _missing("torch._dynamo.eval_frame.OptimizedModule")
+    if not isinstance(module, optimized):
+        return None
+    original, context = getattr(module, "_orig_mod", None), getattr(module, "dynamo_ctx", None)
+    if original is None or not callable(context):
+        raise _missing("OptimizedModule._orig_mod and OptimizedModule.dynamo_ctx")
+    return original, context

@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn`, shown at the user's line: the first caller outside torchloom, however deep the call that
+    warns sits (a fixed stacklevel points into torchloom whenever that depth differs between paths)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
 
 class TorchloomError(Exception):
     """Base class of every error torchloom raises on purpose."""

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from torchloom import launcher
 from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
+from torchloom._torch_compat import compiled_parts
 from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
 from torchloom.data import loader_seed
@@ -284,7 +285,11 @@ class Loom:
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
         """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
         stays where it is (you placed it yourself, as in Fabric); sharding strategies refuse that, since they
-        place every shard on `loom.device`."""
+        place every shard on `loom.device`.
+
+        A model from `torch.compile` is set up as the module it compiled, and the strategy's wrapper is compiled
+        the same way (backend, mode, options): the returned model's forward runs compiled; `.module` is the
+        uncompiled model and checkpoints use its names."""
         if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
             raise MisuseError(
                 "setup_module was called twice on the same module. Set up each model once and keep the returned "
@@ -296,6 +301,12 @@ class Loom:
                 "(an nn.Module), not its state_dict or parameters."
             )
         self._require_launch("setup_module")
+        compiled = compiled_parts(module)
+        if compiled is not None:
+            # A model from torch.compile: wrap (DDP, FSDP units) the module it compiled, then compile the wrapper
+            # the same way, the order PyTorch documents (DDP's graph splitting at its buckets; FSDP1's state-dict
+            # names would otherwise keep the compile wrapper's `_orig_mod.` segment).
+            module, compile_like = compiled
         precision = self._strategy.precision
         module = precision.convert_module(module)
         if move_to_device:
@@ -312,7 +323,8 @@ class Loom:
         if hasattr(module, "_fabric"):
             # A LightningModule: its self.log, self.logger and self.backward go through this back-reference.
             module._fabric = self
-        wrapped = LoomModule(forward_module, module, precision)
+        compiled_forward = compile_like(forward_module) if compiled is not None else None
+        wrapped = LoomModule(forward_module, module, precision, compiled_forward=compiled_forward)
         self._modules.append(wrapped)
         return wrapped
 

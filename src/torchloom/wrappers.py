@@ -52,9 +52,18 @@ class LoomModule(nn.Module):
     `torch.no_grad()`, is allowed: every rank holds the whole model and there is nothing to synchronise).
     """
 
-    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision: Precision) -> None:
+    def __init__(
+        self,
+        forward_module: nn.Module,
+        original_module: nn.Module,
+        precision: Precision,
+        compiled_forward: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self._forward_module = forward_module
+        # The forward module compiled (for a model set up from torch.compile); not registered as a child, so
+        # state dicts and the strategy see the forward module's own names.
+        object.__setattr__(self, "_compiled_forward", compiled_forward)
         # Not registered as a child: its parameters are already reachable through the forward module.
         object.__setattr__(self, "_original_module", original_module)
         object.__setattr__(self, "_precision", precision)
@@ -93,7 +102,8 @@ class LoomModule(nn.Module):
         precision = self._precision
         args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
-            output = self._forward_module(*args, **kwargs)
+            run = self._forward_module if self._compiled_forward is None else self._compiled_forward
+            output = run(*args, **kwargs)
         return precision.convert_output(output)
 
     def mark_forward_method(self, method: str | MethodType) -> None:

@@ -563,3 +563,12 @@ def _offload_body(rank: int, world_size: int, offload: bool) -> set[str]:
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     train(loom, model, opt)
     return {p.device.type for p in model.parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_the_one_unit_warning_points_at_the_users_line(strategy):
+    loom = Loom(accelerator="cpu", devices=1, strategy=strategy)
+    loom.launch()
+    with pytest.warns(UserWarning, match="makes the whole model one unit") as caught:
+        loom.setup_module(torch.nn.Linear(2, 2))
+    assert [w.filename for w in caught if "one unit" in str(w.message)] == [__file__]

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
-from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.errors import ConfigurationError, MisuseError, warn_user
 from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
@@ -713,4 +713,4 @@ class ShardedStrategy(ParallelStrategy):
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _warn(self, message: str) -> None:
         if self.global_rank == 0:
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warn_user(message)

@@ -37,6 +37,10 @@ def refuse_options(owner: str, given: dict[str, Any], owned: dict[str, str]) -> 
             raise ConfigurationError(f"{owner}({name}=...) is not an option: {name} is {instead}.")
 
 
+# Process groups this process has made (see `ParallelStrategy.setup_environment`).
+_GROUPS_MADE = 0
+
+
 class ParallelStrategy(Strategy):
     """A strategy whose ranks talk over a `torch.distributed` process group.
 
@@ -91,13 +95,23 @@ class ParallelStrategy(Strategy):
         if self.backend == "nccl":
             # NCCL's own watchdog aborts the process when a collective times out; torchloom's reports first.
             timeout += diagnostics.NCCL_REPORT_GRACE
+        global _GROUPS_MADE
+        if _GROUPS_MADE:
+            # A script that closed a Loom and starts another (two trainings in one job) meets in the same store
+            # as before, where the first group's keys are still there (gloo's addresses of sockets now closed,
+            # the end-of-job marks): the new group would read them and hang connecting. Each group after the
+            # first gets a key prefix of its own; every rank makes the same groups in the same order.
+            store, _, _ = next(
+                dist.rendezvous(
+                    "env://", rank=env.global_rank(), world_size=env.world_size(), timeout=timeout
+                )
+            )
+            kwargs["store"] = dist.PrefixStore(f"torchloom/group{_GROUPS_MADE}", store)
+        else:
+            kwargs["init_method"] = "env://"
+        _GROUPS_MADE += 1
         dist.init_process_group(
-            self.backend,
-            init_method="env://",
-            rank=env.global_rank(),
-            world_size=env.world_size(),
-            timeout=timeout,
-            **kwargs,
+            self.backend, rank=env.global_rank(), world_size=env.world_size(), timeout=timeout, **kwargs
         )
         atexit.register(self._teardown_at_exit)
 
