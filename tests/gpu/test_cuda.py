@@ -363,7 +363,8 @@ def _meta_body(rank: int, world_size: int, accelerator: str, flavour: str, offlo
     return out
 
 
-def _meta_cases():
+def _offload_cases():
+    """Each flavour on CPU, and on CUDA with and without cpu_offload."""
     for flavour in ("fsdp", "fsdp2"):
         yield pytest.param("cpu", flavour, False, id=f"cpu-{flavour}")
         for offload in (False, True):
@@ -373,7 +374,7 @@ def _meta_cases():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("device,flavour,offload", list(_meta_cases()))
+@pytest.mark.parametrize("device,flavour,offload", list(_offload_cases()))
 def test_meta_init_with_and_without_cpu_offload(device, flavour, offload):
     results = run_ranks(_meta_body, _world(device), device, flavour, offload, timeout=240)
     for rank, r in enumerate(results):
@@ -620,17 +621,8 @@ def _policy_body(rank: int, world_size: int, accelerator: str, flavour: str, off
     return out
 
 
-def _policy_cases():
-    for flavour in ("fsdp", "fsdp2"):
-        yield pytest.param("cpu", flavour, False, id=f"cpu-{flavour}")
-        for offload in (False, True):
-            yield pytest.param(
-                "cuda", flavour, offload, id=f"cuda-{flavour}-offload{int(offload)}", marks=pytest.mark.cuda
-            )
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("device,flavour,offload", list(_policy_cases()))
+@pytest.mark.parametrize("device,flavour,offload", list(_offload_cases()))
 def test_a_model_built_on_the_cpu_and_sharded_by_a_policy(device, flavour, offload):
     results = run_ranks(_policy_body, _world(device), device, flavour, offload, timeout=240)
     torch.manual_seed(0)
