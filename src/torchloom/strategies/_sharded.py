@@ -691,19 +691,19 @@ class ShardedStrategy(ParallelStrategy):
     ) -> Generator[None, None, None]:
         """torch's full-state-dict loading (`set_model_state_dict` / `set_optimizer_state_dict` with
         `full_state_dict=True`) wants every tensor of the model, and of the optimizer's state, on one device: it
-        raises "Multiple devices found" / "Device mismatch" otherwise. Under cpu_offload the units' shards live in
-        host memory while the replicated leftovers and every buffer stay on the GPU, so every full load (a full
-        checkpoint, `load_raw` of a plain state dict) would fail. For the load, move those to host memory too, in
+        raises "Multiple devices found" / "Device mismatch" otherwise. Under offload (`cpu_offload`, or units made
+        with an offload policy of their own) the units' shards live in host memory while the replicated leftovers
+        and every buffer stay on the GPU, so every full load (a full checkpoint, `load_raw` of a plain state dict)
+        would fail. For the load, move those to host memory too, in
         place (parameters, buffers and optimizer states keep their identity), and back to the GPU afterwards."""
-        if not full or not self.cpu_offload:
+        tensors = [*module.parameters(), *module.buffers()]  # each listed once
+        host = torch.device("cpu")
+        # torch's own test: tensors with dimensions, off the meta device (a DTensor's device is its shard's).
+        devices = {t.device for t in tensors if t.dim() > 0 and not t.is_meta}
+        if not full or len(devices) < 2 or host not in devices:
             yield
             return
-        host = torch.device("cpu")
-        moved = [
-            (t, t.device)
-            for t in [*module.parameters(), *module.buffers()]  # each listed once
-            if type(t.data) is torch.Tensor and t.device != host  # DTensor shards are where offload put them
-        ]
+        moved = [(t, t.device) for t in tensors if type(t.data) is torch.Tensor and t.device != host]
         moved_ids = {id(t) for t, _ in moved}
         for t, _ in moved:
             t.data = t.data.to(host)
