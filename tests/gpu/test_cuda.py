@@ -164,15 +164,15 @@ def _misplaced(module: nn.Module, device: torch.device, shards_on_cpu: bool = Fa
     return wrong
 
 
-def _full_cpu_state(loom: Loom, model) -> dict[str, torch.Tensor]:
-    """Full parameters in host memory, as fp32. On GPUs with a process group only rank 0 gathers them (the
-    others get an empty dict): FSDP1 with offloaded parameters gathers into host memory only this way, and its
-    offloading path crashes on CPU, where every rank gathers instead."""
+def _full_cpu_state(loom: Loom, model, as_float: bool = True) -> dict[str, torch.Tensor]:
+    """Full parameters in host memory, as fp32 (`as_float`) or in their own dtypes. On GPUs with a process group
+    only rank 0 gathers them (the others get an empty dict): FSDP1 with offloaded parameters gathers into host
+    memory only this way, and its offloading path crashes on CPU, where every rank gathers instead."""
     offload = dist.is_initialized() and loom.device.type == "cuda"
     state = get_model_state_dict(
         model.forward_module, options=StateDictOptions(full_state_dict=True, cpu_offload=offload)
     )
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+    return {k: (v.detach().float() if as_float else v.detach()).cpu().clone() for k, v in state.items()}
 
 
 # ---- every strategy x precision ------------------------------------------------------------------------------
@@ -692,8 +692,9 @@ def _offload_load_body(rank: int, world_size: int, flavour: str, tmp: str) -> di
     path = Path(tmp) / f"{flavour}.pt"
     loom.save(path, {"model": model, "optimizer": opt})  # the full format: one file
     saved = _full_cpu_state(loom, model)
+    plain = _full_cpu_state(loom, model, as_float=False)  # a plain state dict, for load_raw
     if rank == 0:
-        torch.save(saved, Path(tmp) / f"{flavour}-plain.pt")  # a plain state dict, for load_raw
+        torch.save(plain, Path(tmp) / f"{flavour}-plain.pt")
     step(loom, model, opt, 7)
     out: dict = {"saved": saved, "after": _full_cpu_state(loom, model)}
 
