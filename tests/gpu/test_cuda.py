@@ -15,13 +15,20 @@ by every `make test`. Checks, one launch of the ranks each:
 - full and sharded (asynchronous) checkpoints with `cpu_offload`: an exact round trip;
 - the replicated leftovers' gradient sync under NCCL: identical leftover gradients on every rank, equal to the
   mean of the ranks' gradients;
-- the async sharded save's staging options (pinned memory, non-blocking copies on CUDA).
+- the async sharded save's staging options (pinned memory, non-blocking copies on CUDA);
+- a model built on the CPU and sharded by a policy (the start-from-rank-0 broadcast before FSDP moves it), with
+  and without `cpu_offload`;
+- full loads under `cpu_offload` (torch's full-state-dict loading wants one device; buffers and leftovers stay
+  on the GPU): a full checkpoint and `load_raw` of a plain state dict round-trip exactly, optimizer included;
+- `save_raw` under `cpu_offload` (shards in host memory, gathered over NCCL);
+- every rank's own GPU generator in checkpoints, also from a checkpoint that lists more GPUs than are visible.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,15 +164,15 @@ def _misplaced(module: nn.Module, device: torch.device, shards_on_cpu: bool = Fa
     return wrong
 
 
-def _full_cpu_state(loom: Loom, model) -> dict[str, torch.Tensor]:
-    """Full parameters in host memory, as fp32. On GPUs with a process group only rank 0 gathers them (the
-    others get an empty dict): FSDP1 with offloaded parameters gathers into host memory only this way, and its
-    offloading path crashes on CPU, where every rank gathers instead."""
+def _full_cpu_state(loom: Loom, model, as_float: bool = True) -> dict[str, torch.Tensor]:
+    """Full parameters in host memory, as fp32 (`as_float`) or in their own dtypes. On GPUs with a process group
+    only rank 0 gathers them (the others get an empty dict): FSDP1 with offloaded parameters gathers into host
+    memory only this way, and its offloading path crashes on CPU, where every rank gathers instead."""
     offload = dist.is_initialized() and loom.device.type == "cuda"
     state = get_model_state_dict(
         model.forward_module, options=StateDictOptions(full_state_dict=True, cpu_offload=offload)
     )
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+    return {k: (v.detach().float() if as_float else v.detach()).cpu().clone() for k, v in state.items()}
 
 
 # ---- every strategy x precision ------------------------------------------------------------------------------
@@ -356,7 +363,8 @@ def _meta_body(rank: int, world_size: int, accelerator: str, flavour: str, offlo
     return out
 
 
-def _meta_cases():
+def _offload_cases():
+    """Each flavour on CPU, and on CUDA with and without cpu_offload."""
     for flavour in ("fsdp", "fsdp2"):
         yield pytest.param("cpu", flavour, False, id=f"cpu-{flavour}")
         for offload in (False, True):
@@ -366,7 +374,7 @@ def _meta_cases():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("device,flavour,offload", list(_meta_cases()))
+@pytest.mark.parametrize("device,flavour,offload", list(_offload_cases()))
 def test_meta_init_with_and_without_cpu_offload(device, flavour, offload):
     results = run_ranks(_meta_body, _world(device), device, flavour, offload, timeout=240)
     for rank, r in enumerate(results):
@@ -582,3 +590,228 @@ def test_nccl_hang_is_reported_before_the_watchdog_aborts(tmp_path):
         f"train.py:{loader} in slow_loader (its last collective was barrier #6 at train.py:{c})"
     )
     assert elapsed < TIMEOUT_S + NCCL_REPORT_GRACE.total_seconds() + 40, (elapsed, result.stdout)
+
+
+# ---- a model built on the CPU, sharded by a policy -----------------------------------------------------------
+def _policy_body(rank: int, world_size: int, accelerator: str, flavour: str) -> dict:
+    """On CUDA without and with cpu_offload, in one launch of the ranks; on CPU without."""
+    from torchloom.strategies import FSDP2Strategy, FSDPStrategy
+
+    out: dict = {}
+    for offload in (False,) if accelerator == "cpu" else (False, True):
+        if flavour == "fsdp":
+            strategy = FSDPStrategy(auto_wrap_policy={Block}, cpu_offload=offload)
+        else:
+            strategy = FSDP2Strategy(shard_policy={Block}, cpu_offload=offload)
+        loom = Loom(accelerator=accelerator, devices=world_size, strategy=strategy)
+        loom.launch()
+        torch.manual_seed(rank)  # each rank its own weights: setup must start every rank from rank 0's
+        model = _Normed()  # on the CPU, outside init_module: NCCL refuses the broadcast of CPU tensors
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapped = loom.setup_module(model)
+        result = {"misplaced": _misplaced(wrapped.forward_module, loom.device, shards_on_cpu=offload)}
+        result["initial"] = _full_cpu_state(loom, wrapped)
+        opt = loom.setup_optimizers(torch.optim.SGD(wrapped.parameters(), lr=0.1))
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            loss = wrapped(torch.randn(8, D_IN, generator=g).to(loom.device)).pow(2).mean()
+            loom.backward(loss)
+            loom.clip_gradients(wrapped, opt, max_norm=1.0)
+            opt.step()
+            opt.zero_grad()
+        result["finite"] = bool(torch.isfinite(loss).item())
+        out[offload] = result
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_built_on_the_cpu_and_sharded_by_a_policy(device, flavour):
+    results = run_ranks(_policy_body, _world(device), device, flavour, timeout=240)
+    torch.manual_seed(0)
+    rank0 = {k: v.float() for k, v in _Normed().state_dict().items()}
+    for offload in results[0]:
+        for rank, r in enumerate(results):
+            assert r[offload]["misplaced"] == [], (offload, rank, r[offload]["misplaced"])
+            assert r[offload]["finite"], (offload, rank)
+        initial = results[0][offload]["initial"]  # gathered from every rank's shards: each holds rank 0's
+        assert initial.keys() == rank0.keys(), (offload, sorted(initial), sorted(rank0))
+        for name, value in initial.items():
+            torch.testing.assert_close(value, rank0[name], rtol=0, atol=0, msg=f"offload={offload} {name}")
+
+
+# ---- full loads under cpu_offload ----------------------------------------------------------------------------
+class _NormedBlock(Block):
+    """A unit with buffers of its own: FSDP offloads the parameters, never the buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(super().forward(x))
+
+
+class _OffloadModel(_Normed):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_NormedBlock() for _ in range(3))
+
+
+def _offload_load_body(rank: int, world_size: int, flavour: str, tmp: str) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    from torchloom.strategies import FSDP2Strategy, FSDPStrategy
+
+    cls = FSDPStrategy if flavour == "fsdp" else FSDP2Strategy
+
+    def make(seed: int) -> tuple[Loom, object, object]:
+        loom = Loom(
+            accelerator="cuda", devices=world_size, strategy=cls(cpu_offload=True, state_dict_type="full")
+        )
+        loom.launch()
+        torch.manual_seed(seed)
+        model = _OffloadModel()
+        for i, block in enumerate(model.blocks):  # units with the strategy's offload; leftovers on the GPU
+            if flavour == "fsdp":
+                model.blocks[i] = FSDP(block, **loom.strategy.unit_kwargs())
+            else:
+                fully_shard(block, **loom.strategy.unit_kwargs())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapped = loom.setup_module(model)
+        return loom, wrapped, loom.setup_optimizers(torch.optim.Adam(wrapped.parameters(), lr=1e-2))
+
+    def step(loom: Loom, model, opt, seed: int) -> None:
+        g = torch.Generator().manual_seed(100 * seed + rank)
+        loss = model(torch.randn(8, D_IN, generator=g).to(loom.device)).pow(2).mean()
+        loom.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    loom, model, opt = make(0)
+    for seed in range(2):
+        step(loom, model, opt, seed)
+    path = Path(tmp) / f"{flavour}.pt"
+    loom.save(path, {"model": model, "optimizer": opt})  # the full format: one file
+    saved = _full_cpu_state(loom, model)
+    plain = _full_cpu_state(loom, model, as_float=False)  # a plain state dict, for load_raw
+    if rank == 0:
+        torch.save(plain, Path(tmp) / f"{flavour}-plain.pt")
+    step(loom, model, opt, 7)
+    out: dict = {"saved": saved, "after": _full_cpu_state(loom, model)}
+
+    loom2, model2, opt2 = make(1)
+    loom2.load(path, {"model": model2, "optimizer": opt2})  # torch refused this: "Multiple devices found"
+    out["loaded"] = _full_cpu_state(loom2, model2)
+    out["misplaced"] = _misplaced(model2.forward_module, loom2.device, shards_on_cpu=True)
+    step(loom2, model2, opt2, 7)  # the optimizer's state came back, on the devices it lives on
+    out["after_load"] = _full_cpu_state(loom2, model2)
+
+    loom2.barrier()  # rank 0 wrote the plain file
+    loom3, model3, _ = make(2)
+    loom3.load_raw(Path(tmp) / f"{flavour}-plain.pt", model3)
+    out["raw"] = _full_cpu_state(loom3, model3)
+    out["raw_misplaced"] = _misplaced(model3.forward_module, loom3.device, shards_on_cpu=True)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cuda
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_full_loads_with_offload_and_tensors_left_on_the_gpu(flavour, tmp_path):
+    results = run_ranks(_offload_load_body, _world("cuda"), flavour, str(tmp_path), timeout=240)
+    for rank, r in enumerate(results):
+        assert r["misplaced"] == [] and r["raw_misplaced"] == [], (rank, r["misplaced"], r["raw_misplaced"])
+    r = results[0]  # on GPUs only rank 0 gathers
+    assert r["saved"] and any("norm.running_mean" in k for k in r["saved"]), sorted(r["saved"])
+    for name, value in r["saved"].items():
+        assert torch.equal(r["loaded"][name], value), name
+        assert torch.equal(r["raw"][name], value), name
+        torch.testing.assert_close(r["after_load"][name], r["after"][name], rtol=1e-5, atol=1e-6)
+
+
+# ---- save_raw under cpu_offload ------------------------------------------------------------------------------
+def _save_raw_body(
+    rank: int, world_size: int, accelerator: str, flavour: str, offload: bool, out: str
+) -> dict:
+    from torchloom.strategies import FSDP2Strategy, FSDPStrategy
+
+    cls = FSDPStrategy if flavour == "fsdp" else FSDP2Strategy
+    loom = Loom(accelerator=accelerator, devices=world_size, strategy=cls(cpu_offload=offload))
+    loom.launch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = loom.setup_module(_build(loom, flavour))
+    loom.save_raw(out, model)  # gathers every shard: over NCCL, from host memory under offload
+    return {"full": _full_cpu_state(loom, model)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize(
+    "device,offload",
+    [
+        pytest.param("cpu", False, id="cpu"),
+        pytest.param("cuda", True, id="cuda-offload", marks=pytest.mark.cuda),
+    ],
+)
+def test_save_raw_gathers_every_shard(device, offload, flavour, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    results = run_ranks(_save_raw_body, _world(device), device, flavour, offload, str(out), timeout=240)
+    written: dict[str, torch.Tensor] = {}
+    for file in sorted(out.glob("*.safetensors")):
+        written.update(load_file(file))
+    full = results[0]["full"]
+    assert written.keys() == full.keys(), (sorted(written), sorted(full))
+    for name, value in full.items():
+        assert torch.equal(written[name].float(), value), name
+
+
+# ---- every rank's own GPU generator --------------------------------------------------------------------------
+def _generators_body(rank: int, world_size: int, tmp: str) -> dict:
+    from torchloom.checkpointing import META_KEY
+
+    loom = Loom(accelerator="cuda", devices=world_size, strategy="ddp" if world_size > 1 else "auto")
+    loom.launch()
+    model = loom.setup_module(nn.Linear(4, 2))
+    torch.cuda.manual_seed(100 + rank)  # this rank's GPU only
+    path = Path(tmp) / "ckpt.pt"
+    loom.save(path, {"model": model})
+    expected = torch.rand(8, device=loom.device).cpu()
+    out: dict = {}
+    for case in ("saved", "every_gpu_listed"):
+        if case == "every_gpu_listed":
+            # As checkpoints written before kept them: every visible GPU's generator, by index, here listing more
+            # GPUs than this machine has (restored by position, that crashed with IndexError).
+            loom.barrier()  # every rank has read the file
+            if rank == 0:
+                ckpt = torch.load(path, weights_only=True)
+                for r, generators in enumerate(ckpt[META_KEY]["rng"]):
+                    other = torch.cuda.get_rng_state(loom.device)
+                    listed = [other] * (torch.cuda.device_count() + 3)
+                    listed[r] = generators["cuda"]  # rank r ran on GPU r
+                    generators["cuda"] = listed
+                torch.save(ckpt, path)
+            loom.barrier()
+        torch.cuda.manual_seed(999)
+        loom.load(path, {"model": model})
+        out[case] = torch.rand(8, device=loom.device).cpu()
+    out["expected"] = expected
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.cuda
+def test_each_rank_saves_and_restores_its_own_gpus_generator(tmp_path):
+    results = run_ranks(_generators_body, _world("cuda"), str(tmp_path), timeout=150)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["saved"], r["expected"]), rank
+        assert torch.equal(r["every_gpu_listed"], r["expected"]), rank
+    if len(results) > 1:
+        assert not torch.equal(results[0]["expected"], results[1]["expected"])  # two generators, two streams

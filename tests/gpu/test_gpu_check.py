@@ -30,6 +30,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"{VENV} exists, used as it is" in result.stdout
     assert "pytest -q -m cuda" in result.stdout
+    assert "then SIGINT: pytest prints what ran" in result.stdout  # a timed-out run still reports its counts
     assert "step_overhead.py --device cuda" in result.stdout and "memory.py --device cuda" in result.stdout
     assert not (tmp_path / "out").exists()
 

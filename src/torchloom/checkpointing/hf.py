@@ -296,6 +296,14 @@ def _copy_local(target: torch.Tensor, source: torch.Tensor) -> None:
         local.copy_(src)
 
 
+def _on_mesh_device(value: Any) -> Any:
+    """A DTensor on the device its mesh communicates on. Under cpu_offload a shard lives in host memory while its
+    mesh is the GPUs' (NCCL), which cannot gather host tensors: gather a copy on the GPU instead, shard by shard,
+    as torch's own full-state-dict gathering does."""
+    mesh_type = value.device_mesh.device_type
+    return value if value.device.type == mesh_type else value.to(mesh_type)
+
+
 def _check_buffers(module: nn.Module) -> None:
     # Non-persistent buffers (rotary inv_freq) are in no checkpoint: they must already hold their values.
     # init_module(empty_init=True) creates buffers for real; one left on meta would be garbage after loading.
@@ -453,7 +461,7 @@ def _write(
             for name in group:
                 value = tensors[name]
                 # A collective over the tensor's mesh: every rank gathers, in the same order; the writer keeps it.
-                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                whole = _on_mesh_device(value).full_tensor() if isinstance(value, DTensor) else value
                 if mine:
                     part[name] = whole.detach().to("cpu", out_dtype(whole)).contiguous()
                 del whole

@@ -30,16 +30,26 @@ _BUCKET_BYTES = 25 * 2**20
 
 
 def broadcast_tensors(
-    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, src: int = 0
+    tensors: Iterable[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    src: int = 0,
+    device: torch.device | None = None,
 ) -> None:
-    """Overwrite `tensors` in place with rank `src`'s values, a few large broadcasts instead of one per tensor."""
+    """Overwrite `tensors` in place with rank `src`'s values, a few large broadcasts instead of one per tensor.
+
+    `device`: where the group's backend communicates (this rank's GPU under NCCL). Tensors held elsewhere travel
+    through it one bucket at a time: NCCL refuses CPU tensors, and a model built on the CPU is still there when
+    the units are about to be made (FSDP moves each unit to the GPU only as it shards it), so its start-from-rank-0
+    broadcast would fail; moving the whole model first would need all of it in GPU memory at once."""
     for bucket in _buckets([t for t in tensors if t.numel() > 0 and not t.is_meta]):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        if device is not None and flat.device != device:
+            flat = flat.to(device)
         dist.broadcast(flat, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
         offset = 0
         with torch.no_grad():
             for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))  # back to wherever `t` lives
                 offset += t.numel()
 
 

@@ -478,7 +478,7 @@ class ShardedStrategy(ParallelStrategy):
         else:
             if not pending_init:
                 # Units shard whatever each rank holds: start every rank from rank 0's weights.
-                broadcast_tensors([*module.parameters(), *module.buffers()])
+                broadcast_tensors([*module.parameters(), *module.buffers()], device=self.root_device)
             if not self.has_policy:
                 self._warn(
                     f"strategy={self.name!r} without a wrapping policy makes the whole model one unit, which saves "
@@ -496,7 +496,7 @@ class ShardedStrategy(ParallelStrategy):
         self._layouts[id(forward_module)] = layout
         self._replicate_leftovers(forward_module, layout)
         # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
-        broadcast_tensors([b for b in forward_module.buffers() if b is not None])
+        broadcast_tensors([b for b in forward_module.buffers() if b is not None], device=self.root_device)
         if self.global_rank == 0:
             log.info("%s", describe_layout(forward_module, self.world_size))
         return forward_module
@@ -567,7 +567,7 @@ class ShardedStrategy(ParallelStrategy):
                 "unit, or use unsharded_params='replicate' (kept in sync like DDP) or 'shard' (wrap the root)."
             )
         params = [p for _, p in layout.leftovers]
-        broadcast_tensors(params)
+        broadcast_tensors(params, device=self.root_device)
         if self._replica_group is None:
             # A group of its own, so these all-reduces never interleave with FSDP's own collectives.
             self._replica_group = dist.new_group(backend=self.backend)
@@ -710,7 +710,71 @@ class ShardedStrategy(ParallelStrategy):
         offload = not loading and (self.root_device.type != "cpu" or self.flavour == "fsdp2")
         return StateDictOptions(full_state_dict=True, cpu_offload=offload, **kwargs)
 
+    def load_module_state_dict(
+        self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
+    ) -> Any:
+        with self._on_one_device_for_full_load(module, full):
+            return super().load_module_state_dict(module, state, strict=strict, full=full)
+
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
+    ) -> None:
+        with self._on_one_device_for_full_load(module, full, optimizer):
+            super().load_optimizer_state_dict(module, optimizer, state, full=full)
+
+    @contextlib.contextmanager
+    def _on_one_device_for_full_load(
+        self, module: nn.Module, full: bool, optimizer: Optimizer | None = None
+    ) -> Generator[None, None, None]:
+        """torch's full-state-dict loading (`set_model_state_dict` / `set_optimizer_state_dict` with
+        `full_state_dict=True`) wants every tensor of the model, and of the optimizer's state, on one device: it
+        raises "Multiple devices found" / "Device mismatch" otherwise. Under offload (`cpu_offload`, or units made
+        with an offload policy of their own) the units' shards live in host memory while the replicated leftovers
+        and every buffer stay on the GPU, so every full load (a full checkpoint, `load_raw` of a plain state dict)
+        would fail. For the load, move those to host memory too, in
+        place (parameters, buffers and optimizer states keep their identity), and back to the GPU afterwards."""
+        tensors = [*module.parameters(), *module.buffers()]  # each listed once
+        host = torch.device("cpu")
+        # torch's own test: tensors with dimensions, off the meta device (a DTensor's device is its shard's).
+        devices = {t.device for t in tensors if t.dim() > 0 and not t.is_meta}
+        if not full or len(devices) < 2 or host not in devices:
+            yield
+            return
+        moved = [(t, t.device) for t in tensors if type(t.data) is torch.Tensor and t.device != host]
+        moved_ids = {id(t) for t, _ in moved}
+        for t, _ in moved:
+            t.data = t.data.to(host)
+        if optimizer is not None:
+            for param, state in optimizer.state.items():
+                if id(param) in moved_ids:
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor):
+                            state[key] = value.to(host)
+        try:
+            yield
+        finally:
+            for t, device in moved:
+                t.data = t.data.to(device)
+            if optimizer is not None:
+                _place_state_with_parameters(optimizer, moved_ids)
+
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _warn(self, message: str) -> None:
         if self.global_rank == 0:
             warn_user(message)
+
+
+def _place_state_with_parameters(optimizer: Optimizer, param_ids: set[int]) -> None:
+    """Put the optimizer state of the parameters `param_ids` where torch's `Optimizer.load_state_dict` puts state:
+    on its parameter's device, except the "step" counter, which stays in host memory unless the parameter group
+    is capturable or fused."""
+    for group in optimizer.param_groups:
+        step_follows = bool(group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            if id(param) not in param_ids or param not in optimizer.state:
+                continue
+            state = optimizer.state[param]
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != param.device:
+                    if key != "step" or step_follows:
+                        state[key] = value.to(param.device)

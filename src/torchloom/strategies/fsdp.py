@@ -145,7 +145,9 @@ class FSDPStrategy(ShardedStrategy):
         if init is not None:
             with torch.no_grad():
                 init()
-        broadcast_tensors([*module.parameters(recurse=False), *module.buffers(recurse=False)])
+        broadcast_tensors(
+            [*module.parameters(recurse=False), *module.buffers(recurse=False)], device=self.root_device
+        )
 
     def _make_unit(self, module: nn.Module, **kwargs: Any) -> FSDP:
         """What `wrap(m)` calls inside `loom.init_module()`."""
@@ -153,7 +155,8 @@ class FSDPStrategy(ShardedStrategy):
 
         own = [*module.parameters(), *module.buffers()]
         if own and not any(t.is_meta for t in own):
-            broadcast_tensors(own)
+            # A module built before init_module (on the CPU) may be wrapped here: FSDP moves it only after.
+            broadcast_tensors(own, device=self.root_device)
         with real_parameters():  # FSDP registers views of its flat parameter: they must stay real
             return FSDP(module, **kwargs)
 
