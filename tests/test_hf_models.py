@@ -36,7 +36,7 @@ from transformers import (  # noqa: E402
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
-from torchloom import Loom  # noqa: E402
+from torchloom import Loom, MisuseError  # noqa: E402
 from torchloom._layout import analyze  # noqa: E402
 from torchloom.strategies import FSDPStrategy  # noqa: E402
 
@@ -257,8 +257,29 @@ def _llama_job(rank: int, world_size: int, tmp: str) -> dict:
     return {layout: _run_case(world_size, "llama", layout, tmp) for layout in LLAMA_LAYOUTS}
 
 
+def _split_tie(world_size: int, flavour: str) -> str | None:
+    """GPT-2 with a unit on each block and one on the token embedding alone: its tied head stays outside."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=flavour)
+    loom.launch()
+    model = gpt2()
+    kwargs = loom.strategy.unit_kwargs()
+    for i, block in enumerate(model.transformer.h):
+        model.transformer.h[i] = FSDP(block, **kwargs) if flavour == "fsdp" else fully_shard(block, **kwargs)
+    wte = model.transformer.wte
+    model.transformer.wte = FSDP(wte, **kwargs) if flavour == "fsdp" else fully_shard(wte, **kwargs)
+    try:
+        loom.setup_module(model)
+    except MisuseError as exc:
+        return str(exc)
+    return None
+
+
 def _gpt2_moe_job(rank: int, world_size: int) -> dict:
     out = {("gpt2", layout): _run_case(world_size, "gpt2", layout) for layout in GPT2_LAYOUTS}
+    out.update({("split_tie", flavour): _split_tie(world_size, flavour) for flavour in ("fsdp", "fsdp2")})
     out.update({("mixtral", layout): _run_case(world_size, "mixtral", layout) for layout in MOE_LAYOUTS})
     return out
 
@@ -330,6 +351,20 @@ def test_gpt2_tied_embeddings(gpt2_moe_job, references, layout):
         # The tie survives setup and training: one parameter, whose gradient sums both uses.
         assert got["tied_after_setup"] and got["tied_after_training"], (layout, rank)
         assert torch.equal(got["params"]["lm_head.weight"], got["params"]["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_gpt2_tie_split_by_a_unit_is_refused(gpt2_moe_job, flavour):
+    # Found by this file: with only the embedding in a unit, fully_shard gave the unit a sharded copy and the
+    # head kept the original (trained apart silently: 0.09 off the reference after 4 steps); FSDP1 crashed in
+    # the head's forward with a shape error. Now setup_module refuses both, naming the head and the fix.
+    for result in gpt2_moe_job:
+        message = result[("split_tie", flavour)]
+        assert message is not None, flavour
+        assert "Parameter 'lm_head.weight' is outside every FSDP unit but tied to" in message
+        assert "make no unit of the shared module" in message
+        if flavour == "fsdp":
+            assert "'transformer.wte.weight' inside an FSDP unit" in message
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
