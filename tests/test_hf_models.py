@@ -151,6 +151,7 @@ def references() -> dict:
 
 # ------------------------------------------------------------------------------------------------ rank side
 def _strategy(model_name: str, layout: str):
+    layout = layout.removesuffix("_gc")
     if layout == "fsdp":
         block = {"llama": LlamaDecoderLayer, "gpt2": GPT2Block}[model_name]
         return FSDPStrategy(auto_wrap_policy={block})  # units on the blocks and a root unit
@@ -227,7 +228,9 @@ def _run_case(world_size: int, model_name: str, layout: str, tmp: str | None = N
     calls = []
     if layout.endswith("_gc"):
         # With checkpointing, backward runs each layer's forward again: twice the calls of the layer's attention.
-        inner.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        block = _blocks(inner)[0]
+        attention = block.attn if isinstance(block, GPT2Block) else block.self_attn
+        attention.register_forward_hook(lambda *_: calls.append(1))
     routed = []
     if model_name == "mixtral":
         # Tokens each expert of layer 0 received on this rank, per micro-batch.
@@ -407,12 +410,23 @@ def _resume(world_size: int, tmp: str) -> dict:
     return {"step": state["step"], "losses": losses, "norms": norms, "params": _full_params(model)}
 
 
+def _gpt2_into_empty(world_size: int, layout: str, tmp: str) -> dict:
+    """Meta-device init must keep GPT-2's tie: one parameter, materialised once, loaded once."""
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=_strategy("gpt2", layout))
+    loom.launch()
+    model = loom.setup_module(_build(loom, "gpt2", layout, empty_init=True))
+    loom.load_raw(f"{tmp}/gpt2-reference.pt", model)
+    inner = model.module
+    return {"logits": _logits(model), "tied": inner.lm_head.weight is inner.transformer.wte.weight}
+
+
 def _resume_job(rank: int, world_size: int, tmp: str) -> dict:
-    out = {
+    out: dict = {
         (layout, source): _load_into_empty(world_size, layout, source, tmp)
         for layout in EMPTY_INIT_LAYOUTS
         for source in SOURCES
     }
+    out.update({("gpt2", layout): _gpt2_into_empty(world_size, layout, tmp) for layout in EMPTY_INIT_LAYOUTS})
     out["resume"] = _resume(world_size, tmp)
     return out
 
@@ -421,6 +435,7 @@ def _resume_job(rank: int, world_size: int, tmp: str) -> dict:
 def resume_job(llama_job, references) -> list[dict]:
     _, tmp = llama_job
     torch.save(references["llama"]["model"].state_dict(), tmp / "reference.pt")
+    torch.save(references["gpt2"]["model"].state_dict(), tmp / "gpt2-reference.pt")
     return run_ranks(_resume_job, WORLD, str(tmp), timeout=240)
 
 
@@ -441,6 +456,14 @@ def test_llama_empty_init_then_load(llama_job, references, resume_job, layout, s
         torch.testing.assert_close(
             got["logits"], expected, atol=ATOL, rtol=0, msg=f"{layout} {source} {rank}"
         )
+
+
+@pytest.mark.parametrize("layout", EMPTY_INIT_LAYOUTS)
+def test_gpt2_empty_init_keeps_the_tie(references, resume_job, layout):
+    for rank, result in enumerate(resume_job):
+        got = result[("gpt2", layout)]
+        assert got["tied"], (layout, rank)
+        torch.testing.assert_close(got["logits"], references["gpt2"]["logits"], atol=ATOL, rtol=0)
 
 
 def test_llama_fsdp2_resume_in_fresh_job_equals_uninterrupted(llama_job, resume_job):
