@@ -361,6 +361,10 @@ def test_gpt2_tie_split_by_a_unit_is_refused(gpt2_moe_job, flavour):
     # Found by this file: with only the embedding in a unit, fully_shard gave the unit a sharded copy and the
     # head kept the original (trained apart silently: 0.09 off the reference after 4 steps); FSDP1 crashed in
     # the head's forward with a shape error. Now setup_module refuses both, naming the head and the fix.
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    if flavour == "fsdp2" and not hasattr(_fsdp_param, "_get_orig_param_uid"):
+        pytest.skip("this torch's fully_shard does not mark the parameters it replaces (2.9): nothing to see")
     for result in gpt2_moe_job:
         message = result[("split_tie", flavour)]
         assert message is not None, flavour
