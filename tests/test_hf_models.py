@@ -426,14 +426,19 @@ def test_gpt2_tie_split_by_a_unit_is_refused(gpt2_moe_job, flavour):
             assert "'transformer.wte.weight' inside an FSDP unit" in message
 
 
+def _moe_parity(job: list[dict], references: dict, name: str, layout: str) -> tuple[torch.Tensor, ...]:
+    """Parity of an MoE model on every rank; returns each rank's record of which experts were routed to."""
+    expected = references[name]
+    _check_moved(expected, MAKERS[name])
+    for rank, result in enumerate(job):
+        _check_parity(result[(name, layout)], expected, f"{name} {layout} rank {rank}")
+    return tuple(result[(name, layout)]["routed"] for result in job)
+
+
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_mixtral_experts_without_tokens(gpt2_moe_job, references, layout):
-    expected = references["mixtral"]
-    _check_moved(expected, mixtral)
-    for rank, result in enumerate(gpt2_moe_job):
-        _check_parity(result[("mixtral", layout)], expected, f"mixtral {layout} rank {rank}")
+    r0, r1 = _moe_parity(gpt2_moe_job, references, "mixtral", layout)
     # The case under test happened: in some micro-batch an expert got tokens on one rank and none on the other.
-    r0, r1 = (result[("mixtral", layout)]["routed"] for result in gpt2_moe_job)
     assert ((r0 == 0) & (r1 > 0)).any() or ((r1 == 0) & (r0 > 0)).any()
 
 
@@ -537,12 +542,8 @@ def test_llama_fsdp2_resume_in_fresh_job_equals_uninterrupted(llama_job, resume_
 
 @pytest.mark.parametrize("layout", SWITCH_LAYOUTS)
 def test_switch_experts_without_gradient_on_one_rank(gpt2_moe_job, references, layout):
-    expected = references["switch"]
-    _check_moved(expected, switch)
-    for rank, result in enumerate(gpt2_moe_job):
-        _check_parity(result[("switch", layout)], expected, f"switch {layout} rank {rank}")
+    r0, r1 = _moe_parity(gpt2_moe_job, references, "switch", layout)
     # The case under test happened: in some forward an expert module ran on one rank and not on the other.
-    r0, r1 = (result[("switch", layout)]["routed"] for result in gpt2_moe_job)
     assert (r0 != r1).any()
 
 
