@@ -124,6 +124,13 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
     explicit = fully_shard(torch.nn.Linear(3, 4), reshard_after_forward=True)
     out["auto_default"] = _torch_compat.fsdp2_auto_reshard_after_forward(default)
     out["auto_explicit"] = _torch_compat.fsdp2_auto_reshard_after_forward(explicit)
+    linear = torch.nn.Linear(3, 4)
+    original = linear.weight
+    fully_shard(linear)
+    out["marked"] = [
+        _torch_compat.fsdp2_replaced_by_fully_shard(original),
+        _torch_compat.fsdp2_replaced_by_fully_shard(torch.nn.Parameter(torch.ones(2))),
+    ]
     out["numels"] = _torch_compat.fsdp1_flat_param_numels(
         FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
     )
@@ -147,6 +154,11 @@ def test_fsdp_private_state():
     (got,) = run_ranks(_fsdp_body, 1, timeout=100)
     assert got["auto_default"] is True and got["auto_explicit"] is False
     assert got["numels"] == [12, 4] and got["no_params"] is None
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    # FSDP2 marks the parameters it replaced (torch 2.13; 2.9 does not, and there nothing can be told).
+    marks = hasattr(_fsdp_param, "_get_orig_param_uid")
+    assert got["marked"] == ([True, False] if marks else [None, None])
     assert "_auto_reshard_after_forward" in got["fsdp2_missing"]
     assert "_flat_param" in got["fsdp1_missing"]
 

@@ -59,6 +59,9 @@ class Layout:
     leftovers: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     leftover_buffers: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     root_is_unit: bool = False
+    #: Tied parameters split by a unit boundary: (name outside every unit, name inside a unit, or None where
+    #: FSDP2 already replaced the unit's copy and only its mark is left). Nothing can train these correctly.
+    split_ties: list[tuple[str, str | None]] = field(default_factory=list)
 
     @property
     def flavours(self) -> set[str]:
@@ -85,14 +88,21 @@ def analyze(module: nn.Module) -> Layout:
 
     visit(module, "", None)
     layout.root_is_unit = unit_flavour(module) is not None
-    seen: set[int] = set()
+    seen: dict[int, tuple[str, bool]] = {}  # id -> (first name, whether inside a unit)
     owner_unit = {id(u.module): u for u in layout.units}
+    fsdp2_units = any(u.flavour == "fsdp2" for u in layout.units)
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for p_name, param in mod.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
             full = clean_name(f"{mod_name}.{p_name}" if mod_name else p_name)
+            if id(param) in seen:
+                # One parameter used by a module inside a unit and by one outside (tied embeddings with only
+                # the embedding in an FSDP1 unit): the unit flattens it into its shard, and the outside module
+                # would compute with the shard.
+                first, first_inside = seen[id(param)]
+                if first_inside != (id(mod) in inside):
+                    layout.split_ties.append((first, full) if not first_inside else (full, first))
+                continue
+            seen[id(param)] = (full, id(mod) in inside)
             if id(mod) in inside:
                 unit = _nearest_unit(module, mod_name, owner_unit)
                 if unit is not None:
@@ -100,6 +110,10 @@ def analyze(module: nn.Module) -> Layout:
                     unit.numel += _global_numel(param)
             else:
                 layout.leftovers.append((full, param))
+                # FSDP2 gave the unit a sharded copy and left this module the original: the tie is already
+                # broken, and the two copies would train apart silently.
+                if fsdp2_units and _torch_compat.fsdp2_replaced_by_fully_shard(param):
+                    layout.split_ties.append((full, None))
         for b_name, buf in mod.named_buffers(recurse=False):
             if id(mod) not in inside and buf is not None:
                 layout.leftover_buffers.append(

@@ -130,6 +130,18 @@ def fsdp1_flat_param_numels(unit: Any) -> list[int] | None:
     return [int(n) for n in numels]
 
 
+def fsdp2_replaced_by_fully_shard(param: torch.Tensor) -> bool | None:
+    """Whether `fully_shard` took `param` into a unit (and gave the unit a sharded copy of it): FSDP2 marks each
+    original parameter it shards with `_fsdp_orig_uid`. A model that still holds a marked parameter outside
+    every unit had it tied to a unit's parameter, and that tie is now broken. None where this torch's FSDP2
+    marks nothing (2.9 does not; 2.13 does), so the caller knows it cannot tell."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    if not hasattr(_fsdp_param, "_get_orig_param_uid"):
+        return None
+    return hasattr(param, "_fsdp_orig_uid")
+
+
 # ---- distributed checkpoint ----------------------------------------------------------------------------------
 def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | None = None) -> None:
     """Fill `state` with every stored entry (or `keys`) of a DCP checkpoint, whole, in this process and without

@@ -462,6 +462,7 @@ class ShardedStrategy(ParallelStrategy):
         self._require_group(f"setup_module with strategy={self.name!r}")
         layout = analyze(module)
         self._check_flavours(layout)
+        self._check_split_ties(layout)
         pending_init = meta_modules(module)
         if layout.units:
             # The user chose the units: never wrap the root again, never apply a policy on top.
@@ -514,6 +515,24 @@ class ShardedStrategy(ParallelStrategy):
                 f"The model's units were made with {kinds[other]}, but the strategy is {self.name!r}. Use "
                 f"strategy={other!r}."
             )
+
+    def _check_split_ties(self, layout: Layout) -> None:
+        """Refuse a tied parameter that a unit boundary splits (`tests/test_hf_models.py` found it with GPT-2's
+        tied embeddings and head): FSDP2 silently trains two copies, FSDP1 crashes with a shape error."""
+        if not layout.split_ties:
+            return
+        outside, inside = layout.split_ties[0]
+        partner = (
+            f"'{inside}' inside an FSDP unit" if inside else "a parameter fully_shard() moved into a unit"
+        )
+        raise MisuseError(
+            f"Parameter '{outside}' is outside every FSDP unit but tied to (the same tensor as) {partner}, e.g. "
+            "tied input embeddings and output head with only the embedding in a unit. FSDP shards a parameter "
+            "only for the modules of its own unit, so the tie would be broken: the copies would train apart "
+            "(fully_shard) or the module outside would see a shard (FullyShardedDataParallel). Keep every "
+            "module that uses it on one side: make no unit of the shared module (it stays replicated), or a "
+            "unit that contains all its users (e.g. the root: unsharded_params='shard')."
+        )
 
     def _apply_activation_checkpointing(self, module: nn.Module) -> None:
         policy = self.activation_checkpointing_policy
