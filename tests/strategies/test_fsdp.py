@@ -304,3 +304,87 @@ def test_meta_init_consistent_never_full_and_half_memory(flavour):
         # Per-block units on 2 ranks: about half the blocks plus the whole replicated leftovers.
         expected = r["block_numel"] / 2 + r["leftover_numel"]
         assert abs(r["local_numel"] - expected) <= 0.02 * total, (r["local_numel"], expected)
+
+
+class _Experts(torch.nn.Module):
+    """A mixture of experts, one module per expert, routed by a given expert index per row."""
+
+    def __init__(self, call_every_expert: bool, wrap_experts=lambda m: m) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.experts = torch.nn.ModuleList(wrap_experts(torch.nn.Linear(8, 8)) for _ in range(4))
+        self.out = torch.nn.Linear(8, 1)
+        self.call_every_expert = call_every_expert
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        y = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (route == e).nonzero().flatten()
+            if rows.numel() or self.call_every_expert:  # an empty batch still runs the expert's unit
+                y = y.index_add(0, rows, expert(h[rows]))
+        return self.out(torch.tanh(y + h))
+
+
+# Rank 0 reads rows 0-3 (experts 0 and 1), rank 1 rows 4-7 (experts 0 and 2); expert 3 gets no row at all.
+_ROUTE = torch.tensor([0, 1, 0, 1, 0, 2, 0, 2])
+
+
+def _experts_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _experts_body(rank: int, world_size: int, flavour: str, call_every_expert: bool) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import wrap
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=flavour)
+    loom.launch()
+    torch.manual_seed(0)
+    if flavour == "fsdp":
+        with loom.init_module():
+            model = _Experts(call_every_expert, wrap)
+    else:
+        model = _Experts(call_every_expert)
+        for expert in model.experts:
+            fully_shard(expert)
+    model = loom.setup_module(model)
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _experts_data()
+    rows = slice(rank * 4, rank * 4 + 4)
+    for _ in range(3):
+        with torch.no_grad():  # evaluation runs other experts: never counted
+            model(x[rows], torch.full((4,), 3))
+        opt.zero_grad()
+        try:
+            loom.backward(torch.nn.functional.mse_loss(model(x[rows], _ROUTE[rows]), y[rows]))
+        except MisuseError as error:
+            return {"error": str(error)}
+        opt.step()
+    return {"params": full_state(model)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+def test_units_that_ran_on_some_ranks_only_are_refused_and_running_all_matches(flavour):
+    """An expert unit that ran on one rank only: FSDP would pair different experts' reduce-scatters across ranks
+    (equal shapes: summed into each other silently). Every rank refuses it before the backward; calling every
+    expert (empty batches included) trains like one process."""
+    refused = run_ranks(_experts_body, 2, flavour, False, timeout=120)
+    for result in refused:
+        assert "['experts.1', 'experts.2'] ran forward on some ranks and not on others" in result["error"], (
+            result
+        )
+    ranks = run_ranks(_experts_body, 2, flavour, True, timeout=120)
+    torch.manual_seed(0)
+    model = _Experts(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _experts_data()
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x, _ROUTE), y).backward()
+        opt.step()
+    for result in ranks:
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-5, msg=key)

@@ -337,6 +337,7 @@ class ShardedStrategy(ParallelStrategy):
         self.unsharded_params = unsharded_params
         self._unit_options = unit_options
         self._layouts: dict[int, Layout] = {}
+        self._unit_runs: dict[int, _UnitRuns] = {}
         self._grad_syncs: dict[int, ReplicatedGradSync] = {}
         self._groups: dict[int, dict[int, dist.ProcessGroup]] = {}
         self._replica_group: dist.ProcessGroup | None = None
@@ -495,6 +496,7 @@ class ShardedStrategy(ParallelStrategy):
         layout = analyze(forward_module)
         self._place_outside_units(forward_module, layout)
         self._layouts[id(forward_module)] = layout
+        self._watch_unit_runs(forward_module, layout)
         self._replicate_leftovers(forward_module, layout)
         # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
         broadcast_tensors([b for b in forward_module.buffers() if b is not None], device=self.root_device)
@@ -607,7 +609,41 @@ class ShardedStrategy(ParallelStrategy):
             )
         return layout
 
+    def _watch_unit_runs(self, module: nn.Module, layout: Layout) -> None:
+        """Record which units run forward between two backwards (checked in `backward`). A unit whose forward
+        never ran on a rank (an expert that got no token there) is not reduced there, while the ranks that ran it
+        reduce it: FSDP's reduce-scatters, one per unit in the order backward reaches them, then pair different
+        units across ranks. Same-shaped units (experts) are summed into each other silently; others crash."""
+        nested = [u for u in layout.units if u.module is not module]
+        if not nested or self.world_size == 1:
+            return  # the root always runs
+        watch = _UnitRuns([u.path for u in nested])
+        for i, unit in enumerate(nested):
+            unit.module.register_forward_pre_hook(functools.partial(_mark_run, watch, i))
+        self._unit_runs[id(module)] = watch
+
+    def _check_unit_runs(self) -> None:
+        """Every rank's units that ran since the last backward must be the same (see `_watch_unit_runs`)."""
+        for watch in self._unit_runs.values():
+            ran = watch.take()
+            if not watch.checking:
+                continue  # inside no_backward_sync: this backward reduces nothing
+            # One all-reduce: MAX over [ran, not ran] says, per unit, whether some rank ran it and some did not.
+            both = torch.tensor(ran + [1 - r for r in ran], dtype=torch.int32, device=self.root_device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            mixed = [watch.paths[i] for i in range(len(ran)) if both[i] and both[len(ran) + i]]
+            if mixed:
+                raise MisuseError(
+                    f"The FSDP unit(s) {mixed} ran forward on some ranks and not on others before this backward "
+                    "(e.g. an expert that got no tokens on one rank). FSDP reduces the gradients of the units "
+                    "that ran, one collective per unit, so the ranks would exchange different units' gradients: "
+                    "silently wrong results, or a hang. Call every unit on every rank (an expert with an empty "
+                    "batch when no token goes to it), keep the experts in one parameter (as transformers' MoE "
+                    "models do), or make no units of them."
+                )
+
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
+        self._check_unit_runs()
         # Each backward is one round of the leftover gradient sync on every rank, whether or not this rank's
         # backward reaches the leftovers, and whether or not it completes.
         rounds = [sync for sync in self._grad_syncs.values() if sync.enabled]
@@ -619,6 +655,10 @@ class ShardedStrategy(ParallelStrategy):
             for sync in rounds:
                 sync.end(error)
             raise
+        finally:
+            # Activation checkpointing runs units' forwards again inside backward: not the next step's runs.
+            for watch in self._unit_runs.values():
+                watch.take()
         # End every round before raising, so no round is left open on this rank alone.
         errors = []
         for sync in rounds:
@@ -636,8 +676,12 @@ class ShardedStrategy(ParallelStrategy):
             return
         layout = self._layout_of(module)
         sync = self._grad_syncs.get(id(module))
+        watch = self._unit_runs.get(id(module))
         with contextlib.ExitStack() as stack:
             self._set_unit_sync(stack, layout.top_units)
+            if watch is not None:
+                watch.checking = False
+                stack.callback(setattr, watch, "checking", True)
             if sync is not None:
                 sync.enabled = False
                 stack.callback(setattr, sync, "enabled", True)
@@ -781,6 +825,26 @@ class ShardedStrategy(ParallelStrategy):
     def _warn(self, message: str) -> None:
         if self.global_rank == 0:
             warn_user(message)
+
+
+class _UnitRuns:
+    """Which of a model's units ran forward, with gradients, since the last backward ended (one flag per unit)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self.ran = [0] * len(paths)
+        #: False inside no_backward_sync (nothing is reduced, so nothing to agree on).
+        self.checking = True
+
+    def take(self) -> list[int]:
+        ran, self.ran = self.ran, [0] * len(self.paths)
+        return ran
+
+
+def _mark_run(watch: _UnitRuns, index: int, module: nn.Module, args: Any) -> None:
+    # A forward without gradients (evaluation) is never reduced.
+    if torch.is_grad_enabled():
+        watch.ran[index] = 1
 
 
 def _place_state_with_parameters(optimizer: Optimizer, param_ids: set[int]) -> None:
