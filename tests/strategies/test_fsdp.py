@@ -306,24 +306,35 @@ def test_meta_init_consistent_never_full_and_half_memory(flavour):
         assert abs(r["local_numel"] - expected) <= 0.02 * total, (r["local_numel"], expected)
 
 
+class _ExpertGroup(torch.nn.Module):
+    """One module per expert, routed by a given expert index per row."""
+
+    def __init__(self, call_every_expert: bool, wrap_experts=lambda m: m) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(wrap_experts(torch.nn.Linear(8, 8)) for _ in range(4))
+        self.call_every_expert = call_every_expert
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (route == e).nonzero().flatten()
+            if rows.numel() or self.call_every_expert:  # an empty batch still runs the expert (and its unit)
+                y = y.index_add(0, rows, expert(h[rows]))
+        return y
+
+
 class _Experts(torch.nn.Module):
-    """A mixture of experts, one module per expert, routed by a given expert index per row."""
+    """A mixture of experts around an `_ExpertGroup`."""
 
     def __init__(self, call_every_expert: bool, wrap_experts=lambda m: m) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(4, 8)
-        self.experts = torch.nn.ModuleList(wrap_experts(torch.nn.Linear(8, 8)) for _ in range(4))
+        self.group = _ExpertGroup(call_every_expert, wrap_experts)
         self.out = torch.nn.Linear(8, 1)
-        self.call_every_expert = call_every_expert
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        y = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            rows = (route == e).nonzero().flatten()
-            if rows.numel() or self.call_every_expert:  # an empty batch still runs the expert's unit
-                y = y.index_add(0, rows, expert(h[rows]))
-        return self.out(torch.tanh(y + h))
+        return self.out(torch.tanh(self.group(h, route) + h))
 
 
 # Rank 0 reads rows 0-3 (experts 0 and 1), rank 1 rows 4-7 (experts 0 and 2); expert 3 gets no row at all.
@@ -335,7 +346,9 @@ def _experts_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
 
 
-def _experts_body(rank: int, world_size: int, flavour: str, call_every_expert: bool) -> dict:
+def _experts_body(
+    rank: int, world_size: int, flavour: str, call_every_expert: bool, one_unit: bool = False
+) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import wrap
 
@@ -347,7 +360,7 @@ def _experts_body(rank: int, world_size: int, flavour: str, call_every_expert: b
             model = _Experts(call_every_expert, wrap)
     else:
         model = _Experts(call_every_expert)
-        for expert in model.experts:
+        for expert in [model.group] if one_unit else model.group.experts:
             fully_shard(expert)
     model = loom.setup_module(model)
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -373,9 +386,10 @@ def test_units_that_ran_on_some_ranks_only_are_refused_and_running_all_matches(f
     expert (empty batches included) trains like one process."""
     refused = run_ranks(_experts_body, 2, flavour, False, timeout=120)
     for result in refused:
-        assert "['experts.1', 'experts.2'] ran forward on some ranks and not on others" in result["error"], (
-            result
-        )
+        assert (
+            "['group.experts.1', 'group.experts.2'] ran forward on some ranks and not on others"
+            in result["error"]
+        ), result
     ranks = run_ranks(_experts_body, 2, flavour, True, timeout=120)
     torch.manual_seed(0)
     model = _Experts(True)
@@ -388,3 +402,15 @@ def test_units_that_ran_on_some_ranks_only_are_refused_and_running_all_matches(f
     for result in ranks:
         for key, value in model.state_dict().items():
             torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_unit_parameters_with_a_gradient_on_some_ranks_only_are_refused():
+    """The experts inside one fully_shard unit: FSDP2 reduces only the parameters that have a gradient, so rank
+    0's expert 1 and rank 1's expert 2 (same shapes) were reduced together, silently. The step is refused."""
+    for result in run_ranks(_experts_body, 2, "fsdp2", False, True, timeout=120):
+        assert (
+            "Parameter(s) ['group.experts.1.weight', 'group.experts.1.bias', 'group.experts.2.weight'"
+            in (result["error"])
+        ), result
+        assert "got a gradient on some ranks and not on others" in result["error"]

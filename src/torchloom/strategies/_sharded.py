@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchloom._layout import Layout, Unit, analyze, describe_layout
+from torchloom._layout import Layout, Unit, analyze, clean_name, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError, warn_user
 from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy, refuse_options
@@ -610,28 +610,41 @@ class ShardedStrategy(ParallelStrategy):
         return layout
 
     def _watch_unit_runs(self, module: nn.Module, layout: Layout) -> None:
-        """Record which units run forward between two backwards (checked in `backward`). A unit whose forward
-        never ran on a rank (an expert that got no token there) is not reduced there, while the ranks that ran it
-        reduce it: FSDP's reduce-scatters, one per unit in the order backward reaches them, then pair different
-        units across ranks. Same-shaped units (experts) are summed into each other silently; others crash."""
+        """Record which units run forward between two backwards (checked in `backward`), and which parameters of
+        "fsdp2" units get a gradient. FSDP's reduce-scatters go one per unit, in the order backward reaches them:
+        a unit whose forward never ran on a rank (an expert that got no token there) is not reduced there, while
+        the ranks that ran it reduce it, so the ranks pair different units; and FSDP2 reduces, per unit, only the
+        parameters that have a gradient, so a parameter without one on a single rank shifts the rest. Same-shaped
+        pieces (experts) are then summed into each other silently; others crash or hang."""
+        if self.world_size == 1:
+            return
         nested = [u for u in layout.units if u.module is not module]
-        if not nested or self.world_size == 1:
-            return  # the root always runs
-        watch = _UnitRuns([u.path for u in nested])
+        leftovers = {id(p) for _, p in layout.leftovers}
+        fsdp2_params = (
+            [(clean_name(n), p) for n, p in module.named_parameters() if id(p) not in leftovers]
+            if any(u.flavour == "fsdp2" for u in layout.units)
+            else []  # FSDP1 reduces each unit's flat parameter whole: a missing gradient is a zero there
+        )
+        if not nested and not fsdp2_params:
+            return
+        watch = _UnitRuns([u.path for u in nested], fsdp2_params)
         for i, unit in enumerate(nested):
             unit.module.register_forward_pre_hook(functools.partial(_mark_run, watch, i))
         self._unit_runs[id(module)] = watch
+
+    def _agree(self, flags: list[int], names: list[str]) -> list[str]:
+        """The names whose flag is 1 on some ranks and 0 on others (one all-reduce: MAX over [flags, not flags])."""
+        both = torch.tensor(flags + [1 - f for f in flags], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return [names[i] for i in range(len(flags)) if both[i] and both[len(flags) + i]]
 
     def _check_unit_runs(self) -> None:
         """Every rank's units that ran since the last backward must be the same (see `_watch_unit_runs`)."""
         for watch in self._unit_runs.values():
             ran = watch.take()
-            if not watch.checking:
-                continue  # inside no_backward_sync: this backward reduces nothing
-            # One all-reduce: MAX over [ran, not ran] says, per unit, whether some rank ran it and some did not.
-            both = torch.tensor(ran + [1 - r for r in ran], dtype=torch.int32, device=self.root_device)
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
-            mixed = [watch.paths[i] for i in range(len(ran)) if both[i] and both[len(ran) + i]]
+            if not watch.checking or not ran:
+                continue  # inside no_backward_sync this backward reduces nothing
+            mixed = self._agree(ran, watch.paths)
             if mixed:
                 raise MisuseError(
                     f"The FSDP unit(s) {mixed} ran forward on some ranks and not on others before this backward "
@@ -640,6 +653,25 @@ class ShardedStrategy(ParallelStrategy):
                     "silently wrong results, or a hang. Call every unit on every rank (an expert with an empty "
                     "batch when no token goes to it), keep the experts in one parameter (as transformers' MoE "
                     "models do), or make no units of them."
+                )
+
+    def _check_unit_grads(self) -> None:
+        """After a backward that reduced: every rank's "fsdp2" unit parameters with a gradient must be the same
+        (see `_watch_unit_runs`). The reduction already happened, so this stops the step, not the damage."""
+        for watch in self._unit_runs.values():
+            if not watch.checking or not watch.params:
+                continue
+            has_grad = [int(p.grad is not None) for _, p in watch.params]
+            mixed = self._agree(has_grad, [n for n, _ in watch.params])
+            if mixed:
+                raise MisuseError(
+                    f"Parameter(s) {mixed[:5]}{' ...' if len(mixed) > 5 else ''} of FSDP2 units got a gradient "
+                    "on some ranks and not on others in this backward (e.g. an expert inside a unit that got no "
+                    "tokens on one rank). fully_shard reduces only the parameters that have a gradient, so the "
+                    "ranks reduced different parameters together: these gradients are wrong; do not step. Make "
+                    "every parameter get a gradient on every rank (call every expert, with an empty batch when no "
+                    "token goes to it), or use strategy='fsdp' (its flat parameters reduce missing gradients as "
+                    "zeros) or DDPStrategy(find_unused_parameters=True)."
                 )
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
@@ -668,6 +700,7 @@ class ShardedStrategy(ParallelStrategy):
                 errors.append(error)
         if errors:
             raise errors[0]
+        self._check_unit_grads()
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
@@ -828,10 +861,12 @@ class ShardedStrategy(ParallelStrategy):
 
 
 class _UnitRuns:
-    """Which of a model's units ran forward, with gradients, since the last backward ended (one flag per unit)."""
+    """Which of a model's units ran forward, with gradients, since the last backward ended (one flag per unit),
+    and the parameters of its "fsdp2" units (whose gradients must be present on all ranks or none)."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], params: list[tuple[str, nn.Parameter]]) -> None:
         self.paths = paths
+        self.params = params
         self.ran = [0] * len(paths)
         #: False inside no_backward_sync (nothing is reduced, so nothing to agree on).
         self.checking = True
