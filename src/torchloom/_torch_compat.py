@@ -145,6 +145,27 @@ def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | 
     )
 
 
+#: The first torch whose `set_optimizer_state_dict` loads a state dict with no state for some parameters
+#: (`StateDictOptions(strict=False)`); older ones raise KeyError naming the parameter (pytorch/pytorch#165228).
+PARTIAL_OPTIMIZER_STATE_TORCH = "2.10"
+
+
+def optimizer_state_to_load(state: dict[str, Any], version: str = torch.__version__) -> dict[str, Any]:
+    """`state`, a name-keyed optimizer state dict, made loadable by this torch's `set_optimizer_state_dict` when
+    some of its parameters have no state (they never got a gradient before the save). torch 2.10 and later load
+    it as it is. torch 2.9 reads the state of every trainable parameter its groups name, so each one without
+    state gets an empty entry, which loads as an empty state; the caller then drops that entry as it drops the
+    state newer torch initialises for it. A state dict with no state at all is left alone: 2.9 loads that."""
+    if TorchVersion(version) >= PARTIAL_OPTIMIZER_STATE_TORCH:
+        return state
+    saved, groups = state.get("state"), state.get("param_groups")
+    if not isinstance(saved, dict) or not saved or not isinstance(groups, list):
+        return state
+    names = [name for group in groups if isinstance(group, dict) for name in group.get("params", [])]
+    missing = {name: {} for name in names if isinstance(name, str) and name not in saved}
+    return {**state, "state": {**saved, **missing}} if missing else state
+
+
 # ---- DTensor -------------------------------------------------------------------------------------------------
 def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape of a DTensor's local piece on this rank and where it starts in the global tensor, as DTensor
