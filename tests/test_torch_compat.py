@@ -154,6 +154,23 @@ def test_optimizer_state_to_load_with_parameters_without_state():
     assert _torch_compat.optimizer_state_to_load(empty, version="2.9.1") is empty
 
 
+def test_share_fsdp2_comm_ctx(monkeypatch):
+    from torch.distributed import fsdp
+
+    # The real call, on FSDP2 roots of 2 ranks, is tests/strategies/test_fsdp2_shared_context.py.
+    calls = []
+    monkeypatch.setattr(fsdp, "share_comm_ctx", calls.append, raising=False)
+    assert _torch_compat.share_fsdp2_comm_ctx(["a", "b"]) is True and calls == [["a", "b"]]
+    monkeypatch.delattr(fsdp, "share_comm_ctx")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    assert (
+        _torch_compat.share_fsdp2_comm_ctx(["a", "b"]) is False
+    )  # 2.9 never had it: each root keeps its own
+    monkeypatch.setattr(torch, "__version__", "2.14.1")
+    with pytest.raises(TorchAPIMissing, match="share_comm_ctx"):
+        _torch_compat.share_fsdp2_comm_ctx(["a", "b"])
+
+
 def _fsdp_body(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -129,6 +129,25 @@ def fsdp1_flat_param_numels(unit: Any) -> list[int] | None:
     return [int(n) for n in numels]
 
 
+#: The first torch with `torch.distributed.fsdp.share_comm_ctx` (pytorch/pytorch#165024).
+SHARE_COMM_CTX_TORCH = "2.10"
+
+
+def share_fsdp2_comm_ctx(units: list[Any]) -> bool:
+    """Give FSDP2 root units one communication context (`torch.distributed.fsdp.share_comm_ctx`, a public API
+    since torch 2.10) and return True; on torch 2.9, which lacks it, leave each its own and return False (the
+    roots are still correct; each holds its reduce-scatter input until the end of backward: more memory)."""
+    from torch.distributed import fsdp
+
+    share = getattr(fsdp, "share_comm_ctx", None)
+    if share is None:
+        if TorchVersion(torch.__version__) >= SHARE_COMM_CTX_TORCH:
+            raise _missing("torch.distributed.fsdp.share_comm_ctx")
+        return False
+    share(units)
+    return True
+
+
 # ---- distributed checkpoint ----------------------------------------------------------------------------------
 def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | None = None) -> None:
     """Fill `state` with every stored entry (or `keys`) of a DCP checkpoint, whole, in this process and without
