@@ -112,6 +112,65 @@ def test_load_whole_checkpoint(tmp_path):
     assert list(only) == ["w"]
 
 
+def test_optimizer_state_to_load_with_parameters_without_state():
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(3, 2)})
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, opt = make()
+    model["used"](torch.ones(1, 3)).sum().backward()
+    opt.step()  # state for used.weight and used.bias only
+    saved = get_optimizer_state_dict(model, opt)
+    assert sorted(saved["state"]) == ["used.bias", "used.weight"]
+
+    # On the installed torch, the state dict as made for it loads, and the stepped parameters get their state.
+    model2, opt2 = make()
+    set_optimizer_state_dict(
+        model2, opt2, _torch_compat.optimizer_state_to_load(saved), options=StateDictOptions(strict=False)
+    )
+    for name in ("weight", "bias"):
+        got, want = opt2.state[getattr(model2["used"], name)], opt.state[getattr(model["used"], name)]
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+    # torch 2.9 gets an empty state for each parameter without state; newer torch gets the state dict unchanged.
+    old = _torch_compat.optimizer_state_to_load(saved, version="2.9.1+cu128")
+    assert old["state"]["unused.weight"] == {} and old["state"]["unused.bias"] == {}
+    assert (
+        old["state"]["used.weight"] is saved["state"]["used.weight"]
+        and old["param_groups"] is saved["param_groups"]
+    )
+    assert _torch_compat.optimizer_state_to_load(saved, version="2.10.0") is saved
+    empty = {
+        "state": {},
+        "param_groups": saved["param_groups"],
+    }  # before the first step: 2.9 loads it as it is
+    assert _torch_compat.optimizer_state_to_load(empty, version="2.9.1") is empty
+
+
+def test_share_fsdp2_comm_ctx(monkeypatch):
+    from torch.distributed import fsdp
+
+    # The real call, on FSDP2 roots of 2 ranks, is tests/strategies/test_fsdp2_shared_context.py.
+    calls = []
+    monkeypatch.setattr(fsdp, "share_comm_ctx", calls.append, raising=False)
+    assert _torch_compat.share_fsdp2_comm_ctx(["a", "b"]) is True and calls == [["a", "b"]]
+    monkeypatch.delattr(fsdp, "share_comm_ctx")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    assert (
+        _torch_compat.share_fsdp2_comm_ctx(["a", "b"]) is False
+    )  # 2.9 never had it: each root keeps its own
+    monkeypatch.setattr(torch, "__version__", "2.14.1")
+    with pytest.raises(TorchAPIMissing, match="share_comm_ctx"):
+        _torch_compat.share_fsdp2_comm_ctx(["a", "b"])
+
+
 def _fsdp_body(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

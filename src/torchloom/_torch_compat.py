@@ -142,6 +142,25 @@ def fsdp2_replaced_by_fully_shard(param: torch.Tensor) -> bool | None:
     return hasattr(param, "_fsdp_orig_uid")
 
 
+#: The first torch with `torch.distributed.fsdp.share_comm_ctx` (pytorch/pytorch#165024).
+SHARE_COMM_CTX_TORCH = "2.10"
+
+
+def share_fsdp2_comm_ctx(units: list[Any]) -> bool:
+    """Give FSDP2 root units one communication context (`torch.distributed.fsdp.share_comm_ctx`, a public API
+    since torch 2.10) and return True; on torch 2.9, which lacks it, leave each its own and return False (the
+    roots are still correct; each holds its reduce-scatter input until the end of backward: more memory)."""
+    from torch.distributed import fsdp
+
+    share = getattr(fsdp, "share_comm_ctx", None)
+    if share is None:
+        if TorchVersion(torch.__version__) >= SHARE_COMM_CTX_TORCH:
+            raise _missing("torch.distributed.fsdp.share_comm_ctx")
+        return False
+    share(units)
+    return True
+
+
 # ---- distributed checkpoint ----------------------------------------------------------------------------------
 def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | None = None) -> None:
     """Fill `state` with every stored entry (or `keys`) of a DCP checkpoint, whole, in this process and without
@@ -156,6 +175,27 @@ def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | 
     _load_state_dict(
         state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
     )
+
+
+#: The first torch whose `set_optimizer_state_dict` loads a state dict with no state for some parameters
+#: (`StateDictOptions(strict=False)`); older ones raise KeyError naming the parameter (pytorch/pytorch#165228).
+PARTIAL_OPTIMIZER_STATE_TORCH = "2.10"
+
+
+def optimizer_state_to_load(state: dict[str, Any], version: str = torch.__version__) -> dict[str, Any]:
+    """`state`, a name-keyed optimizer state dict, made loadable by this torch's `set_optimizer_state_dict` when
+    some of its parameters have no state (they never got a gradient before the save). torch 2.10 and later load
+    it as it is. torch 2.9 reads the state of every trainable parameter its groups name, so each one without
+    state gets an empty entry, which loads as an empty state; the caller then drops that entry as it drops the
+    state newer torch initialises for it. A state dict with no state at all is left alone: 2.9 loads that."""
+    if TorchVersion(version) >= PARTIAL_OPTIMIZER_STATE_TORCH:
+        return state
+    saved, groups = state.get("state"), state.get("param_groups")
+    if not isinstance(saved, dict) or not saved or not isinstance(groups, list):
+        return state
+    names = [name for group in groups if isinstance(group, dict) for name in group.get("params", [])]
+    missing = {name: {} for name in names if isinstance(name, str) and name not in saved}
+    return {**state, "state": {**saved, **missing}} if missing else state
 
 
 # ---- DTensor -------------------------------------------------------------------------------------------------

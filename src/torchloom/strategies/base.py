@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from torchloom import _torch_compat
 from torchloom.accelerators import Accelerator
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import ConfigurationError, MisuseError
@@ -319,7 +320,10 @@ class Strategy:
         # gradient); with strict, PyTorch refuses it. A truncated sharded checkpoint still fails in DCP's load,
         # which asks for every key of every parameter that has state (`sharded._stored_optimizer_state`).
         set_optimizer_state_dict(
-            module, optimizer, state, options=self._state_dict_options(full, loading=True, strict=False)
+            module,
+            optimizer,
+            _torch_compat.optimizer_state_to_load(state),
+            options=self._state_dict_options(full, loading=True, strict=False),
         )
         # PyTorch initialises the optimizer's state (a zero-gradient step at lr 0) before it loads, and the full
         # format's load keeps that state for parameters the checkpoint has none for; a parameter that had no state

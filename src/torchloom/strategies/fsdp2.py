@@ -106,12 +106,8 @@ class FSDP2Strategy(ShardedStrategy):
                     unit.set_reshard_after_forward(True, recurse=False)
             # Each root has its own communication context and keeps its full-size reduce-scatter input until
             # the end of backward: the whole model's gradients, unsharded. One shared context frees each as the
-            # next unit's reduce-scatter starts.
-            from torch.distributed import fsdp
-
-            share_comm_ctx = getattr(fsdp, "share_comm_ctx", None)  # torch >= 2.8
-            if share_comm_ctx is not None:
-                share_comm_ctx(units)
+            # next unit's reduce-scatter starts (torch >= 2.10; 2.9 has no way to share one).
+            _torch_compat.share_fsdp2_comm_ctx(units)
         return forward_module
 
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
