@@ -213,12 +213,23 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: 2 ranks on gloo (the default); cuda: 2 ranks on 2 GPUs over NCCL",
+        help="cpu: 2 ranks on gloo (the default); cuda: --world ranks on as many GPUs over NCCL",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="ranks with --device cuda, one per GPU (1 on a one-GPU machine: no communication to measure, "
+        "but torchloom's own step and memory costs on the GPU); the CPU runs are always 2 ranks",
     )
 
 
 def check_device(parser: argparse.ArgumentParser, device: str, world: int = 2) -> None:
-    """Refuse --device cuda where there are fewer than `world` GPUs, before any rank starts."""
+    """Refuse --device cuda where there are fewer than `world` GPUs, and --world 1 on CPU, before any rank
+    starts."""
+    if device == "cpu" and world != 2:
+        parser.error("--world applies to --device cuda; the CPU runs are 2 gloo ranks")
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < world:

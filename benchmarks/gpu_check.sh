@@ -4,12 +4,15 @@
 #   1. the CUDA tests (pytest -m cuda tests: tests/gpu and the CUDA cases elsewhere): every strategy x precision
 #      on 1 and 2 GPUs, hand-made units, offload placement, the desync report under NCCL,
 #      meta init with and without cpu_offload, checkpoints with offload, the leftover sync under NCCL;
-#   2. benchmarks/step_overhead.py --device cuda: torchloom's step time against raw PyTorch on 2 GPUs;
-#   3. benchmarks/memory.py --device cuda: torch.cuda.max_memory_allocated against the floor, on 2 GPUs;
-#   4. a summary: the tests' pass/fail/skip counts and the benchmarks' ratio lines.
+#   2. benchmarks/step_overhead.py --device cuda: torchloom's step time against raw PyTorch, on 2 GPUs (1 where
+#      the machine has one: no communication then, but torchloom's own costs on the GPU);
+#   3. benchmarks/memory.py --device cuda: torch.cuda.max_memory_allocated against the floor, same world size;
+#   4. examples/train_lm.py on the GPU as a user runs it (fsdp2 bf16-mixed, then fsdp 16-mixed resumed from its
+#      checkpoint), with `python examples/train_lm.py` as the README shows;
+#   5. a summary: the tests' pass/fail/skip counts, the benchmarks' ratio lines, the example's last lines.
 #
-# The benchmarks need 2 GPUs; with one they are skipped (and say so). Without a CUDA GPU, or with a CPU build of
-# torch, the script stops at once with the reason and exit code 2: it never reports a CPU run as a GPU check.
+# Without a CUDA GPU, or with a CPU build of torch, the script stops at once with the reason and exit code 2: it
+# never reports a CPU run as a GPU check.
 #
 #   bash benchmarks/gpu_check.sh              # or: make gpu-check
 #   bash benchmarks/gpu_check.sh --dry-run    # print what would run, check nothing on the GPU
@@ -29,13 +32,14 @@ PY="$VENV/bin/python"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 TEST_LIMIT=${TEST_LIMIT:-330}   # seconds for the CUDA tests
 BENCH_LIMIT=${BENCH_LIMIT:-120} # seconds for each benchmark
+EXAMPLE_LIMIT=${EXAMPLE_LIMIT:-90} # seconds for each run of the example
 DRY_RUN=0
 
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
         -h | --help)
-            sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+            sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
             exit 0
             ;;
         *)
@@ -55,6 +59,9 @@ TESTS_CMD=("$PY" -m pytest -q -m cuda -rs -k "not benchmarks_tiny" tests)
 STEP_CMD=("$PY" benchmarks/step_overhead.py --device cuda --dim 1024 --tokens 1024 --repeats 40
     --json "$OUT/step_overhead_cuda.json")
 MEMORY_CMD=("$PY" benchmarks/memory.py --device cuda --configs a,a_raw,c --json "$OUT/memory_cuda.json")
+EXAMPLE_DIR=${EXAMPLE_DIR:-$(mktemp -d -t gpu-check-lm.XXXXXX 2>/dev/null || echo /tmp/gpu-check-lm)}
+EXAMPLE_CMD=("$PY" examples/train_lm.py --accelerator cuda --steps 40 --eval-every 20
+    --checkpoint-every 20 --out-dir "$EXAMPLE_DIR")
 
 if [ "$DRY_RUN" = 1 ]; then
     echo "gpu_check: dry run; nothing is installed or run."
@@ -65,9 +72,11 @@ if [ "$DRY_RUN" = 1 ]; then
     fi
     echo "  refuses to go on unless torch is a CUDA build and torch.cuda.is_available()"
     echo "  1. timeout ${TEST_LIMIT}s (then SIGINT: pytest prints what ran) ${TESTS_CMD[*]}"
-    echo "  2. timeout ${BENCH_LIMIT}s ${STEP_CMD[*]}    (needs 2 GPUs)"
-    echo "  3. timeout ${BENCH_LIMIT}s ${MEMORY_CMD[*]}    (needs 2 GPUs)"
-    echo "  4. summary: tests passed/failed/skipped, the benchmarks' ratio lines; logs in $OUT/"
+    echo "  2. timeout ${BENCH_LIMIT}s ${STEP_CMD[*]} --world <1 or 2: the GPUs, at most 2>"
+    echo "  3. timeout ${BENCH_LIMIT}s ${MEMORY_CMD[*]} --world <1 or 2>"
+    echo "  4. timeout ${EXAMPLE_LIMIT}s ${EXAMPLE_CMD[*]} --devices <1 or 2> --precision bf16-mixed --stop-at 20,"
+    echo "     then the same with --flavour fsdp --precision 16-mixed --resume (to step 40)"
+    echo "  5. summary: tests passed/failed/skipped, the benchmarks' ratio lines, the example's last lines; logs in $OUT/"
     exit 0
 fi
 
@@ -100,7 +109,7 @@ mkdir -p "$OUT"
 START=$(date +%s)
 
 # ---- 1. the CUDA tests ----------------------------------------------------------------------------------
-echo "gpu_check: 1/3 CUDA tests (limit ${TEST_LIMIT}s)"
+echo "gpu_check: 1/4 CUDA tests (limit ${TEST_LIMIT}s)"
 # At the limit pytest gets SIGINT, as from Ctrl-C: it stops and still prints its counts of what passed, failed
 # and was skipped (SIGTERM would kill it with no summary at all); SIGKILL follows 30 s later if it hangs.
 timeout -s INT -k 30 "$TEST_LIMIT" "${TESTS_CMD[@]}" 2>&1 | tee "$OUT/tests.log"
@@ -111,40 +120,40 @@ if [ "$TESTS_RC" = 124 ] || [ "$TESTS_RC" = 137 ]; then
     TESTS_LINE="$TESTS_LINE; STOPPED at the ${TEST_LIMIT}s limit (raise TEST_LIMIT to run the rest)"
 fi
 
-# ---- 2, 3. the benchmarks on 2 GPUs ---------------------------------------------------------------------
+# ---- 2, 3. the benchmarks, on 2 GPUs or on the one there is ----------------------------------------------
+WORLD=$((GPUS >= 2 ? 2 : 1))
 BENCH_RC=0
-run_bench() { # step label, log name, command...
-    local label=$1 name=$2
-    shift 2
-    echo "gpu_check: $label $name (limit ${BENCH_LIMIT}s)"
-    timeout "$BENCH_LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"
+run_step() { # step label, log name, limit, command...
+    local label=$1 name=$2 limit=$3
+    shift 3
+    echo "gpu_check: $label $name (limit ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" != 0 ]; then
-        echo "gpu_check: $name exited with $rc (124: past the ${BENCH_LIMIT}s limit)" | tee -a "$OUT/$name.log"
+        echo "gpu_check: $name exited with $rc (124: past the ${limit}s limit)" | tee -a "$OUT/$name.log"
         BENCH_RC=1
     fi
 }
-if [ "$GPUS" -ge 2 ]; then
-    run_bench 2/3 step_overhead "${STEP_CMD[@]}"
-    run_bench 3/3 memory "${MEMORY_CMD[@]}"
-else
-    echo "gpu_check: 2/3 and 3/3 skipped: the benchmarks run 2 ranks on 2 GPUs, this machine has $GPUS" \
-        | tee "$OUT/benchmarks_skipped.log"
-fi
+run_step 2/4 step_overhead "$BENCH_LIMIT" "${STEP_CMD[@]}" --world "$WORLD"
+run_step 3/4 memory "$BENCH_LIMIT" "${MEMORY_CMD[@]}" --world "$WORLD"
+
+# ---- 4. the example, as a user runs it: fsdp2 in bf16 to a checkpoint, then resumed under fsdp in fp16 ------
+run_step 4/4 example "$EXAMPLE_LIMIT" "${EXAMPLE_CMD[@]}" --devices "$WORLD" --precision bf16-mixed --stop-at 20
+run_step 4/4 example_resumed "$EXAMPLE_LIMIT" "${EXAMPLE_CMD[@]}" --devices "$WORLD" --flavour fsdp \
+    --precision 16-mixed --resume
 
 # ---- 4. summary -----------------------------------------------------------------------------------------
 echo
 echo "==== gpu_check summary ($(($(date +%s) - START)) s) ===="
 cat "$OUT/machine.txt"
 echo "tests: $TESTS_LINE"
-if [ "$GPUS" -ge 2 ]; then
-    grep -h '^ratio  step_time\|^ratio  memory' "$OUT/step_overhead.log" "$OUT/memory.log" 2>/dev/null || true
-else
-    echo "benchmarks: skipped (need 2 GPUs, found $GPUS)"
-fi
+echo "benchmarks on $WORLD GPU(s):"
+grep -h '^ratio  step_time\|^ratio  memory' "$OUT/step_overhead.log" "$OUT/memory.log" 2>/dev/null || true
+echo "example (last lines of each run):"
+tail -n 3 "$OUT/example.log" "$OUT/example_resumed.log" 2>/dev/null || true
 echo "logs and JSON: $OUT/"
 if [ "$TESTS_RC" != 0 ] || [ "$BENCH_RC" != 0 ]; then
-    echo "gpu_check: FAILED (tests exit code $TESTS_RC, benchmarks $([ "$BENCH_RC" = 0 ] && echo ok || echo failed))"
+    echo "gpu_check: FAILED (tests exit code $TESTS_RC, benchmarks and example $([ "$BENCH_RC" = 0 ] && echo ok || echo failed))"
     exit 1
 fi
 echo "gpu_check: passed"

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     add_device_argument(parser)
     args = parser.parse_args(argv)
-    check_device(parser, args.device)
+    check_device(parser, args.device, args.world)
     if args.device == "cuda" and args.configs == ",".join(CONFIGS):
         args.configs = ",".join(c for c in CONFIGS if c != "a_glibc")  # host malloc: nothing to do with GPUs
     if args.tiny:
@@ -247,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--configs must include 'a' and only name {', '.join(CONFIGS)}")
     if args.device == "cuda" and "a_glibc" in configs:
         parser.error("'a_glibc' measures the host's malloc: leave it out with --device cuda")
-    world = 2
+    world = args.world
     cfg = {k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "device")}
     numel = model_numel(args.dim, args.blocks)
     on_gpu = args.device == "cuda"
     if on_gpu:
-        header("Memory: peak torch.cuda.max_memory_allocated per rank, 2 GPUs (NCCL), AdamW", args)
+        header(f"Memory: peak torch.cuda.max_memory_allocated per rank, {world} GPU(s) (NCCL), AdamW", args)
     else:
         header("Memory: peak RSS per rank, 2 CPU ranks (gloo), AdamW", args)
         print(
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     measured: dict[str, dict[str, float]] = {}
     for config in configs:
-        per_rank = run_ranks(_rank, config, cfg, device=args.device)
+        per_rank = run_ranks(_rank, config, cfg, world_size=world, device=args.device)
         worst = max(per_rank, key=lambda r: r["peak"])
         measured[config] = {**worst, "baseline": max(r["baseline"] for r in per_rank)}
         print(f"# ran {config}: {CONFIGS[config]} ({worst['seconds']:.0f} s)", flush=True)

@@ -116,7 +116,7 @@ def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
 
     from torchloom import Loom
 
-    loom = Loom(accelerator=cfg["device"], devices=2, strategy="fsdp2" if pair == ACCUM else pair)
+    loom = Loom(accelerator=cfg["device"], devices="auto", strategy="fsdp2" if pair == ACCUM else pair)
     loom.launch()
     torch.manual_seed(0)
     if pair == "fsdp":
@@ -331,14 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     add_device_argument(parser)
     args = parser.parse_args(argv)
-    check_device(parser, args.device)
+    check_device(parser, args.device, args.world)
     if args.tiny:
         args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 8, 32, 3, 2, 1
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
         parser.error(f"unknown pairs {unknown}; choose from {PAIRS}")
-    where = "2 CPU ranks (gloo), 1 thread each" if args.device == "cpu" else "2 GPUs (NCCL)"
+    where = "2 CPU ranks (gloo), 1 thread each" if args.device == "cpu" else f"{args.world} GPU(s) (NCCL)"
     header(f"Step overhead: torchloom vs raw PyTorch, {where}", args)
     print(
         f"# model: {args.blocks} blocks of width {args.dim} (each its own unit under fsdp/fsdp2) + a replicated "
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     cfg["pairs"] = pairs
     cfg["device"] = args.device
-    per_rank = run_ranks(_rank, cfg, device=args.device)
+    per_rank = run_ranks(_rank, cfg, world_size=args.world, device=args.device)
     record = [max(costs) for costs in zip(*(r["record"] for r in per_rank), strict=True)]
     rows, out, record_rows = [], [], []
     for pair in pairs:

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.sh and the benchmarks' `--device cuda`: what can be checked without a GPU is checked
 here (the plan of a dry run; a clear refusal, and nothing run, without CUDA); with CUDA the benchmarks run
-at smoke-test size on 2 GPUs."""
+at smoke-test size on 1 GPU and on 2."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert "pytest -q -m cuda" in result.stdout
     assert "then SIGINT: pytest prints what ran" in result.stdout  # a timed-out run still reports its counts
     assert "step_overhead.py --device cuda" in result.stdout and "memory.py --device cuda" in result.stdout
+    assert "examples/train_lm.py --accelerator cuda" in result.stdout and "--resume" in result.stdout
     assert not (tmp_path / "out").exists()
 
 
@@ -70,12 +71,32 @@ def test_benchmark_refuses_cuda_without_gpus(name):
     assert "--device cuda needs 2 GPUs" in result.stdout
 
 
-@pytest.mark.cuda(min_devices=2)
+@pytest.mark.parametrize("name", ["step_overhead", "memory"])
+def test_one_rank_is_for_gpus_only(name):
+    result, _ = run_job(
+        [PYTHON, str(REPO / "benchmarks" / f"{name}.py"), "--tiny", "--world", "1"], timeout=60
+    )
+    assert result.returncode == 2, result.stdout
+    assert "--world applies to --device cuda" in result.stdout
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["step_overhead", "memory"])
-def test_cuda_benchmarks_tiny(name):
+@pytest.mark.parametrize(
+    "world", [pytest.param(1, marks=pytest.mark.cuda), pytest.param(2, marks=pytest.mark.cuda(min_devices=2))]
+)
+def test_cuda_benchmarks_tiny(name, world):
     result, token = run_job(
-        [PYTHON, str(REPO / "benchmarks" / f"{name}.py"), "--tiny", "--device", "cuda"], timeout=240
+        [
+            PYTHON,
+            str(REPO / "benchmarks" / f"{name}.py"),
+            "--tiny",
+            "--device",
+            "cuda",
+            "--world",
+            str(world),
+        ],
+        timeout=240,
     )
     assert result.returncode == 0, result.stdout
     assert re.search(r"^ratio  \S.* \d+\.\d{3} \[", result.stdout, re.M), result.stdout
