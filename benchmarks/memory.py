@@ -169,7 +169,13 @@ def _rank(rank: int, world: int, config: str, cfg: dict[str, Any]) -> dict[str, 
                     module.reset_parameters()
             for p in model.head.parameters():
                 dist.broadcast(p, src=0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # Sharded (DTensor) and plain parameters in groups of their own: torch's foreach AdamW, the default on
+        # CUDA, refuses a group that mixes them (torchloom splits mixed groups for each step).
+        head = {id(p) for p in model.head.parameters()}
+        sharded = [p for p in model.parameters() if id(p) not in head]
+        optimizer = torch.optim.AdamW(
+            [{"params": sharded}, {"params": list(model.head.parameters())}], lr=1e-4
+        )
     after_setup = current_rss_bytes()
     gpu_after_setup = torch.cuda.memory_allocated() if on_gpu else 0
 

@@ -158,7 +158,11 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
         forward = model
     else:
         forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(forward.parameters(), lr=1e-4)
+    # Replicated (plain) parameters in a group of their own: torch's foreach AdamW, the default on CUDA, refuses a
+    # group that mixes them with FSDP2's DTensors (torchloom splits mixed groups for each step).
+    kept = {id(p) for p in replicated}
+    rest = [p for p in forward.parameters() if id(p) not in kept]
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": replicated}] if replicated else rest, lr=1e-4)
     return forward, optimizer, replicated
 
 

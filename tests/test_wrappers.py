@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
 
 from torchloom.wrappers import ShardedSampler
@@ -41,3 +43,116 @@ def test_sampler_with_its_own_generator_is_left_to_it():
         for rank in range(2)
     ]
     assert sorted(parts[0] + parts[1]) == list(range(6))
+
+
+# ---- optimizers whose groups mix FSDP2's DTensors with plain replicated parameters ------------------------------
+# torch's foreach and fused kernels (the default on CUDA; asked for here, on CPU) take one list per parameter group,
+# device and dtype: FSDP2's sharded parameters and the leftovers torchloom replicates failed there together.
+OPTIMIZERS = {
+    "sgd-foreach": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam-fused": lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
+    "adamw-loop": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False),
+}
+
+
+def _two_groups(model) -> list[dict]:
+    """Decay and no-decay groups, as language-model recipes make them: each mixes both kinds under FSDP2."""
+    params = dict(model.named_parameters())
+    return [
+        {"params": [p for n, p in params.items() if n.endswith("weight")]},
+        {"params": [p for n, p in params.items() if not n.endswith("weight")], "weight_decay": 0.0},
+    ]
+
+
+def _foreach_body(rank: int, world_size: int, name: str, sharded: bool) -> dict:
+    import warnings
+
+    from fsdp_models import ACCUM, MAX_NORM, MICRO, STEPS, Net, data, full_state
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from torchloom import Loom
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2" if sharded else "ddp")
+    loom.launch()
+    torch.manual_seed(0)
+    model = Net()
+    if sharded:
+        for block in model.blocks:
+            fully_shard(block)  # the embedding and head stay plain, replicated by torchloom
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = loom.setup_module(model)
+    opt = loom.setup_optimizers(OPTIMIZERS[name](_two_groups(model)))
+    groups = list(opt.param_groups)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # group options change mid-run
+    x, y = data()
+    per = MICRO // world_size
+    rows = slice(rank * per, (rank + 1) * per)
+    norms = []
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            with loom.no_backward_sync(model, enabled=micro < ACCUM - 1):
+                loss = nn.functional.mse_loss(model(x[step, micro, rows]), y[step, micro, rows]) / ACCUM
+                loom.backward(loss)
+        norms.append(float(loom.clip_gradients(model, opt, max_norm=MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=step == STEPS - 1)  # torch's foreach zeroing across groups, but at the end
+        scheduler.step()
+    return {
+        "params": full_state(model),
+        "norms": norms,
+        "same_groups": [id(g) for g in opt.param_groups] == [id(g) for g in groups],
+        "lrs": [g["lr"] for g in opt.param_groups],
+        "zeroed": all(p.grad is None for p in model.parameters()),
+    }
+
+
+def _foreach_reference(name: str) -> tuple[dict, list[float], list[float]]:
+    """One process on the whole global batch, with the same optimizer, groups and schedule."""
+    from fsdp_models import ACCUM, MAX_NORM, STEPS, Net, data
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[name](_two_groups(model))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    x, y = data()
+    norms = []
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            nn.functional.mse_loss(model(x[step, micro]), y[step, micro]).div(ACCUM).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    return (
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        norms,
+        [g["lr"] for g in opt.param_groups],
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_foreach_and_fused_optimizers_on_sharded_and_replicated_parameters(name):
+    from harness import run_ranks
+
+    results = run_ranks(_foreach_body, 2, name, True, timeout=240)
+    expected, expected_norms, expected_lrs = _foreach_reference(name)
+    initial_lr = OPTIMIZERS[name]([nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"]
+    for rank, r in enumerate(results):
+        assert r["same_groups"], rank  # the user's two groups, not the per-step split
+        assert r["zeroed"], rank
+        assert r["lrs"] == pytest.approx(expected_lrs) and expected_lrs[0] == pytest.approx(initial_lr / 4), (
+            rank
+        )
+        torch.testing.assert_close(
+            torch.tensor(r["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5
+        )
+        assert r["params"].keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                r["params"][key], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {key}"
+            )

@@ -6,9 +6,11 @@ and otherwise behave like the user's own objects (attributes, `state_dict()` key
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import Any
@@ -277,7 +279,8 @@ class LoomOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         kwargs = {} if closure is None else {"closure": closure}
-        output = self._precision.optimizer_step(self._optimizer, **kwargs)
+        with _kinds_apart(self._optimizer):
+            output = self._precision.optimizer_step(self._optimizer, **kwargs)
         # Fabric's hook, called on every callback that has it after each step (skipped or not by the scaler).
         for callback in self._callbacks:
             hook = getattr(callback, "on_after_optimizer_step", None)
@@ -286,7 +289,22 @@ class LoomOptimizer:
         return output
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        defaults = self._optimizer.defaults
+        if (
+            set_to_none
+            or not (defaults.get("foreach") or defaults.get("fused"))
+            or not _mixes_kinds(self._optimizer)
+        ):
+            self._optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        # torch zeroes the gradients of one device and dtype in one foreach call, across groups: mixed DTensor
+        # and plain gradients fail there (see _kinds_apart). One tensor at a time instead, for this call.
+        saved = {k: defaults[k] for k in ("foreach", "fused") if k in defaults}
+        defaults.update(dict.fromkeys(saved, False))
+        try:
+            self._optimizer.zero_grad(set_to_none=False)
+        finally:
+            defaults.update(saved)
 
     def state_dict(self) -> dict[str, Any]:
         return self._optimizer.state_dict()
@@ -302,6 +320,53 @@ class LoomOptimizer:
 
     def __repr__(self) -> str:
         return f"Loom{self._optimizer!r}"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # No DTensor exists unless its module was imported (about a second): never import it here.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _mixes_kinds(optimizer: Optimizer) -> bool:
+    """Whether a parameter group holds DTensors and plain tensors: FSDP2's sharded parameters next to the
+    replicated leftovers torchloom keeps outside every unit."""
+    for group in optimizer.param_groups:
+        kinds = {_is_dtensor(p) for p in group["params"]}
+        if len(kinds) == 2:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _kinds_apart(optimizer: Optimizer) -> Iterator[None]:
+    """For one step, each parameter group that mixes DTensors and plain tensors becomes two groups with the same
+    options, one of each kind.
+
+    torch's optimizers run one foreach (or fused) kernel per parameter group, device and dtype: the default on
+    CUDA. A group holding FSDP2's sharded parameters and plain replicated ones fails there ("got mixed
+    torch.Tensor and DTensor"), though the per-parameter update is the same for both kinds. Per-parameter state
+    is keyed by the parameter, so it is untouched; options an optimizer writes into a group during the step are
+    written back to the user's group. The user's groups are what `param_groups` shows before and after."""
+    if not _mixes_kinds(optimizer):
+        yield
+        return
+    groups = optimizer.param_groups
+    parts: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for group in groups:
+        dtensors = [p for p in group["params"] if _is_dtensor(p)]
+        plain = [p for p in group["params"] if not _is_dtensor(p)]
+        for params in (dtensors, plain) if dtensors and plain else (group["params"],):
+            parts.append((group, {**group, "params": params}))
+    optimizer.param_groups = [part for _, part in parts]
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
+        for group, part in parts:
+            for key, value in part.items():
+                if key != "params" and group.get(key) is not value:
+                    group[key] = value
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
