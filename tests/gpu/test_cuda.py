@@ -56,6 +56,12 @@ AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 
 
+def _offload_mark(flavour: str, offload: bool = True) -> pytest.MarkDecorator:
+    """FSDP1's offload needs units sharded over 2 GPUs or more: on one GPU FSDP1 runs NO_SHARD, whose offload
+    torchloom refuses (test_fsdp1_offload_without_sharding_is_refused)."""
+    return pytest.mark.cuda(min_devices=2) if flavour == "fsdp" and offload else pytest.mark.cuda
+
+
 def _world(device: str) -> int:
     """2 ranks on CPU; on CUDA one per GPU, at most 2."""
     return 2 if device == "cpu" else min(2, max(1, torch.cuda.device_count()))
@@ -369,7 +375,11 @@ def _offload_cases():
         yield pytest.param("cpu", flavour, False, id=f"cpu-{flavour}")
         for offload in (False, True):
             yield pytest.param(
-                "cuda", flavour, offload, id=f"cuda-{flavour}-offload{int(offload)}", marks=pytest.mark.cuda
+                "cuda",
+                flavour,
+                offload,
+                id=f"cuda-{flavour}-offload{int(offload)}",
+                marks=_offload_mark(flavour, offload),
             )
 
 
@@ -445,7 +455,7 @@ def _checkpoint_body(
 def _checkpoint_cases():
     for flavour in ("fsdp", "fsdp2"):
         yield pytest.param("cpu", flavour, False, id=f"cpu-{flavour}")
-        yield pytest.param("cuda", flavour, True, id=f"cuda-{flavour}-offload", marks=pytest.mark.cuda)
+        yield pytest.param("cuda", flavour, True, id=f"cuda-{flavour}-offload", marks=_offload_mark(flavour))
 
 
 @pytest.mark.timeout(400)
@@ -598,7 +608,8 @@ def _policy_body(rank: int, world_size: int, accelerator: str, flavour: str) -> 
     from torchloom.strategies import FSDP2Strategy, FSDPStrategy
 
     out: dict = {}
-    for offload in (False,) if accelerator == "cpu" else (False, True):
+    one_fsdp1_unit_group = flavour == "fsdp" and world_size == 1  # offload refused there (NO_SHARD)
+    for offload in (False,) if accelerator == "cpu" or one_fsdp1_unit_group else (False, True):
         if flavour == "fsdp":
             strategy = FSDPStrategy(auto_wrap_policy={Block}, cpu_offload=offload)
         else:
@@ -720,8 +731,7 @@ def _offload_load_body(rank: int, world_size: int, flavour: str, tmp: str) -> di
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cuda
-@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("flavour", [pytest.param(f, marks=_offload_mark(f)) for f in ("fsdp", "fsdp2")])
 def test_full_loads_with_offload_and_tensors_left_on_the_gpu(flavour, tmp_path):
     results = run_ranks(_offload_load_body, _world("cuda"), flavour, str(tmp_path), timeout=240)
     for rank, r in enumerate(results):
@@ -751,12 +761,14 @@ def _save_raw_body(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flavour", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize(
-    "device,offload",
+    "device,offload,flavour",
     [
-        pytest.param("cpu", False, id="cpu"),
-        pytest.param("cuda", True, id="cuda-offload", marks=pytest.mark.cuda),
+        *(pytest.param("cpu", False, f, id=f"cpu-{f}") for f in ("fsdp", "fsdp2")),
+        *(
+            pytest.param("cuda", True, f, id=f"cuda-offload-{f}", marks=_offload_mark(f))
+            for f in ("fsdp", "fsdp2")
+        ),
     ],
 )
 def test_save_raw_gathers_every_shard(device, offload, flavour, tmp_path):
@@ -815,3 +827,32 @@ def test_each_rank_saves_and_restores_its_own_gpus_generator(tmp_path):
         assert torch.equal(r["every_gpu_listed"], r["expected"]), rank
     if len(results) > 1:
         assert not torch.equal(results[0]["expected"], results[1]["expected"])  # two generators, two streams
+
+
+# ---- FSDP1's offload of unsharded units ----------------------------------------------------------------------
+def test_fsdp1_offload_without_sharding_is_refused():
+    """On one GPU (FSDP1 turns a shard group of one process into NO_SHARD) or with sharding_strategy="NO_SHARD",
+    FSDP1's offload trained wrongly after a checkpoint save or load (seen on an H200: the next step off the
+    uninterrupted run's by twice the learning rate, with identical saved and loaded state). The check reads only
+    the configuration, so it is exercised here on CPU with the strategy's CPU refusal stepped around."""
+    from torchloom import ConfigurationError
+    from torchloom.strategies import FSDPStrategy
+
+    for devices, option in ((1, {}), (2, {"sharding_strategy": "NO_SHARD"})):
+        loom = Loom(accelerator="cpu", devices=devices, strategy=FSDPStrategy(**option))
+        loom.strategy.cpu_offload = True  # as FSDPStrategy(cpu_offload=True) on a GPU
+        with pytest.raises(ConfigurationError, match="trains wrongly after a checkpoint") as caught:
+            loom.strategy._check_mesh()
+        assert "strategy='fsdp2' with cpu_offload=True" in str(caught.value)
+    loom = Loom(accelerator="cpu", devices=2, strategy="fsdp")  # sharded over 2: offload allowed
+    loom.strategy.cpu_offload = True
+    loom.strategy._check_mesh()
+
+
+@pytest.mark.cuda
+def test_fsdp1_offload_on_one_gpu_is_refused():
+    from torchloom import ConfigurationError
+    from torchloom.strategies import FSDPStrategy
+
+    with pytest.raises(ConfigurationError, match="one process per shard group"):
+        Loom(accelerator="cuda", devices=1, strategy=FSDPStrategy(cpu_offload=True))

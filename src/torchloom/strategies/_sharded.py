@@ -836,7 +836,18 @@ class ShardedStrategy(ParallelStrategy):
         if not full or len(devices) < 2 or host not in devices:
             yield
             return
-        moved = [(t, t.device) for t in tensors if type(t.data) is torch.Tensor and t.device != host]
+        # Only what no unit manages: the leftovers (parameters outside every unit) and buffers. A unit's parameters
+        # are FSDP's own (FSDP2's DTensors; FSDP1's views into its flat parameter, which a new `.data` would cut
+        # loose from it: the unit would go on training its flat parameter while the optimizer steps the copies).
+        leftovers = {id(p) for _, p in analyze(module).leftovers}
+        params = {id(p) for p in module.parameters()}
+        moved = [
+            (t, t.device)
+            for t in tensors
+            if (id(t) in leftovers or id(t) not in params)
+            and type(t.data) is torch.Tensor
+            and t.device != host
+        ]
         moved_ids = {id(t) for t, _ in moved}
         for t, _ in moved:
             t.data = t.data.to(host)

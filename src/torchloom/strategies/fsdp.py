@@ -109,6 +109,21 @@ class FSDPStrategy(ShardedStrategy):
                 "model; gradients averaged over all ranks), or strategy='fsdp2' with "
                 f"device_mesh={shape}."
             )
+        if self.cpu_offload and (self.sharding_strategy == "NO_SHARD" or shape[-1] == 1):
+            # Seen on an H200 (torch 2.11, one process): after a checkpoint save or load, the next step of
+            # offloaded NO_SHARD units differed from the uninterrupted run's by twice the learning rate (Adam),
+            # with the saved and loaded parameters and optimizer state identical. FSDP2's offload passes there.
+            where = (
+                "sharding_strategy='NO_SHARD'"
+                if self.sharding_strategy == "NO_SHARD"
+                else f"one process per shard group (mesh {shape}), where FullyShardedDataParallel runs NO_SHARD"
+            )
+            raise ConfigurationError(
+                f"cpu_offload with {where}: FullyShardedDataParallel's offloading of unsharded units trains "
+                "wrongly after a checkpoint is saved or loaded (no error; the next step is not the one the "
+                "uninterrupted run takes). Use strategy='fsdp2' with cpu_offload=True (it offloads correctly on "
+                "one GPU too), or leave cpu_offload out, or shard over 2 or more GPUs."
+            )
         if dims == 1 and self._hybrid:
             raise ConfigurationError(
                 f"sharding_strategy={self.sharding_strategy!r} needs a 2-D (replicate, shard) mesh, but "
