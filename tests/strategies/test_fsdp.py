@@ -347,13 +347,24 @@ def _experts_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _experts_body(
-    rank: int, world_size: int, flavour: str, call_every_expert: bool, one_unit: bool = False
+    rank: int,
+    world_size: int,
+    flavour: str,
+    call_every_expert: bool,
+    one_unit: bool = False,
+    flags_apart: bool = False,
 ) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import wrap
 
     loom = Loom(accelerator="cpu", devices=world_size, strategy=flavour)
     loom.launch()
+    if flags_apart:
+        # The checks' path under NCCL: their flags meet in a gloo group of their own (host memory, no GPU
+        # synchronisation), not in the training group. Made here as `_flag_group` makes it under NCCL.
+        import torch.distributed as dist
+
+        loom.strategy._flags_group = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     if flavour == "fsdp":
         with loom.init_module():
@@ -366,6 +377,8 @@ def _experts_body(
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _experts_data()
     rows = slice(rank * 4, rank * 4 + 4)
+    if flags_apart:
+        assert loom.strategy._flag_group() is loom.strategy._flags_group
     for _ in range(3):
         with torch.no_grad():  # evaluation runs other experts: never counted
             model(x[rows], torch.full((4,), 3))
@@ -405,10 +418,11 @@ def test_units_that_ran_on_some_ranks_only_are_refused_and_running_all_matches(f
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_unit_parameters_with_a_gradient_on_some_ranks_only_are_refused():
+@pytest.mark.parametrize("flags_apart", [False, True], ids=["training-group", "gloo-group-of-their-own"])
+def test_fsdp2_unit_parameters_with_a_gradient_on_some_ranks_only_are_refused(flags_apart):
     """The experts inside one fully_shard unit: FSDP2 reduces only the parameters that have a gradient, so rank
     0's expert 1 and rank 1's expert 2 (same shapes) were reduced together, silently. The step is refused."""
-    for result in run_ranks(_experts_body, 2, "fsdp2", False, True, timeout=120):
+    for result in run_ranks(_experts_body, 2, "fsdp2", False, True, flags_apart, timeout=120):
         assert (
             "Parameter(s) ['group.experts.1.weight', 'group.experts.1.bias', 'group.experts.2.weight'"
             in (result["error"])

@@ -341,6 +341,7 @@ class ShardedStrategy(ParallelStrategy):
         self._grad_syncs: dict[int, ReplicatedGradSync] = {}
         self._groups: dict[int, dict[int, dist.ProcessGroup]] = {}
         self._replica_group: dist.ProcessGroup | None = None
+        self._flags_group: dist.ProcessGroup | None = None
         self._warned_policy = False
 
     def validate(self) -> None:
@@ -598,6 +599,7 @@ class ShardedStrategy(ParallelStrategy):
         for sync in self._grad_syncs.values():
             sync.remove()
         self._grad_syncs.clear()
+        self._flags_group = None  # destroyed with the process group
         super().teardown()
 
     # ---- training --------------------------------------------------------------------------------------------
@@ -627,15 +629,25 @@ class ShardedStrategy(ParallelStrategy):
         )
         if not nested and not fsdp2_params:
             return
+        self._flag_group()  # made now, at setup, where every rank is: new_group is collective
         watch = _UnitRuns([u.path for u in nested], fsdp2_params)
         for i, unit in enumerate(nested):
             unit.module.register_forward_pre_hook(functools.partial(_mark_run, watch, i))
         self._unit_runs[id(module)] = watch
 
+    def _flag_group(self) -> dist.ProcessGroup | None:
+        """Where the agreement checks meet: a gloo group, so the flags stay in host memory. Over NCCL the flags
+        would live on the GPU, and reading the result would wait for the GPU's whole queue (the forward before
+        backward starts, the backward before the optimizer step): two stalls per step. None: the training group,
+        already gloo."""
+        if self._flags_group is None and self.backend != "gloo":
+            self._flags_group = dist.new_group(backend="gloo")
+        return self._flags_group
+
     def _agree(self, flags: list[int], names: list[str]) -> list[str]:
         """The names whose flag is 1 on some ranks and 0 on others (one all-reduce: MAX over [flags, not flags])."""
-        both = torch.tensor(flags + [1 - f for f in flags], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        both = torch.tensor(flags + [1 - f for f in flags], dtype=torch.int32)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._flag_group())
         return [names[i] for i in range(len(flags)) if both[i] and both[len(flags) + i]]
 
     def _check_unit_runs(self) -> None:
