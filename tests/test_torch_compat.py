@@ -285,3 +285,21 @@ def test_compiled_parts():
     assert (
         type(again) is type(compiled) and again._orig_mod is other and again.dynamo_ctx is compiled.dynamo_ctx
     )
+
+
+def test_dcp_stager_reusable_is_what_a_stager_does():
+    """torch 2.11's DefaultStager closes itself after each stage (torchloom then makes one per async save); 2.9,
+    2.13 and 2.14 stage again with the same one (kept between saves: no new staging buffers)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    staged = []
+    try:
+        for value in (1.0, 2.0):
+            staged.append(stager.stage({"x": torch.full((2,), value)}))
+    except KeyError:
+        pass
+    finally:
+        stager.close()
+    assert _torch_compat.dcp_stager_reusable() is (len(staged) == 2)
+    assert torch.equal(staged[0]["x"], torch.ones(2))  # the first stage works on every version

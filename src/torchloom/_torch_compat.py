@@ -177,6 +177,36 @@ def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | 
     )
 
 
+_STAGER_REUSABLE: list[bool] = []
+
+
+def dcp_stager_reusable() -> bool:
+    """Whether DCP's `DefaultStager` stages more than once. torch 2.11 closes its inner state-dict stager at the
+    end of every `stage()` (a memory-leak fix), so the next stage fails (`KeyError: <class 'type'>`: the
+    deep-copy table it cleared); 2.9, 2.13 and 2.14 keep it usable. Probed once per process, with a one-tensor
+    dict staged twice on the CPU, so versions not read here are answered by what they do."""
+    if not _STAGER_REUSABLE:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+        try:
+            for _ in range(2):
+                stager.stage({"probe": torch.zeros(1)})
+            _STAGER_REUSABLE.append(True)
+        except KeyError:
+            _STAGER_REUSABLE.append(False)
+        finally:
+            stager.close()
+    return _STAGER_REUSABLE[0]
+
+
 #: The first torch whose `set_optimizer_state_dict` loads a state dict with no state for some parameters
 #: (`StateDictOptions(strict=False)`); older ones raise KeyError naming the parameter (pytorch/pytorch#165228).
 PARTIAL_OPTIMIZER_STATE_TORCH = "2.10"

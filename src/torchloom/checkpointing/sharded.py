@@ -61,13 +61,17 @@ def _stager(device: torch.device) -> Any:
     a kept one for 0.13-0.17 s. The cost: one CPU copy of this rank's saved shards stays allocated between
     saves. The previous save has always finished before the next stages (`finish_pending_save`).
 
+    Where this torch's stager cannot stage twice (`_torch_compat.dcp_stager_reusable`), every save gets a new one.
+
     On a GPU the copies go into pinned (page-locked) memory with non-blocking copies, all queued at once and
     waited for together (DCP synchronises the device before `stage` returns), instead of one blocking
     pageable copy per tensor; on CPU both options need an accelerator and gain nothing."""
-    on_gpu = device.type == "cuda"
-    if on_gpu not in _STAGERS:
-        from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.checkpoint.staging import DefaultStager
 
+    on_gpu = device.type == "cuda"
+    if not _torch_compat.dcp_stager_reusable():
+        return DefaultStager(_staging_options(device))  # torch 2.11: a stager stages once
+    if on_gpu not in _STAGERS:
         _STAGERS[on_gpu] = DefaultStager(_staging_options(device))
     return _STAGERS[on_gpu]
 
