@@ -21,6 +21,7 @@ by every `make test`. Checks, one launch of the ranks each:
 - full loads under `cpu_offload` (torch's full-state-dict loading wants one device; buffers and leftovers stay
   on the GPU): a full checkpoint and `load_raw` of a plain state dict round-trip exactly, optimizer included;
 - `save_raw` under `cpu_offload` (shards in host memory, gathered over NCCL);
+- FSDP1 offload of units it does not shard (one GPU, `NO_SHARD`), by the strategy or in units made by hand: refused;
 - every rank's own GPU generator in checkpoints, also from a checkpoint that lists more GPUs than are visible.
 """
 
@@ -856,3 +857,34 @@ def test_fsdp1_offload_on_one_gpu_is_refused():
 
     with pytest.raises(ConfigurationError, match="one process per shard group"):
         Loom(accelerator="cuda", devices=1, strategy=FSDPStrategy(cpu_offload=True))
+
+
+def _hand_made_offload_body(rank: int, world_size: int, accelerator: str) -> str:
+    """A unit made by hand with FSDP1's own CPUOffload, on one process (FSDP1 runs it NO_SHARD): refused at
+    setup_module with the reason, before any training."""
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from torchloom import ConfigurationError
+
+    loom = Loom(accelerator=accelerator, devices=world_size, strategy="fsdp")
+    loom.launch()
+    model = Net()
+    if accelerator == "cuda":
+        model.blocks[0] = FSDP(
+            model.blocks[0], device_id=loom.device, cpu_offload=CPUOffload(offload_params=True)
+        )
+    else:
+        # FSDP1 cannot offload without a GPU (it pins host memory): the check reads only the unit's options.
+        model.blocks[0] = FSDP(model.blocks[0], device_id=loom.device)
+        model.blocks[0].cpu_offload = CPUOffload(offload_params=True)
+    with pytest.raises(ConfigurationError, match="trains wrongly after a checkpoint") as caught:
+        loom.setup_module(model)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("accelerator", DEVICES)
+def test_fsdp1_hand_made_offload_without_sharding_is_refused(accelerator):
+    [message] = run_ranks(_hand_made_offload_body, 1, accelerator)
+    assert "The unit 'blocks.0' offloads its parameters" in message
+    assert "strategy='fsdp2' with cpu_offload=True" in message

