@@ -16,6 +16,7 @@ from torch import nn
 RESULT_TAG = "TORCHLOOM_RESULT "
 READY_TAG = "TORCHLOOM_READY "
 FAILING_TAG = "TORCHLOOM_FAILING_AT "
+LATE_TIMEOUT_S = 3  # Loom(timeout=...) of mode "late"
 
 # The script every launch path runs; `{tests}` is this directory. argv[1] picks what the ranks do.
 SCRIPT = """\
@@ -113,11 +114,19 @@ def _say(line: str) -> None:
 
 
 def script_main(mode: str) -> None:
+    from datetime import timedelta
+
     from torchloom import Loom
 
-    loom = Loom(accelerator="cpu", devices=2)
+    if mode == "late":
+        # Rank 1 reaches Loom(...) 3 s after rank 0's timeout has run out (a slow import, a slow node).
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID")) == "1":
+            time.sleep(LATE_TIMEOUT_S + 3)
+        loom = Loom(accelerator="cpu", devices=2, timeout=timedelta(seconds=LATE_TIMEOUT_S))
+    else:
+        loom = Loom(accelerator="cpu", devices=2)
     loom.launch()
-    if mode == "ok":
+    if mode in ("ok", "late"):
         _say(RESULT_TAG + json.dumps(train_and_report(loom)))
     elif mode == "forever":
         run_forever(loom)

@@ -115,6 +115,39 @@ def test_faked_slurm(script):
     _check_reports(sorted(reports, key=lambda r: r["rank"]), "SLURMEnvironment")
 
 
+@pytest.mark.parametrize("launch", ["torchrun", "slurm"])
+def test_a_rank_that_starts_after_the_timeout_still_joins(script, launch):
+    """Loom(timeout=3 s) bounds collectives, not how long peers take to start: rank 1 reaches Loom(...) 6 s after
+    rank 0 and the job trains as usual. (Before ranks met in the store first, gloo's connection set-up gave up
+    after the group's 3 s: importing torch alone took 10 s on a loaded machine.) Under torchrun the agent holds
+    the store; under SLURM rank 0 does."""
+    if launch == "torchrun":
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(script), "late"]  # fmt: skip
+        proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+        assert proc.returncode == 0, proc.stdout
+        _check_reports(results(proc.stdout), "TorchElasticEnvironment")
+        _assert_clean(token)
+        return
+    port = str(free_port())
+
+    def task(rank: int) -> tuple[subprocess.CompletedProcess, str]:
+        env = {
+            "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "4243", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "train", "MASTER_PORT": port,
+        }  # fmt: skip
+        return run_job([PYTHON, str(script), "late"], timeout=JOB_TIMEOUT, env=env)
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = list(pool.map(task, range(2)))
+    reports = []
+    for proc, token in jobs:
+        assert proc.returncode == 0, proc.stdout
+        reports += results(proc.stdout)
+        _assert_clean(token)
+    _check_reports(sorted(reports, key=lambda r: r["rank"]), "SLURMEnvironment")
+
+
 # ---- failing ranks -------------------------------------------------------------------------------------------
 FAILURES = ["raise", "exit", "kill", "segv", "oom"]
 

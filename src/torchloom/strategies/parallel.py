@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from torchloom import _torch_compat, diagnostics
 from torchloom.environments import restore_environment
@@ -39,6 +40,13 @@ def refuse_options(owner: str, given: dict[str, Any], owned: dict[str, str]) -> 
 
 # Process groups this process has made (see `ParallelStrategy.setup_environment`).
 _GROUPS_MADE = 0
+
+
+def _wait_for_peers(store: dist.Store, prefix: str, world_size: int, timeout: timedelta) -> None:
+    """Return once all `world_size` ranks have called this with the same prefix (at most `timeout`)."""
+    if store.add(f"{prefix}/arrived", 1) == world_size:
+        store.set(f"{prefix}/all", "1")
+    store.wait([f"{prefix}/all"], timeout)
 
 
 class ParallelStrategy(Strategy):
@@ -96,22 +104,32 @@ class ParallelStrategy(Strategy):
             # NCCL's own watchdog aborts the process when a collective times out; torchloom's reports first.
             timeout += diagnostics.NCCL_REPORT_GRACE
         global _GROUPS_MADE
-        if _GROUPS_MADE:
-            # A script that closed a Loom and starts another (two trainings in one job) meets in the same store
-            # as before, where the first group's keys are still there (gloo's addresses of sockets now closed,
-            # the end-of-job marks): the new group would read them and hang connecting. Each group after the
-            # first gets a key prefix of its own; every rank makes the same groups in the same order.
-            store, _, _ = next(
-                dist.rendezvous(
-                    "env://", rank=env.global_rank(), world_size=env.world_size(), timeout=timeout
-                )
+        # Peers start seconds apart (importing torch took 10 s on a loaded 2-core machine), and gloo's and NCCL's
+        # connection set-up waits for them only as long as the group's timeout: a short Loom(timeout=...), meant
+        # for collectives, made start-up fail. So ranks first meet in the store, waiting as long as torch's
+        # default group timeout (or the user's, if longer); the group is then made with the user's timeout.
+        start_timeout = max(timeout, default_pg_timeout)
+        store, _, _ = next(
+            dist.rendezvous(
+                "env://", rank=env.global_rank(), world_size=env.world_size(), timeout=start_timeout
             )
-            kwargs["store"] = dist.PrefixStore(f"torchloom/group{_GROUPS_MADE}", store)
-        else:
-            kwargs["init_method"] = "env://"
+        )
+        _wait_for_peers(store, f"torchloom/start{_GROUPS_MADE}", env.world_size(), start_timeout)
+        store.set_timeout(timeout)
+        # A script that closed a Loom and starts another (two trainings in one job) meets in the same store as
+        # before, where the first group's keys are still there (gloo's addresses of sockets now closed, the
+        # end-of-job marks): the new group would read them and hang connecting. The first group's keys go under
+        # torch's own prefix, each later group's under one of its own; every rank makes the same groups in the
+        # same order.
+        prefix = f"torchloom/group{_GROUPS_MADE}" if _GROUPS_MADE else "default_pg"
         _GROUPS_MADE += 1
         dist.init_process_group(
-            self.backend, rank=env.global_rank(), world_size=env.world_size(), timeout=timeout, **kwargs
+            self.backend,
+            rank=env.global_rank(),
+            world_size=env.world_size(),
+            timeout=timeout,
+            store=dist.PrefixStore(prefix, store),
+            **kwargs,
         )
         atexit.register(self._teardown_at_exit)
 
