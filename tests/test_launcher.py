@@ -93,7 +93,8 @@ def test_torchrun(script):
     _assert_clean(token)
 
 
-def test_faked_slurm(script):
+def _faked_slurm(script: Path, mode: str) -> list[dict]:
+    """Two SLURM tasks of one node, each one rank (rank 0 hosts the store); their reports in rank order."""
     port = str(free_port())
 
     def task(rank: int) -> tuple[subprocess.CompletedProcess, str]:
@@ -101,7 +102,7 @@ def test_faked_slurm(script):
             "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
             "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "train", "MASTER_PORT": port,
         }  # fmt: skip
-        return run_job([PYTHON, str(script), "ok"], timeout=JOB_TIMEOUT, env=env)
+        return run_job([PYTHON, str(script), mode], timeout=JOB_TIMEOUT, env=env)
 
     with ThreadPoolExecutor(2) as pool:
         jobs = list(pool.map(task, range(2)))
@@ -112,7 +113,11 @@ def test_faked_slurm(script):
         assert len(found) == 1, proc.stdout  # each task is one rank: nothing was re-launched
         reports += found
         _assert_clean(token)
-    _check_reports(sorted(reports, key=lambda r: r["rank"]), "SLURMEnvironment")
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def test_faked_slurm(script):
+    _check_reports(_faked_slurm(script, "ok"), "SLURMEnvironment")
 
 
 @pytest.mark.parametrize("launch", ["torchrun", "slurm"])
@@ -121,31 +126,15 @@ def test_a_rank_that_starts_after_the_timeout_still_joins(script, launch):
     rank 0 and the job trains as usual. (Before ranks met in the store first, gloo's connection set-up gave up
     after the group's 3 s: importing torch alone took 10 s on a loaded machine.) Under torchrun the agent holds
     the store; under SLURM rank 0 does."""
-    if launch == "torchrun":
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(script), "late"]  # fmt: skip
-        proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
-        assert proc.returncode == 0, proc.stdout
-        _check_reports(results(proc.stdout), "TorchElasticEnvironment")
-        _assert_clean(token)
+    if launch == "slurm":
+        _check_reports(_faked_slurm(script, "late"), "SLURMEnvironment")
         return
-    port = str(free_port())
-
-    def task(rank: int) -> tuple[subprocess.CompletedProcess, str]:
-        env = {
-            "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-            "SLURM_JOB_ID": "4243", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "train", "MASTER_PORT": port,
-        }  # fmt: skip
-        return run_job([PYTHON, str(script), "late"], timeout=JOB_TIMEOUT, env=env)
-
-    with ThreadPoolExecutor(2) as pool:
-        jobs = list(pool.map(task, range(2)))
-    reports = []
-    for proc, token in jobs:
-        assert proc.returncode == 0, proc.stdout
-        reports += results(proc.stdout)
-        _assert_clean(token)
-    _check_reports(sorted(reports, key=lambda r: r["rank"]), "SLURMEnvironment")
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script), "late"]  # fmt: skip
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    _check_reports(results(proc.stdout), "TorchElasticEnvironment")
+    _assert_clean(token)
 
 
 # ---- failing ranks -------------------------------------------------------------------------------------------
