@@ -3,6 +3,8 @@ spelled Fabric's way on a real sharded checkpoint."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,72 @@ def test_consolidate_default_name_matches_fabric(tmp_path):
     ).touch()  # Fabric checks that the folder looks like its checkpoint
     theirs = fabric_cli._process_cli_args(Namespace(checkpoint_folder=str(folder), output_file=None))
     assert consolidated_path(str(folder), None, None) == Path(theirs.output_file)
+
+
+# ---- `torchloom consolidate` replaces only a checkpoint, never the run's folder or its own source -----------------
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def test_consolidate_never_replaces_a_folder_or_its_source(sharded, tmp_path, capsys):
+    path, expected = sharded
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(path, run / "step-100")
+    (run / "notes.txt").write_text("keep me")
+    before = _tree(run)
+    for extra in ([], ["--model-only", "--format", "safetensors"]):
+        # The run's folder, which holds the checkpoint: once replaced by the consolidated file.
+        assert main(["consolidate", str(run / "step-100"), str(run), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "not a checkpoint" in err and "notes.txt" in err, err
+        # The checkpoint itself, or a file inside it.
+        for out in (run / "step-100", run / "step-100" / "model.pt"):
+            assert main(["consolidate", str(run / "step-100"), str(out), *extra]) == 2
+            assert "is the checkpoint being consolidated" in capsys.readouterr().err
+    assert main(["consolidate", str(run / "step-100"), str(run / "step-100"), "--model-only", "--format", "hf"]) == 2
+    assert _tree(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    # Into a folder of the user's, --format hf adds the weights and keeps the rest (the hf layout is a folder
+    # that holds other files: a tokenizer, a README).
+    published = tmp_path / "published"
+    (published / "tokenizer").mkdir(parents=True)
+    (published / "tokenizer" / "vocab.json").write_text("{}")
+    assert main(["consolidate", str(path), str(published), "--model-only", "--format", "hf"]) == 0
+    assert (published / "tokenizer" / "vocab.json").read_text() == "{}"
+    assert (published / "model.safetensors").is_file()
+
+
+def test_consolidate_safetensors_flushes_the_file_and_leaves_no_temporary(sharded, tmp_path, monkeypatch):
+    st = pytest.importorskip("safetensors.torch")
+    path, expected = sharded
+    out = tmp_path / "model.safetensors"
+    argv = ["consolidate", str(path), str(out), "--model-only", "--format", "safetensors"]
+
+    # A writer failing half-way: no output, and no temporary file left beside it.
+    real = st.save_file
+
+    def failing(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(st, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        main(argv)
+    assert list(tmp_path.iterdir()) == []
+
+    # The file is flushed to disk before it is renamed into place.
+    monkeypatch.setattr(st, "save_file", real)
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    assert main(argv) == 0
+    temporaries = [Path(p) for p in flushed if Path(p).name.startswith(".model.safetensors.tmp-")]
+    assert temporaries and all(p.parent == tmp_path for p in temporaries), flushed
+    assert st.load_file(out).keys() == expected.keys()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

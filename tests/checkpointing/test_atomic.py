@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -378,6 +379,148 @@ def test_fsync_false_skips_every_flush_and_saves_the_same_checkpoint(tmp_path):
                 assert calls == 0, (fmt, async_save, rank)
                 assert same and result[(fmt, True, async_save)][1], (fmt, async_save, rank)
     assert per_rank[1][("sharded", True, False)][0] > 0  # each rank's own shards are flushed too
+
+
+# ---- what a save may replace: a checkpoint, never a folder of the user's ----------------------------------------
+def _user_folder(root: Path) -> Path:
+    """A folder of checkpoints with a note: what `loom.save(folder, ...)` once replaced with one checkpoint."""
+    folder = root / "checkpoints"
+    (folder / "step-100").mkdir(parents=True)
+    (folder / "step-100" / "model.pt").write_bytes(b"weights of step 100")
+    (folder / "notes.txt").write_text("keep me")
+    return folder
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def _looms(world_size: int) -> dict[str, Loom]:
+    """A Loom per format (launched: the sharded one needs a process group, also in one process)."""
+    looms = {}
+    for fmt in ("full", "sharded"):
+        strategy = FSDP2Strategy(shard_policy={Block}, state_dict_type=fmt)
+        looms[fmt] = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
+        looms[fmt].launch()
+    return looms
+
+
+def _refused_in_one_process(rank: int, world_size: int, root: str) -> None:
+    looms = _looms(world_size)
+    for fmt, loom in looms.items():
+        model = loom.setup_module(Net())
+        for async_save in (False, True):
+            case = Path(root) / f"{fmt}-{async_save}"
+            folder = _user_folder(case)
+            before = _tree(folder)
+            with pytest.raises(CheckpointError, match=r"checkpoints'.*'notes\.txt', 'step-100'.*step-100'"):
+                loom.save(folder, {"model": model, "step": 1}, async_save=async_save)
+            loom._checkpointer.finish_pending_save()
+            assert _tree(folder) == before, (fmt, async_save)
+            assert sorted(p.name for p in case.iterdir()) == ["checkpoints"]  # no temporary left either
+            # The fix the error names works: into the folder.
+            loom.save(folder / "step-200", {"model": model, "step": 2}, async_save=async_save)
+            assert loom.load(folder / "step-200", {"model": model})["step"] == 2
+            assert _tree(folder).items() >= before.items()
+
+
+def test_save_onto_a_folder_is_refused_and_deletes_nothing(tmp_path):
+    run_ranks(_refused_in_one_process, 1, str(tmp_path), timeout=120)
+
+
+def _replaceable_in_one_process(rank: int, world_size: int, root: str) -> None:
+    tmp_path = Path(root)
+    looms = _looms(world_size)
+    model = looms["full"].setup_module(Net())
+    sharded_model = looms["sharded"].setup_module(Net())
+
+    # A file is re-saved in place, as every epoch's `ckpt.pt` is (any file: torch.save overwrites too).
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_text("an old file")
+    for step in (1, 2):
+        looms["full"].save(ckpt, {"model": model, "step": step})
+        assert looms["full"].load(ckpt, {"model": model})["step"] == step
+    # A sharded checkpoint replaces a full one at the same path, and the other way round.
+    looms["sharded"].save(ckpt, {"model": sharded_model, "step": 3})
+    assert ckpt.is_dir() and looms["full"].load(ckpt, {"model": model})["step"] == 3
+    looms["full"].save(ckpt, {"model": model, "step": 4})
+    assert ckpt.is_file() and looms["full"].load(ckpt, {"model": model})["step"] == 4
+
+    # A sharded save takes an empty directory (as DCP writes into one); a full save does not (a file was meant
+    # to go into it, as Fabric's IsADirectoryError says).
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="empty directory"):
+        looms["full"].save(empty, {"model": model})
+    assert empty.is_dir() and not list(empty.iterdir())
+    looms["sharded"].save(empty, {"model": sharded_model, "step": 5})
+    assert looms["full"].load(empty, {"model": model})["step"] == 5
+
+    # A sharded checkpoint the user added a file to is no longer only a checkpoint: refused by both formats.
+    (empty / "README.md").write_text("my notes")
+    before = _tree(empty)
+    for fmt, m in (("full", model), ("sharded", sharded_model)):
+        with pytest.raises(CheckpointError, match="README"):
+            looms[fmt].save(empty, {"model": m})
+        assert _tree(empty) == before
+
+    # A sharded save never replaces a file that is not a torch checkpoint.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a torch checkpoint"):
+        looms["sharded"].save(notes, {"model": sharded_model})
+    assert notes.read_text() == "not a checkpoint"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_what_a_save_may_replace(tmp_path):
+    run_ranks(_replaceable_in_one_process, 1, str(tmp_path), timeout=120)
+
+
+def test_replace_checks_again_at_the_swap(tmp_path):
+    # Something may appear at `path` between the check before writing and the swap: the swap checks again.
+    tmp = tmp_path / "new"
+    tmp.write_bytes(b"new checkpoint")
+    folder = _user_folder(tmp_path)
+    before = _tree(folder)
+    with pytest.raises(CheckpointError, match="checkpoints"):
+        atomic.replace(tmp, folder)
+    assert _tree(folder) == before and tmp.exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file or directory"):
+        atomic.check_replaceable(fifo, directory=False)
+    atomic.check_replaceable(tmp_path / "absent", directory=True)  # nothing there: fine
+
+
+def _refused_on_ranks(rank: int, world_size: int, root: str) -> dict:
+    folder = Path(root) / "checkpoints"
+    out = {}
+    for fmt, loom in _looms(world_size).items():
+        model = loom.setup_module(Net())
+        for async_save in (False, True):
+            try:
+                loom.save(folder, {"model": model}, async_save=async_save)
+                out[(fmt, async_save)] = None
+            except CheckpointError as error:
+                out[(fmt, async_save)] = str(error)
+            # The ranks are still in step: a save to the right place works.
+            good = Path(root) / f"ok-{fmt}-{async_save}"
+            loom.save(good, {"model": model, "step": 1}, async_save=async_save)
+            out[(fmt, async_save, "ok")] = loom.load(good, {"model": model})["step"]
+    return out
+
+
+def test_save_onto_a_folder_is_refused_on_every_rank(tmp_path):
+    folder = _user_folder(tmp_path)
+    before = _tree(folder)
+    for result in run_ranks(_refused_on_ranks, 2, str(tmp_path), timeout=120):
+        for fmt in ("sharded", "full"):
+            for async_save in (False, True):
+                message = result[(fmt, async_save)]
+                assert message and "checkpoints" in message and "notes.txt" in message, (fmt, async_save)
+                assert result[(fmt, async_save, "ok")] == 1
+    assert _tree(folder) == before
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -267,6 +267,64 @@ def test_errors_name_the_problem_and_the_fix(loom, tmp_path):
         loom.load_raw(tmp_path / "broken", model)
 
 
+def _user_files(out: Path) -> dict[str, bytes]:
+    """What a user keeps in a published model's directory besides the weights torchloom writes."""
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "tokenizer" / "vocab.json").write_text('{"a": 0}')
+    (out / "runs" / "eval").mkdir(parents=True)
+    (out / "runs" / "eval" / "scores.txt").write_text("0.5")
+    (out / "README.md").write_text("# my model")
+    safetensors_torch.save_file({"w": torch.ones(3)}, out / "model_ema.safetensors")
+    safetensors_torch.save_file({"w": torch.zeros(3)}, out / "model-00009-of-00009.safetensors")  # no index
+    return _contents(out)
+
+
+def _contents(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_save_raw_keeps_everything_but_the_previous_weights(loom, tmp_path):
+    torch.manual_seed(0)
+    model = loom.setup_module(LlamaForCausalLM(config(True)))
+    out = tmp_path / "out"
+    mine = _user_files(out)
+    weights = {"model.safetensors"}
+
+    def check_kept() -> set[str]:
+        now = _contents(out)
+        assert {k: now.get(k) for k in mine} == mine  # every file of the user's, byte for byte
+        return set(now) - set(mine)
+
+    loom.save_raw(out, model, config=model.module.config)
+    assert check_kept() == weights | {"config.json"}
+    # In shards: the single file goes (from_pretrained would load it instead of the index), the rest stays.
+    loom.save_raw(out, model, max_shard_size="50KB")
+    written = check_kept()
+    shards = {n for n in written if n.startswith("model-")}
+    assert len(shards) > 1 and written == shards | {hf.INDEX_FILE, "config.json"}
+    index = json.loads((out / hf.INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == shards
+    # Back to one file: the index and the shards it named go; model-00009-of-00009 (named by no index) stays.
+    loom.save_raw(out, model)
+    assert check_kept() == weights | {"config.json"}
+    torch.testing.assert_close(
+        reference_logits(out), model.module(IDS).logits.detach(), atol=1e-5, rtol=0
+    )
+
+    # Where it cannot tell what to replace, it refuses and changes nothing.
+    (out / hf.INDEX_FILE).write_text("{not json")
+    before = _contents(out)
+    with pytest.raises(CheckpointError, match=r"Cannot read .*index\.json.*Remove the old index"):
+        loom.save_raw(out, model)
+    assert _contents(out) == before
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"a file")
+    with pytest.raises(CheckpointError, match="a file is there"):
+        loom.save_raw(file, model)
+    assert file.read_bytes() == b"a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "weights.bin"]  # no temporary left
+
+
 def test_meta_buffers_are_refused(loom, tmp_path):
     model = loom.setup_module(LlamaForCausalLM(config(False)))
     src = tmp_path / "ok"

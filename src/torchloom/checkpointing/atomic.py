@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
+import stat
 import sys
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from torchloom.errors import CheckpointError
 
 _TMP_TAG = ".tmp-"
 _OLD_TAG = ".old-"
@@ -128,9 +133,71 @@ def _exchange(a: Path, b: Path) -> bool:
     return result == 0
 
 
-def replace(tmp: Path, path: Path, fsync: bool = True) -> None:
-    """Move the finished `tmp` to `path`, replacing whatever is there (file or directory) in one step; with
-    `fsync`, also make the rename itself durable."""
+# What a sharded checkpoint directory holds: DCP's shards and metadata (with the temporary name DCP writes it
+# under), and torchloom's own two files.
+_CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchloom\.json|extra\.pt")
+
+
+def check_replaceable(path: Path, directory: bool) -> None:
+    """Raise `CheckpointError` unless a new checkpoint (`directory`: a sharded one) may take `path`'s place.
+
+    A save replaces the checkpoint at its path and nothing else: the swap deletes what was there. So `path` may
+    be absent, a symbolic link (only the link is replaced), a file (a full save replaces any file, as
+    `torch.save` overwrites; a sharded save only a file `torch.save` wrote), or a directory holding nothing but
+    a sharded checkpoint's files (for a sharded save, an empty directory too). Any other directory (a folder of
+    checkpoints, an output folder) is refused, whatever the format."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        return
+    if stat.S_ISREG(mode):
+        if directory and not _is_torch_file(path):
+            raise CheckpointError(
+                f"Cannot save the sharded checkpoint (a directory) at {str(path)!r}: a file that is not a torch "
+                "checkpoint is there, and saving would delete it. Save to another path, or remove the file first."
+            )
+        return
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(
+            f"Cannot save a checkpoint at {str(path)!r}: it is not a regular file or directory. Save to another path."
+        )
+    names = sorted(os.listdir(path))
+    if not names and directory:
+        return
+    foreign = [n for n in names if not (_CHECKPOINT_FILE.fullmatch(n) and (path / n).is_file())]
+    is_checkpoint = bool(names) and not foreign and any(n in ("torchloom.json", ".metadata") for n in names)
+    if is_checkpoint:
+        return
+    what = "an empty directory" if not names else f"a directory holding {_listing(foreign or names)}"
+    raise CheckpointError(
+        f"Cannot save a checkpoint at {str(path)!r}: {what}, not a checkpoint, and saving would replace it "
+        f"whole. A save replaces only a checkpoint: save into the folder instead (e.g. "
+        f"{str(path / 'step-100')!r}), or to another path."
+    )
+
+
+def _is_torch_file(path: Path) -> bool:
+    """A file `torch.save` wrote: a zip archive holding the pickle `<name>/data.pkl`."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(n.endswith("/data.pkl") for n in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def replace(tmp: Path, path: Path, fsync: bool = True, check: bool = True) -> None:
+    """Move the finished `tmp` to `path`, replacing the checkpoint there (file or directory) in one step; with
+    `fsync`, also make the rename itself durable. With `check` (the callers' check, made again: something may
+    have appeared at `path` meanwhile), what is at `path` must be a checkpoint (`check_replaceable`)."""
+    if check:
+        check_replaceable(path, directory=tmp.is_dir())
     if not path.exists() and not path.is_symlink():
         os.rename(tmp, path)
     elif _exchange(tmp, path):
@@ -152,6 +219,12 @@ def recover(path: Path) -> Path:
         path.parent.glob(f"{_glob_escape(f'.{path.name}{_OLD_TAG}')}*"), key=lambda p: p.stat().st_mtime
     )
     return olds[-1] if olds else path
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a written file to disk (before it is renamed into place)."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def fsync_dir(directory: Path) -> None:

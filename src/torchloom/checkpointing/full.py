@@ -62,6 +62,8 @@ def find_unpicklable(obj: dict[str, Any]) -> str | None:
 
 
 def write_error(payload: dict[str, Any], path: Path, exc: BaseException) -> str:
+    if isinstance(exc, CheckpointError):
+        return str(exc)  # says itself what is wrong (what is at `path` may not be replaced)
     key = find_unpicklable(payload)
     if key is not None:
         return (
@@ -77,6 +79,20 @@ def needs_record(entries: dict[str, Entry]) -> bool:
     return any(entry.kind != VALUE for entry in entries.values())
 
 
+def check_target(io: StateAccess, path: Path) -> None:
+    """Rank 0 checks that a checkpoint may replace what is at `path` (`atomic.check_replaceable`: a folder that
+    is not a checkpoint may not), before anything is gathered or written; every rank raises if not."""
+    failure, own = None, None
+    if io.global_rank == 0:
+        try:
+            atomic.check_replaceable(path, directory=False)
+        except CheckpointError as exc:
+            own, failure = exc, describe_failure(str(exc), exc)
+    if io.is_distributed:
+        failure = io.broadcast(failure, src=0)
+    raise_shared_failure(failure, 0, own, CheckpointError)
+
+
 def save(
     io: StateAccess,
     path: Path,
@@ -88,6 +104,7 @@ def save(
     """Every rank collects (sharded strategies gather to rank 0 here); rank 0 writes `entries` and, as the key
     `__torchloom__`, `record`; every rank learns the outcome. With `async_save`, rank 0 writes a private copy in
     a background thread and returns its future."""
+    check_target(io, path)
     payload = collect_state(io, entries, full=True)
     if record is not None:
         payload[META_KEY] = record

@@ -441,9 +441,12 @@ def _write(
     error: str | None = None
     if rank == 0:
         try:
+            old_weights(out_dir)  # refuses what cannot be replaced before anything is written
             atomic.remove_stale_temporaries(out_dir)
             tmp = atomic.temporary_sibling(out_dir)
             tmp.mkdir(parents=True)
+        except CheckpointError as exc:
+            error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"Cannot create a directory beside {str(out_dir)!r}: {type(exc).__name__}: {exc}"
     if distributed:
@@ -501,8 +504,7 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor], fsync: bool) -> No
     # transformers refuses safetensors files whose metadata does not say they hold PyTorch tensors.
     _safetensors().torch.save_file(tensors, str(path), metadata={"format": "pt"})
     if fsync:
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
+        atomic.fsync_file(path)
 
 
 def _finish(
@@ -522,14 +524,66 @@ def _finish(
     if config is not None:
         config.save_pretrained(str(tmp))
     if out_dir.is_dir():
-        # The directory is replaced as a whole; keep what else the user put there (tokenizer files, README),
-        # but not the previous weights, which the new ones replace.
-        for item in out_dir.iterdir():
-            old_weights = item.name == INDEX_FILE or (
-                item.name.startswith("model") and item.name.endswith(".safetensors")
-            )
-            if item.is_file() and not old_weights and not (tmp / item.name).exists():
-                shutil.copy2(item, tmp / item.name)
+        # The directory is replaced as a whole; everything else the user keeps there (a tokenizer, its
+        # subfolders, other weights such as model_ema.safetensors) is carried over, only the previous weights
+        # (the old index, the shards it names, the old single file) are not.
+        _carry_over(out_dir, tmp, skip=old_weights(out_dir))
+        shutil.copymode(out_dir, tmp)
     if fsync:
         atomic.fsync_tree(tmp)
-    atomic.replace(tmp, out_dir, fsync=fsync)
+    # No check in the swap: `tmp` now holds everything of `out_dir` but its previous weights.
+    atomic.replace(tmp, out_dir, fsync=fsync, check=False)
+
+
+def old_weights(out_dir: Path) -> set[str]:
+    """The names in `out_dir` that a new save's weights replace: the index, the shards it names, and the single
+    file. Raises `CheckpointError` where `out_dir` cannot take a Hugging Face checkpoint: it is not a directory,
+    or holds an index that cannot be read (which files are its shards is then unknown)."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return set()
+    if not out_dir.is_dir():
+        raise CheckpointError(
+            f"Cannot write a Hugging Face checkpoint (a directory) at {str(out_dir)!r}: a file is there, and "
+            "saving would delete it. Pass a directory (new, or one to add the weights to)."
+        )
+    names = {SINGLE_FILE}
+    index_file = out_dir / INDEX_FILE
+    if index_file.is_file():
+        try:
+            shards = json.loads(index_file.read_text())["weight_map"].values()
+            names |= {INDEX_FILE, *(str(f) for f in shards)}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                f"Cannot read {str(index_file)!r} ({type(exc).__name__}: {exc}), so which files in "
+                f"{str(out_dir)!r} are the previous weights' shards is unknown. Remove the old index and "
+                "shards yourself, or save to a new directory."
+            ) from exc
+    # Only plain safetensors file names in `out_dir` itself: an index naming anything else is not obeyed.
+    return {n for n in names if n == INDEX_FILE or (n.endswith(".safetensors") and Path(n).name == n)}
+
+
+def _carry_over(src: Path, dst: Path, skip: set[str]) -> None:
+    """Put into `dst` everything in `src` except the names in `skip` and what `dst` already holds: files as
+    hard links (no copy; a file system without them gets a copy), folders recreated, links as links."""
+    for item in src.iterdir():
+        target = dst / item.name
+        if item.name in skip and not item.is_dir():
+            continue
+        if target.exists() or target.is_symlink():
+            if item.is_dir() and not item.is_symlink():
+                raise CheckpointError(
+                    f"{str(item)!r} is a folder with the name of a file the save writes; it would be deleted. "
+                    "Rename it, or save to another directory."
+                )
+            continue  # a file the save writes (config.json): the new one replaces it
+        if item.is_symlink():
+            os.symlink(os.readlink(item), target)
+        elif item.is_dir():
+            target.mkdir()
+            _carry_over(item, target, skip=set())
+            shutil.copymode(item, target)
+        else:
+            try:
+                os.link(item, target)
+            except OSError:
+                shutil.copy2(item, target)

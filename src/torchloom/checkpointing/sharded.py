@@ -115,6 +115,8 @@ def save(
     failure, own = None, None
     if io.global_rank == 0:
         try:
+            # Before anything is written: a folder that is not a checkpoint is refused, not replaced.
+            atomic.check_replaceable(path, directory=True)
             atomic.remove_stale_temporaries(path)
             tmp.mkdir(parents=True)
             torch.save(extra, tmp / EXTRA_FILE)

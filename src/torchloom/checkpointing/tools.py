@@ -131,6 +131,7 @@ def consolidate(
         )
     if fmt not in ("torch", "safetensors", "hf"):
         raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch', 'safetensors' or 'hf'.")
+    _check_output(path, out, fmt)
     meta = sharded.read_meta(path)
     md = sharded.read_dcp_metadata(path)
     kinds = meta.get("kinds") or {k: MODULE for k in sharded.tensor_entries(md)}
@@ -177,13 +178,41 @@ def consolidate(
             raise CheckpointError("--format safetensors stores weights only: add --model-only.")
         tensors: dict[str, torch.Tensor] = {}
         _flatten(result, "", tensors)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = atomic.temporary_sibling(out)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        atomic.replace(tmp, out)
+        _write_safetensors(save_file, {k: v.contiguous() for k, v in tensors.items()}, out)
     else:
         full.write_file(result, out)
     return result
+
+
+def _check_output(checkpoint: Path, out: Path, fmt: str) -> None:
+    """Refuse, before anything is read, an output that would replace the checkpoint being read (or be written
+    into it), or anything that is not a checkpoint (a folder such as the run's, holding the checkpoint)."""
+    source, target = checkpoint.resolve(), out.resolve()
+    if target == source or source in target.parents:
+        raise CheckpointError(
+            f"The output {str(out)!r} is the checkpoint being consolidated, or inside it: writing it would "
+            f"replace or alter {str(checkpoint)!r}. Write it beside the checkpoint instead (e.g. "
+            f"{str(checkpoint.with_name(checkpoint.name + '.consolidated'))!r})."
+        )
+    if fmt == "hf":
+        hf.old_weights(out)
+    else:
+        atomic.check_replaceable(out, directory=False)
+
+
+def _write_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """`save_file` into a temporary file beside `out`, flushed to disk, then swapped into place; on any failure
+    the temporary file is removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale_temporaries(out)
+    tmp = atomic.temporary_sibling(out)
+    try:
+        save_file(tensors, str(tmp))
+        atomic.fsync_file(tmp)
+        atomic.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
