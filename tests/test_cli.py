@@ -126,7 +126,9 @@ def test_consolidate_default_name_matches_fabric(tmp_path):
 
 # ---- `torchloom consolidate` replaces only a checkpoint, never the run's folder or its own source -----------------
 def _tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))
+    }
 
 
 def test_consolidate_never_replaces_a_folder_or_its_source(sharded, tmp_path, capsys):
@@ -145,7 +147,10 @@ def test_consolidate_never_replaces_a_folder_or_its_source(sharded, tmp_path, ca
         for out in (run / "step-100", run / "step-100" / "model.pt"):
             assert main(["consolidate", str(run / "step-100"), str(out), *extra]) == 2
             assert "is the checkpoint being consolidated" in capsys.readouterr().err
-    assert main(["consolidate", str(run / "step-100"), str(run / "step-100"), "--model-only", "--format", "hf"]) == 2
+    assert (
+        main(["consolidate", str(run / "step-100"), str(run / "step-100"), "--model-only", "--format", "hf"])
+        == 2
+    )
     assert _tree(run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     # Into a folder of the user's, --format hf adds the weights and keeps the rest (the hf layout is a folder

@@ -528,7 +528,9 @@ class Loom:
         The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
         flushed to disk (fsync) and swapped into place only when complete, so neither a crash mid-save nor a
-        power loss afterwards replaces a good checkpoint with a broken one. With `async_save=True` the write
+        power loss afterwards replaces a good checkpoint with a broken one. Only a checkpoint (or a file) is
+        replaced: a folder at `path` holding anything else raises `CheckpointError` before anything is written
+        (save into it instead, e.g. `path / "step-100"`). With `async_save=True` the write
         continues in the background; the next save, load, load_raw or save_raw (or close) waits for it and raises
         if it failed.
 
@@ -603,7 +605,8 @@ class Loom:
         weights once, every rank writing its own files; `dtype` casts floating-point weights (e.g.
         torch.bfloat16 to publish). With `config` (a transformers config), config.json is written beside them,
         so `from_pretrained(out_dir)` loads it. Every rank must call it. `out_dir` is replaced in one step;
-        other files already there (tokenizer) are kept."""
+        everything else already there (a tokenizer, subfolders, other weights files) is kept, and only the
+        previous weights (the old index, the shards it names, the old model.safetensors) are dropped."""
         self._require_launch("save_raw")
         with _record("save_raw"):
             self._checkpointer.save_raw(Path(out_dir), state_module(model), dtype, max_shard_size, config)

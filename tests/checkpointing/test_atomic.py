@@ -392,7 +392,9 @@ def _user_folder(root: Path) -> Path:
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))
+    }
 
 
 def _looms(world_size: int) -> dict[str, Loom]:
@@ -508,6 +510,17 @@ def _refused_on_ranks(rank: int, world_size: int, root: str) -> dict:
             good = Path(root) / f"ok-{fmt}-{async_save}"
             loom.save(good, {"model": model, "step": 1}, async_save=async_save)
             out[(fmt, async_save, "ok")] = loom.load(good, {"model": model})["step"]
+        # The check itself failing on rank 0 (here: made to) reaches every rank too, instead of hanging them.
+        real = atomic.check_replaceable
+        if rank == 0:
+            atomic.check_replaceable = lambda *a, **k: (_ for _ in ()).throw(PermissionError("no access"))
+        try:
+            loom.save(Path(root) / "elsewhere", {"model": model})
+            out[(fmt, "check failed")] = None
+        except CheckpointError as error:
+            out[(fmt, "check failed")] = str(error)
+        finally:
+            atomic.check_replaceable = real
     return out
 
 
@@ -520,6 +533,7 @@ def test_save_onto_a_folder_is_refused_on_every_rank(tmp_path):
                 message = result[(fmt, async_save)]
                 assert message and "checkpoints" in message and "notes.txt" in message, (fmt, async_save)
                 assert result[(fmt, async_save, "ok")] == 1
+            assert "no access" in (result[(fmt, "check failed")] or ""), result
     assert _tree(folder) == before
 
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import warnings
 from pathlib import Path
 
@@ -295,8 +297,10 @@ def test_save_raw_keeps_everything_but_the_previous_weights(loom, tmp_path):
         assert {k: now.get(k) for k in mine} == mine  # every file of the user's, byte for byte
         return set(now) - set(mine)
 
+    os.mkfifo(out / "pipe")  # not a file to flush: opening it to fsync would block
     loom.save_raw(out, model, config=model.module.config)
     assert check_kept() == weights | {"config.json"}
+    assert stat.S_ISFIFO(os.lstat(out / "pipe").st_mode)
     # In shards: the single file goes (from_pretrained would load it instead of the index), the rest stays.
     loom.save_raw(out, model, max_shard_size="50KB")
     written = check_kept()
@@ -307,9 +311,7 @@ def test_save_raw_keeps_everything_but_the_previous_weights(loom, tmp_path):
     # Back to one file: the index and the shards it named go; model-00009-of-00009 (named by no index) stays.
     loom.save_raw(out, model)
     assert check_kept() == weights | {"config.json"}
-    torch.testing.assert_close(
-        reference_logits(out), model.module(IDS).logits.detach(), atol=1e-5, rtol=0
-    )
+    torch.testing.assert_close(reference_logits(out), model.module(IDS).logits.detach(), atol=1e-5, rtol=0)
 
     # Where it cannot tell what to replace, it refuses and changes nothing.
     (out / hf.INDEX_FILE).write_text("{not json")

@@ -148,8 +148,8 @@ def check_replaceable(path: Path, directory: bool) -> None:
     checkpoints, an output folder) is refused, whatever the format."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there (writing beside it then says what is wrong with the folder)
     if stat.S_ISLNK(mode):
         return
     if stat.S_ISREG(mode):
@@ -244,8 +244,11 @@ def fsync_tree(root: Path) -> None:
     """Flush every file of a directory checkpoint to disk before it is renamed into place."""
     for dirpath, _, files in os.walk(root):
         for name in files:
+            file = os.path.join(dirpath, name)
+            if not stat.S_ISREG(os.lstat(file).st_mode):
+                continue  # a link or a fifo carried over from the user's folder: opening a fifo would block
             try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                fd = os.open(file, os.O_RDONLY)
             except OSError:
                 continue
             try:

@@ -86,8 +86,10 @@ def check_target(io: StateAccess, path: Path) -> None:
     if io.global_rank == 0:
         try:
             atomic.check_replaceable(path, directory=False)
-        except CheckpointError as exc:
-            own, failure = exc, describe_failure(str(exc), exc)
+        except Exception as exc:  # noqa: BLE001 - every failure reaches every rank, or the others would hang
+            own = exc
+            message = str(exc) if isinstance(exc, CheckpointError) else write_error({}, path, exc)
+            failure = describe_failure(message, exc)
     if io.is_distributed:
         failure = io.broadcast(failure, src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)

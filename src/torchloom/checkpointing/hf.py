@@ -18,7 +18,8 @@ checkpoint fails everywhere alike, naming what is wrong.
 Saving: the tensors are split into files in state-dict order (as `transformers` does), and file i is written
 by rank i % world_size. The ranks walk the files in order; a sharded tensor is gathered whole (one tensor at a
 time) and the writing rank keeps it, so no rank holds more than the file it is filling and the one it is
-writing in the background. The files go into a temporary directory that replaces `out_dir` in one step.
+writing in the background. The files go into a temporary directory that replaces `out_dir` in one step,
+carrying over everything `out_dir` held except the previous weights (`old_weights`).
 """
 
 from __future__ import annotations
