@@ -112,6 +112,34 @@ def test_load_whole_checkpoint(tmp_path):
     assert list(only) == ["w"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_metadata_private_globals(tmp_path, monkeypatch):
+    """The private names are exactly those this torch's DCP metadata pickles under (`torch.layout` pickles
+    through `_get_layout`), and each one's absence is named."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata
+
+    dcp.save({"w": torch.ones(2, 3), "lr": 0.1}, checkpoint_id=str(tmp_path), no_dist=True)
+    used = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            used.add((module, name))
+            return super().find_class(module, name)
+
+    with open(tmp_path / ".metadata", "rb") as f:
+        Recording(f).load()
+    private = _torch_compat.dcp_metadata_private_globals()
+    assert set(private) == {(m, n) for m, n in used if n.startswith("_")}
+    for (module, name), obj in private.items():
+        assert getattr(__import__(module, fromlist=[name]), name) is obj
+    monkeypatch.delattr(metadata, "_MEM_FORMAT_ENCODING")
+    with pytest.raises(TorchAPIMissing, match="_MEM_FORMAT_ENCODING"):
+        _torch_compat.dcp_metadata_private_globals()
+
+
 def test_optimizer_state_to_load_with_parameters_without_state():
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

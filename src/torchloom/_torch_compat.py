@@ -177,6 +177,30 @@ def load_whole_checkpoint(state: dict[str, Any], reader: Any, keys: list[str] | 
     )
 
 
+def dcp_metadata_private_globals() -> dict[tuple[str, str], Any]:
+    """The private names a DCP `.metadata` file refers to, as (module, name) -> object: the storage record of
+    `FileSystemWriter` (`filesystem._StorageInfo`), the memory-format code `TensorProperties` pickles
+    (`metadata._MEM_FORMAT_ENCODING`), and the function `torch.layout` pickles through
+    (`torch.serialization._get_layout`). torchloom's restricted unpickler admits exactly these and DCP's public
+    metadata classes."""
+    import torch.serialization
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    found = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): getattr(
+            filesystem, "_StorageInfo", None
+        ),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): getattr(
+            metadata, "_MEM_FORMAT_ENCODING", None
+        ),
+        ("torch.serialization", "_get_layout"): getattr(torch.serialization, "_get_layout", None),
+    }
+    missing = [".".join(key) for key, value in found.items() if value is None]
+    if missing:
+        raise _missing(", ".join(missing))
+    return found
+
+
 _STAGER_REUSABLE: list[bool] = []
 
 

@@ -10,6 +10,7 @@ given, as `torch.save` would, so `model.load_state_dict(torch.load(path))` works
 from __future__ import annotations
 
 import pickle
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -200,14 +201,26 @@ def _write_or_explain(payload: dict[str, Any], path: Path, fsync: bool) -> None:
         raise CheckpointError(write_error(payload, path, exc)) from exc
 
 
-def unsafe_content_error(path: Path, error: BaseException) -> CheckpointError:
-    """torch.load(weights_only=True) met an object that is not plain data: say so, and how to load it anyway."""
+def unsafe_content_error(path: Path, error: BaseException, item: str | None = None) -> CheckpointError:
+    """torch.load(weights_only=True) met an object that is not plain data (in the file, or in its `item`): say
+    so, and how to load it anyway."""
+    where = f"Item {item!r} of {str(path)!r}" if item is not None else repr(str(path))
     return CheckpointError(
-        f"{str(path)!r} holds objects that are not plain data (tensors, numbers, strings, lists, dicts), which "
-        f"loading with weights_only=True refuses: {str(error).splitlines()[0] if str(error) else error!r}. "
+        f"{where} holds objects that are not plain data (tensors, numbers, strings, lists, dicts), which "
+        f"loading with weights_only=True refuses: {_refusal(error)}. "
         "Unpickling them can run any code the file's author chose. If you trust the file, load it with "
         "weights_only=False (loom.load(path, state, weights_only=False), or --allow-pickle for the command line)."
     )
+
+
+def _refusal(error: BaseException) -> str:
+    """What torch.load(weights_only=True) refused ("Unsupported global: GLOBAL posix.system ..."), from its
+    message of several paragraphs; its first line otherwise."""
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", text)
+    if found:
+        return found.group(1).rstrip(". ")
+    return text.splitlines()[0] if text else repr(error)
 
 
 def read(path: Path, weights_only: bool = True) -> dict[str, Any]:

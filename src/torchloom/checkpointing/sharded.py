@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchloom import _torch_compat
 from torchloom.checkpointing import atomic, record
 from torchloom.checkpointing._interface import StateAccess
+from torchloom.checkpointing._safe_reader import SafeReader
 from torchloom.checkpointing.full import unsafe_content_error, write_error
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
@@ -200,11 +201,21 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def read_dcp_metadata(path: Path) -> Any:
+def reader(path: Path, weights_only: bool = True) -> FileSystemReader:
+    """The DCP reader of every read of a sharded checkpoint. With `weights_only`, one that runs no code from the
+    checkpoint (`SafeReader`: DCP's own reader unpickles `.metadata` and non-tensor items unrestricted)."""
+    return SafeReader(str(path)) if weights_only else FileSystemReader(str(path))
+
+
+def read_dcp_metadata(path: Path, weights_only: bool = True) -> Any:
     """DCP's .metadata, with every shard file it names checked to exist and be long enough, so a damaged
-    checkpoint fails here, on every rank alike, instead of inside a collective."""
+    checkpoint fails here, on every rank alike, instead of inside a collective. With `weights_only`, metadata
+    that refers to anything but DCP's own metadata classes is refused (every rank reads the same file, so
+    every rank refuses it)."""
     try:
-        md = FileSystemReader(str(path)).read_metadata()
+        md = reader(path, weights_only).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(
             f"Cannot read {str(path / '.metadata')!r}: {type(exc).__name__}: {exc}. The checkpoint is incomplete "
@@ -247,7 +258,7 @@ def load(
     """Restore `entries` from the sharded checkpoint at `path`. Returns the saved plain values and leftovers
     (every entry, named or not, that is not loaded into an object), and the `__torchloom__` record."""
     meta = read_meta(path)
-    md = read_dcp_metadata(path)
+    md = read_dcp_metadata(path, weights_only)
     stored = tensor_entries(md)
     extra = read_extra(path, weights_only)
     run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
@@ -274,9 +285,9 @@ def load(
             )
     if template:
         try:
-            dcp.load(template, checkpoint_id=str(path), **_dcp_kwargs(io))
-        except Exception as exc:
-            raise CheckpointError(f"Loading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+            dcp.load(template, storage_reader=reader(path, weights_only), **_dcp_kwargs(io))
+        except (Exception, CheckpointException) as exc:
+            raise _load_error(path, exc) from exc
     for key, entry in entries.items():
         if key in template:
             if kinds[key] == MODULE:
@@ -289,7 +300,7 @@ def load(
     values = {k: extra[k] for k in wanted if k in extra}
     tensor_keys = [k for k in wanted if k not in extra]
     if tensor_keys:
-        values.update(read_entries(path, tensor_keys))
+        values.update(read_entries(path, tensor_keys, weights_only))
     return values, run_state
 
 
@@ -337,18 +348,32 @@ def read_extra(path: Path, weights_only: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"Cannot read {str(extra_file)!r}: {exc}. The checkpoint is corrupt.") from exc
 
 
-def read_entries(path: Path, keys: list[str] | None = None) -> dict[str, Any]:
+def read_entries(path: Path, keys: list[str] | None = None, weights_only: bool = True) -> dict[str, Any]:
     """The DCP-stored entries of a sharded checkpoint as plain nested dicts of full tensors, in this process,
     without a process group (what `torchloom consolidate` and `load` of unnamed entries use)."""
     # What torch's own `format_utils.dcp_to_torch_save` does, without writing a file: read every stored tensor
     # whole, in this process, into a state dict that needs no template.
-    read_dcp_metadata(path)
+    read_dcp_metadata(path, weights_only)
     out: dict[str, Any] = {}
     try:
         with torch_internal_warnings_filtered():
-            _torch_compat.load_whole_checkpoint(out, FileSystemReader(str(path)), keys)
+            _torch_compat.load_whole_checkpoint(out, reader(path, weights_only), keys)
     except _torch_compat.TorchAPIMissing:
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"Reading the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        raise _load_error(path, exc, "Reading") from exc
     return out
+
+
+def _load_error(path: Path, exc: BaseException, doing: str = "Loading") -> CheckpointError:
+    """The error of a failed DCP read. DCP gathers every rank's exception into one `CheckpointException` (a
+    BaseException) raised on every rank; where one of them is torchloom's own (a refused item), that one, the
+    same on every rank: the lowest rank's."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else {}
+    for rank in sorted(failures):
+        cause = failures[rank][0]
+        if isinstance(cause, CheckpointError):
+            return CheckpointError(str(cause))
+    if isinstance(exc, CheckpointError):
+        return CheckpointError(str(exc))
+    return CheckpointError(f"{doing} the sharded checkpoint {str(path)!r} failed: {exc}")

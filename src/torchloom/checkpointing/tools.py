@@ -40,7 +40,7 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = []
     if path.is_dir():
         meta = sharded.read_meta(path)
-        md = sharded.read_dcp_metadata(path)
+        md = sharded.read_dcp_metadata(path, weights_only)
         for entry, items in sharded.tensor_entries(md).items():
             for name, (shape, dtype) in items.items():
                 numel = int(torch.Size(shape).numel())
@@ -133,7 +133,7 @@ def consolidate(
         raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch', 'safetensors' or 'hf'.")
     _check_output(path, out, fmt)
     meta = sharded.read_meta(path)
-    md = sharded.read_dcp_metadata(path)
+    md = sharded.read_dcp_metadata(path, weights_only)
     kinds = meta.get("kinds") or {k: MODULE for k in sharded.tensor_entries(md)}
     wanted = [
         k
@@ -142,7 +142,7 @@ def consolidate(
     ]
     result: dict[str, Any] = {}
     for key in _progress(wanted, "consolidating"):
-        result.update(sharded.read_entries(path, keys=[key]))
+        result.update(sharded.read_entries(path, keys=[key], weights_only=weights_only))
     if not model_only:
         extra = sharded.read_extra(path, weights_only)
         run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
