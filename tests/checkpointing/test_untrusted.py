@@ -182,6 +182,25 @@ def test_metadata_that_is_not_metadata_is_refused(tmp_path):
         read_metadata_file(tmp_path / ".metadata")
 
 
+def test_shard_files_outside_the_checkpoint_are_refused(checkpoints, tmp_path):
+    """A tampered `.metadata` (plain data, so admitted) cannot make torchloom read files elsewhere."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    for outside in ("../elsewhere.distcp", str(tmp_path / "abs.distcp")):
+        copy = tmp_path / "ckpt"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(checkpoints / "clean", copy)
+        with open(copy / ".metadata", "rb") as f:
+            md = pickle.load(f)
+        index = next(iter(md.storage_data))
+        info = md.storage_data[index]
+        md.storage_data[index] = _StorageInfo(outside, info.offset, info.length)
+        with open(copy / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+        with pytest.raises(CheckpointError, match=re.escape(f"names shard file {outside!r}, outside")):
+            tools.inspect(copy)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_what_torch_and_torchloom_write_loads_with_weights_only(checkpoints, tmp_path):
     """The allowlist is complete: DCP's metadata of every kind of item (bf16 and int tensors, plain values of

@@ -228,6 +228,12 @@ def read_dcp_metadata(path: Path, weights_only: bool = True) -> Any:
             needed[rel] = max(needed.get(rel, 0), int(item.offset) + int(item.length))
     for rel, size in sorted(needed.items()):
         file = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            # DCP writes its shards inside the directory; a checkpoint from elsewhere must not read other files.
+            raise CheckpointError(
+                f"{str(path / '.metadata')!r} names shard file {rel!r}, outside the checkpoint directory; the "
+                "checkpoint is corrupt or was tampered with."
+            )
         if not file.exists():
             raise CheckpointError(f"The checkpoint is missing shard file {str(file)!r}; it cannot be loaded.")
         if file.stat().st_size < size:
