@@ -220,11 +220,7 @@ class LoomDataLoader:
             sampler.start = start
 
     def __iter__(self) -> Iterator[Any]:
-        if self._resume is not None:
-            epoch, start = self._resume
-            self._resume = None
-        else:
-            epoch, start = self._epoch, 0
+        epoch, start = self._resume if self._resume is not None else (self._epoch, 0)
         if start == 0 and getattr(self._loader, "_torchloom_generator", False):
             # The user's loader, without a generator of its own, would draw its workers' base seed from the
             # global generator at the start of each pass (plain PyTorch and Fabric do). Ours reads its own
@@ -236,7 +232,9 @@ class LoomDataLoader:
         generator = order_generator(self.sampler)
         # The sampler draws this pass's order from its own generator: a checkpoint taken during the pass keeps the
         # state it drew from, so that the resumed pass draws the same order.
-        self._pass_generator = generator.get_state() if isinstance(generator, torch.Generator) else None
+        drawn_from = generator.get_state() if isinstance(generator, torch.Generator) else None
+        batches = iter(self._loader)  # before the position moves: a loader that fails to start keeps it
+        self._resume, self._pass_generator = None, drawn_from
         self._pass += 1
         self._epoch, self._current, self._consumed = epoch + 1, epoch, start
         self._interleaved, self._left = False, None
@@ -244,7 +242,7 @@ class LoomDataLoader:
             self.sampler.remaining_global() + start if isinstance(self.sampler, ResumableSampler) else None
         )
         per_batch = (self._loader.batch_size or 1) * self._world_size
-        return _Pass(self, self._pass, iter(self._loader), total, per_batch)
+        return _Pass(self, self._pass, batches, total, per_batch)
 
     def _handed_out(self, number: int, total: int | None, per_batch: int) -> None:
         """Pass `number` hands out a batch. Counted before the batch is handed out: a checkpoint written while
