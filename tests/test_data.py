@@ -611,3 +611,22 @@ def test_an_iterable_dataset_read_by_workers_is_refused():
     loader = loom.setup_dataloaders(DataLoader(_Stream(0, 1, 8), batch_size=2, num_workers=1))
     with pytest.raises(MisuseError, match="worker processes"):
         loader.state_dict()
+
+
+def test_a_checkpoint_after_a_break_says_it_resumes_at_the_next_epoch():
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchloom").addHandler(handler)
+    try:
+        loom = Loom(accelerator="cpu", devices=1)
+        loader = loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
+        )
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
+    finally:
+        logging.getLogger("torchloom").removeHandler(handler)
+    assert sum("pass over epoch 0 was left after 4 samples" in r for r in records) == 1, records
