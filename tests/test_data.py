@@ -363,3 +363,270 @@ def test_seeding_again_replays_the_same_loader_orders():
     first = orders()
     assert len({tuple(o) for o in first}) == 3
     assert orders() == first
+
+
+# ---- ragged ends, samplers with their own generator, iterable datasets, passes left early ----------------------
+class _Stream(torch.utils.data.IterableDataset):
+    """Rank `rank` of `world_size` reads records rank, rank + world_size, ... of one stream; its position is the
+    next record's index in the stream, so the ranks' positions differ."""
+
+    def __init__(self, rank: int, world_size: int, n: int) -> None:
+        self.step, self.n, self.next = world_size, n, rank
+
+    def __iter__(self):
+        while self.next < self.n:
+            record = self.next
+            self.next += self.step
+            yield record
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next = state["next"]
+
+
+def _scenario_loader(loom: Loom, name: str, world_size: int):
+    from torch.utils.data import SubsetRandomSampler
+
+    batch = G // world_size
+    if name == "ragged":  # 49 samples: padded to 50 on 2 ranks, 51 on 3
+        return loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(49)), batch_size=batch, shuffle=True)
+        )
+    if name == "own_generator":  # epoch e draws the permutation after e draws of its generator
+        sampler = SubsetRandomSampler(range(30), generator=torch.Generator().manual_seed(7))
+        return loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(40)), batch_size=batch, sampler=sampler)
+        )
+    if name == "iterable":
+        return loom.setup_dataloaders(DataLoader(_Stream(loom.global_rank, world_size, n=42), batch_size=2))
+    return loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(24)), batch_size=batch, shuffle=True))
+
+
+def _record(loom: Loom, out: list, batch) -> None:
+    (idx,) = batch if isinstance(batch, (list, tuple)) else (batch,)
+    out.append(sorted(loom.all_gather(idx).flatten().tolist()))
+
+
+# Scenarios saved inside a pass: (save after this step, in this pass, of so many passes).
+_SAVED_INSIDE = {"ragged": (4, 0, 3), "own_generator": (8, 1, 3), "iterable": (4, 0, 1)}
+
+
+def _scenario(loom: Loom, name: str, world_size: int, path: str, resume: str | None) -> list | str:
+    """Run one scenario; a live run saves at its save point (to `path`) and goes on, a resumed one loads
+    `resume` and runs what the live run ran after saving. Returns the global batches seen after the save point
+    (or the error of a refused load)."""
+    loader = _scenario_loader(loom, name, world_size)
+    model = loom.setup_module(nn.Linear(1, 1))
+    seen: list = []
+    save = lambda: loom.save(path, {"loader": loader, "model": model})  # noqa: E731
+    if resume is not None:
+        try:
+            loom.load(resume, {"loader": loader, "model": model})
+        except Exception as error:  # noqa: BLE001 - the refusal is the result
+            return f"{type(error).__name__}: {error}"
+    if name in ("ragged", "own_generator", "iterable"):
+        # Saved inside a pass: ragged at epoch 0's 4th batch, own_generator at epoch 1's 3rd, iterable (one pass)
+        # at its 4th.
+        at, saved_pass, passes = _SAVED_INSIDE[name]
+        step = 0 if resume is None else at
+        for _ in range(passes if resume is None else passes - saved_pass):
+            for batch in loader:
+                step += 1
+                if step > at:
+                    _record(loom, seen, batch)
+                if step == at and resume is None:
+                    save()
+        return seen
+    if name == "break":  # a cap on steps per epoch; saved after the break, before the next pass
+        for epoch in range(0 if resume is None else 1, 3):
+            for i, batch in enumerate(loader):
+                if i == 2:
+                    break
+                if epoch > 0:
+                    _record(loom, seen, batch)
+            if epoch == 0 and resume is None:
+                save()
+        return seen
+    if name == "live" and resume is not None:
+        for batch in loader:  # the rest of the saved epoch
+            _record(loom, seen, batch)
+    elif name == "live":  # saved while the pass is live: resumes inside the epoch
+        it = iter(loader)
+        next(it)
+        next(it)
+        save()
+        for batch in it:
+            _record(loom, seen, batch)
+    elif name == "exception" and resume is None:  # an exception out of the loop, caught outside it
+        try:
+            for i, _ in enumerate(loader):
+                if i == 1:
+                    raise RuntimeError("a bad batch")
+        except RuntimeError:
+            pass
+        save()
+    elif name == "dropped" and resume is None:  # an iterator garbage collected
+        it = iter(loader)
+        next(it)
+        del it
+        save()
+    for batch in loader:  # the next epoch
+        _record(loom, seen, batch)
+    return seen
+
+
+SCENARIOS = ("ragged", "own_generator", "iterable", "break", "exception", "dropped", "live")
+
+
+def _scenarios(rank: int, world_size: int, directory: str, resume_from: str | None) -> dict[str, list | str]:
+    loom = Loom(accelerator="cpu", devices=world_size)
+    loom.launch()
+    loom.seed_everything(0)
+    out = {}
+    for name in SCENARIOS:
+        resume = None if resume_from is None else f"{resume_from}/{name}.pt"
+        out[name] = _scenario(loom, name, world_size, f"{directory}/{name}.pt", resume)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_resumes_equal_the_uninterrupted_run_in_every_scenario(tmp_path):
+    """Saved on 2 ranks, resumed on 2 (and 1 and 3): the global batches after the save point equal the
+    uninterrupted run's at that world size. Ragged end: the padding after a resume repeats the epoch's first
+    samples, as the uninterrupted run's does. A sampler with its own generator: the resumed pass draws the saved
+    epoch's permutation. An IterableDataset: every rank continues from its own position (refused on another world
+    size). A pass left early (break, exception, dropped iterator): the resumed run starts the next epoch, as the
+    live one does; one saved while live resumes inside the epoch."""
+    live = {ws: tmp_path / f"live{ws}" for ws in (1, 2, 3)}
+    for path in live.values():
+        path.mkdir()
+    uninterrupted = {ws: run_ranks(_scenarios, ws, str(live[ws]), None, timeout=300)[0] for ws in (2, 1, 3)}
+    resumed = {
+        ws: run_ranks(_scenarios, ws, str(tmp_path / f"again{ws}"), str(live[2]), timeout=300)[0]
+        for ws in (2, 1, 3)
+    }
+    for name in SCENARIOS:
+        assert uninterrupted[2][name], name  # the scenario saw batches after its save point
+        assert resumed[2][name] == uninterrupted[2][name], name
+        for ws in (1, 3):
+            if name == "iterable":
+                assert "CheckpointError" in resumed[ws][name] and "resume on 2 ranks" in resumed[ws][name]
+            else:
+                assert resumed[ws][name] == uninterrupted[ws][name], (name, ws)
+    # The ragged end of epoch 0 (the 5th batch after the save) really is padded: 49 samples make 25 + 25 on 2
+    # ranks, 17 x 3 on 3.
+    assert [len(uninterrupted[ws]["ragged"][4]) for ws in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_padding_after_a_start_repeats_the_epochs_first_samples():
+    """10 samples on 4 ranks pad to 12 with the epoch's first two: the last global batch is order[8, 9, 0, 1]
+    from the epoch's start, and the same after starting at 8 (not order[8, 9, 8, 9])."""
+    data = list(range(10))
+
+    def interleaved(start: int) -> list[int]:
+        parts = []
+        for r in range(4):
+            sampler = ResumableSampler(data, 4, r, shuffle=True, seed=1)
+            sampler.start = start
+            parts.append(list(sampler))
+        return [parts[r][i] for i in range(len(parts[0])) for r in range(4)]
+
+    order = ResumableSampler(data, 1, 0, shuffle=True, seed=1).global_order()
+    tail = [order[p] for p in (8, 9, 0, 1)]
+    assert interleaved(0)[8:] == tail
+    assert interleaved(8) == tail
+
+
+def test_two_passes_at_once_cannot_be_saved():
+    from torchloom import MisuseError
+
+    loom = Loom(accelerator="cpu", devices=1)
+    loader = loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True))
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    next(second)
+    assert loader.state_dict()["epoch"] == 1  # an earlier iterator merely kept alive does not matter
+    next(first)  # torch lets it go on, but the loader now has two positions
+    with pytest.raises(MisuseError, match="two passes at once"):
+        loader.state_dict()
+    del first, second
+    list(loader)
+    assert loader.state_dict()["epoch"] == 3
+
+
+def test_a_users_sampler_with_its_own_generator_resumes_its_next_epoch():
+    """Not split by torchloom (use_distributed_sampler=False), saved between epochs: the resumed run's next
+    epoch draws what the uninterrupted run's did, not the first epoch's permutation again."""
+    from torch.utils.data import RandomSampler
+
+    def loader(loom):
+        sampler = RandomSampler(range(12), generator=torch.Generator().manual_seed(5))
+        return loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(12)), batch_size=4, sampler=sampler),
+            use_distributed_sampler=False,
+        )
+
+    loom = Loom(accelerator="cpu", devices=1)
+    live = loader(loom)
+    list(live)
+    state = live.state_dict()
+    expected = [idx.tolist() for (idx,) in live]
+    resumed = loader(loom)
+    resumed.load_state_dict(state)
+    assert [idx.tolist() for (idx,) in resumed] == expected
+
+
+def test_a_sampler_generator_torchloom_cannot_save_is_refused():
+    import numpy as np
+
+    from torchloom import MisuseError
+
+    class NumpyShuffle(torch.utils.data.Sampler):
+        def __init__(self) -> None:
+            self.generator = np.random.default_rng(0)
+
+        def __len__(self) -> int:
+            return 8
+
+        def __iter__(self):
+            return iter(self.generator.permutation(8).tolist())
+
+    loom = Loom(accelerator="cpu", devices=1)
+    loader = loom.setup_dataloaders(
+        DataLoader(TensorDataset(torch.arange(8)), batch_size=2, sampler=NumpyShuffle())
+    )
+    loader.state_dict()  # nothing drawn yet: nothing to lose
+    next(iter(loader))
+    with pytest.raises(MisuseError, match="generator torchloom cannot save"):
+        loader.state_dict()
+
+
+def test_an_iterable_dataset_read_by_workers_is_refused():
+    from torchloom import MisuseError
+
+    loom = Loom(accelerator="cpu", devices=1)
+    loader = loom.setup_dataloaders(DataLoader(_Stream(0, 1, 8), batch_size=2, num_workers=1))
+    with pytest.raises(MisuseError, match="worker processes"):
+        loader.state_dict()
+
+
+def test_a_checkpoint_after_a_break_says_it_resumes_at_the_next_epoch():
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchloom").addHandler(handler)
+    try:
+        loom = Loom(accelerator="cpu", devices=1)
+        loader = loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
+        )
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
+    finally:
+        logging.getLogger("torchloom").removeHandler(handler)
+    assert sum("pass over epoch 0 was left after 4 samples" in r for r in records) == 1, records

@@ -399,7 +399,15 @@ class Loom:
                 loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
             self._counters["loaders"] += 1
             add_worker_seeding(loader, self.global_rank)
-            out.append(LoomDataLoader(loader, self.device if move_to_device else None, self.world_size))
+            out.append(
+                LoomDataLoader(
+                    loader,
+                    self.device if move_to_device else None,
+                    self.world_size,
+                    rank=self.global_rank,
+                    all_gather_object=self._strategy.all_gather_object,
+                )
+            )
         return out[0] if len(out) == 1 else tuple(out)
 
     # ---- training calls --------------------------------------------------------------------------------------

@@ -405,7 +405,8 @@ class ShardedSampler(ResumableSampler):
     A sampler without a generator of its own draws from torch's global generator; each epoch's draw is made from
     that generator seeded with `seed + epoch` (without changing the global state), so every rank draws the same
     sequence whatever else it has drawn. A sampler with its own generator is left to it: seed it alike on every
-    rank."""
+    rank (a checkpoint keeps that generator's state at the start of the pass, so a resumed pass draws the same
+    sequence; see `torchloom.data.order_generator`)."""
 
     def __init__(
         self, sampler: Any, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False
