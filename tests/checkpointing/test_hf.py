@@ -327,6 +327,32 @@ def test_save_raw_keeps_everything_but_the_previous_weights(loom, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "weights.bin"]  # no temporary left
 
 
+def _save_raw_refused_on_ranks(rank: int, world_size: int, root: str) -> list[str | None]:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
+    loom.launch()
+    model = loom.setup_module(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    out: list[str | None] = []
+    for target in ("weights.bin", "broken-index"):
+        try:
+            loom.save_raw(Path(root) / target, model)
+            out.append(None)
+        except CheckpointError as error:
+            out.append(str(error))
+    loom.save_raw(Path(root) / "good", model)  # the ranks are still in step
+    return out
+
+
+def test_save_raw_refusal_reaches_every_rank(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"a file")
+    (tmp_path / "broken-index").mkdir()
+    (tmp_path / "broken-index" / hf.INDEX_FILE).write_text("{not json")
+    for messages in run_ranks(_save_raw_refused_on_ranks, 2, str(tmp_path), timeout=120):
+        assert "a file is there" in (messages[0] or "") and "Cannot read" in (messages[1] or ""), messages
+    assert (tmp_path / "weights.bin").read_bytes() == b"a file"
+    assert (tmp_path / "broken-index" / hf.INDEX_FILE).read_text() == "{not json"
+    assert (tmp_path / "good" / hf.SINGLE_FILE).is_file()
+
+
 def test_meta_buffers_are_refused(loom, tmp_path):
     model = loom.setup_module(LlamaForCausalLM(config(False)))
     src = tmp_path / "ok"
