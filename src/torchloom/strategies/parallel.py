@@ -71,6 +71,7 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout: t
             answer = f"torchloom/answer/{nonce}"
             store.wait([answer], timeout)
             namespace = store.get(answer).decode()
+            store.delete_key(answer)
             if store.add(f"{namespace}/arrived", 1) == world_size - 1:
                 store.set(f"{namespace}/all", "1")
             store.wait([f"{namespace}/all"], _left(deadline))
@@ -84,14 +85,15 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout: t
 def _answer_joins(
     store: dist.Store, namespace: str, world_size: int, deadline: float, timeout: timedelta
 ) -> None:
-    # Ids of failed attempts get answered too, harmlessly: nobody waits for those answers.
-    answered = 0
     while not store.check([f"{namespace}/all"]):
         if store.check([_JOINS]):
             joins = store.get(_JOINS).decode()
-            for nonce in joins[answered:].split():
+            # Ids of failed attempts get answered too, harmlessly: nobody waits for those answers.
+            for nonce in joins.split():
                 store.set(f"torchloom/answer/{nonce}", namespace)
-            answered = len(joins)
+            # Empty the list unless a rank added to it meanwhile (then its ids are answered again next time), so
+            # that neither the list nor the next attempt's first read grow with every restart.
+            store.compare_set(_JOINS, joins, "")
         if time.monotonic() > deadline:
             raise _start_timeout(0, world_size, timeout)
         time.sleep(_POLL_SECONDS)
