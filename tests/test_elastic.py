@@ -9,6 +9,7 @@ the uninterrupted run's.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ DYING_TAG = "TORCHLOOM_ELASTIC_DYING "
 
 SCRIPT = """\
 import json, os, signal, sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import torch
 from torch import nn
@@ -125,3 +127,72 @@ def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous):
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert wait_no_strays(token) == [], "processes of the job survived it"
 
+
+NODES_SCRIPT = """\
+import json, sys
+import torch
+from torch import nn
+from torchloom import Loom
+from torchloom.strategies import FSDP2Strategy
+
+steps = int(sys.argv[1])
+
+
+def train(loom):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = loom.setup(model, optimizer)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
+        loom.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return torch.cat([p.detach().flatten() for p in full]).tolist()
+
+
+for name, strategy in (("default", "auto"), ("hybrid", FSDP2Strategy(hybrid=True))):
+    loom = Loom(accelerator="cpu", strategy=strategy)  # nodes and processes as torchrun started them
+    params = train(loom)
+    mesh = list(loom.strategy.device_mesh.mesh.shape) if name == "hybrid" else None
+    report = {"case": name, "rank": loom.global_rank, "world_size": loom.world_size,
+              "num_nodes": loom.strategy.num_nodes, "node_rank": loom.node_rank, "strategy": loom.strategy.name,
+              "mesh": mesh, "params": params}
+    print("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report), flush=True)
+    loom.close()
+"""
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_two_torchrun_nodes_with_loom_defaults(tmp_path):
+    """Two torchrun agents (one per "node", static rendezvous, one process each): `Loom()` takes the node count
+    from torchrun (it refused the job before: devices='auto' became 1 process per node, checked against the 2
+    started), DDP trains as one process would on both batches, and hybrid FSDP2 replicates across the 2 nodes
+    and shards within each (mesh (2, 1), not (1, 2): sharding across nodes)."""
+    script = tmp_path / "nodes.py"
+    script.write_text(NODES_SCRIPT)
+    port = str(free_port())
+
+    def node(rank: int) -> tuple:
+        cmd = _torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                        "--master-addr", "127.0.0.1", "--master-port", port, str(script), str(STEPS))  # fmt: skip
+        return run_job(cmd, timeout=JOB_TIMEOUT)
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = list(pool.map(node, range(2)))
+    expected = _reference(2)
+    reports = []
+    for proc, token in jobs:
+        assert proc.returncode == 0, proc.stdout
+        reports += _reports(proc.stdout)
+        assert wait_no_strays(token) == [], "processes of the job survived it"
+    assert sorted((r["case"], r["rank"], r["node_rank"]) for r in reports) == [
+        ("default", 0, 0), ("default", 1, 1), ("hybrid", 0, 0), ("hybrid", 1, 1)
+    ]  # fmt: skip
+    for report in reports:
+        assert report["world_size"] == 2 and report["num_nodes"] == 2, report
+        assert report["strategy"] == ("ddp" if report["case"] == "default" else "fsdp2")
+        if report["case"] == "hybrid":
+            assert report["mesh"] == [2, 1], report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
