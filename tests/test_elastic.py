@@ -31,6 +31,13 @@ import torch
 from torch import nn
 from torchloom import Loom
 
+
+def say(line):
+    # One write per line: the ranks share the job's stdout, where print's separate newline can interleave.
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
 ckpt_dir, steps, die_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 loom = Loom(accelerator="cpu")  # processes and nodes as the launcher started them
@@ -45,7 +52,7 @@ if saved:
 resumed_at = state["step"]
 for step in range(resumed_at, steps):
     if step == die_at and attempt == 0 and loom.global_rank == 1:
-        print("TORCHLOOM_ELASTIC_DYING", step, flush=True)
+        say(f"TORCHLOOM_ELASTIC_DYING {step}")
         os.kill(os.getpid(), signal.SIGKILL)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
     loom.backward(model(x).pow(2).mean())
@@ -56,7 +63,7 @@ for step in range(resumed_at, steps):
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "resumed_at": resumed_at,
           "params": params.tolist()}
-print("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report), flush=True)
+say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
 loom.close()
 """
 
@@ -135,6 +142,13 @@ from torch import nn
 from torchloom import Loom
 from torchloom.strategies import FSDP2Strategy
 
+
+def say(line):
+    # One write per line: the ranks share the job's stdout, where print's separate newline can interleave.
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
 steps = int(sys.argv[1])
 
 
@@ -159,7 +173,7 @@ for name, strategy in (("default", "auto"), ("hybrid", FSDP2Strategy(hybrid=True
     report = {"case": name, "rank": loom.global_rank, "world_size": loom.world_size,
               "num_nodes": loom.strategy.num_nodes, "node_rank": loom.node_rank, "strategy": loom.strategy.name,
               "mesh": mesh, "params": params}
-    print("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report), flush=True)
+    say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
     loom.close()
 """
 
