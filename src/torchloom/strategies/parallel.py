@@ -86,8 +86,8 @@ def _answer_joins(
     store: dist.Store, namespace: str, world_size: int, deadline: float, timeout: timedelta
 ) -> None:
     while not store.check([f"{namespace}/all"]):
-        if store.check([_JOINS]):
-            joins = store.get(_JOINS).decode()
+        joins = store.get(_JOINS).decode() if store.check([_JOINS]) else ""
+        if joins:
             # Ids of failed attempts get answered too, harmlessly: nobody waits for those answers.
             for nonce in joins.split():
                 store.set(f"torchloom/answer/{nonce}", namespace)
