@@ -94,13 +94,16 @@ def test_torchrun(script):
 
 
 def _faked_slurm(script: Path, mode: str) -> list[dict]:
-    """Two SLURM tasks of one node, each one rank (rank 0 hosts the store); their reports in rank order."""
+    """Two tasks of one srun step on one node, each one rank (rank 0 hosts the store); their reports in rank
+    order. The allocation is named "bash" (an salloc shell's): the tasks still make one job, not one job each."""
     port = str(free_port())
 
     def task(rank: int) -> tuple[subprocess.CompletedProcess, str]:
         env = {
             "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-            "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "train", "MASTER_PORT": port,
+            "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "bash", "MASTER_PORT": port,
+            "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "127.0.0.1",
         }  # fmt: skip
         return run_job([PYTHON, str(script), mode], timeout=JOB_TIMEOUT, env=env)
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from torchloom.accelerators import CPUAccelerator, select_accelerator
-from torchloom.environments import ClusterEnvironment, detect_environment
+from torchloom.environments import ClusterEnvironment, detect_environment, warn_if_srun_was_forgotten
 from torchloom.errors import ConfigurationError
 from torchloom.precision import select_precision
 from torchloom.strategies.base import Strategy
@@ -63,7 +63,7 @@ CLI_ENV = {
 _DEFAULTS = {
     "accelerator": "auto",
     "devices": "auto",
-    "num_nodes": 1,
+    "num_nodes": None,
     "strategy": "auto",
     "precision": "32-true",
 }
@@ -98,24 +98,36 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def configure(
-    accelerator: Any, devices: Any, num_nodes: int, strategy: Any, precision: Any, timeout: timedelta | None
+    accelerator: Any,
+    devices: Any,
+    num_nodes: int | None,
+    strategy: Any,
+    precision: Any,
+    timeout: timedelta | None,
 ) -> Strategy:
     """Select the strategy and complete it, in one `_bind` step, with its accelerator, precision, cluster
     environment, devices and timeout (which also checks its options against them)."""
     if isinstance(precision, (int, str)) or precision is None:
         precision = FABRIC_PRECISIONS.get(precision, precision)
     acc = select_accelerator(accelerator)
-    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+    if num_nodes is not None and (
+        not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1
+    ):
         raise ConfigurationError(f"num_nodes={num_nodes!r} is not valid: pass a positive int.")
-    env = detect_environment(1, num_nodes)
+    env = detect_environment(1, num_nodes or 1)
+    if env.creates_processes_externally:
+        num_nodes = _nodes_of_launch(env, num_nodes)
+    num_nodes = num_nodes or 1
+    given_devices = devices
     if devices == "auto" and isinstance(acc, CPUAccelerator) and env.creates_processes_externally:
         # Under torchrun/srun on CPU, the launcher already decided how many processes there are.
         devices = env.local_world_size() or max(1, env.world_size() // num_nodes)
     parallel_devices = acc.parse_devices(devices)
     num_processes = len(parallel_devices)
     if env.creates_processes_externally:
-        _check_external_world(env, num_processes, num_nodes, devices)
+        _check_external_world(env, num_processes, num_nodes, given_devices)
     else:
+        warn_if_srun_was_forgotten()
         env = detect_environment(num_processes, num_nodes)
     world_size = env.world_size()
 
@@ -151,6 +163,21 @@ def _select_strategy(strategy: Any, world_size: int) -> Strategy:
             "Use strategy='ddp', 'fsdp' or 'fsdp2' (or 'auto'), or devices=1."
         )
     return instance
+
+
+def _nodes_of_launch(env: ClusterEnvironment, num_nodes: int | None) -> int | None:
+    """The node count the launcher started (torchrun's agents, SLURM's nodes of the step); `num_nodes` when the
+    launcher does not say. A given `num_nodes` that disagrees is refused: hybrid sharding would replicate across
+    the wrong groups of ranks, and an elastic job cannot know its node count in advance anyway."""
+    launched = env.num_nodes()
+    if num_nodes is None or launched is None:
+        return num_nodes if launched is None else launched
+    if num_nodes != launched:
+        raise ConfigurationError(
+            f"Loom(num_nodes={num_nodes}), but {env!r} started this job on {launched} nodes. Leave num_nodes out "
+            f"to follow the launcher, or make them agree (e.g. torchrun --nnodes {num_nodes})."
+        )
+    return num_nodes
 
 
 def _check_external_world(env: ClusterEnvironment, num_processes: int, num_nodes: int, devices: Any) -> None:

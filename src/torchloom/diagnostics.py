@@ -76,6 +76,7 @@ class CollectiveRecord:
         self._seen: set[Any] = set()
         self._published = 0
         self.store: Any = None
+        self.namespace = "torchloom"
         self.rank = 0
         self.world_size = 1
 
@@ -194,8 +195,9 @@ def _user_stack(frame: Any) -> list[str]:
 
 
 def _key(name: str) -> str:
-    # A restarted elastic job shares the agent's store with its previous attempt: keep their keys apart.
-    return f"torchloom/desync/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    # A restarted elastic job shares the agent's store with its failed attempt: the group's namespace, which no
+    # other group has, keeps their keys apart (`parallel.agree_on_namespace`).
+    return f"{RECORD.namespace}/desync/{name}"
 
 
 # ---- the watchdog --------------------------------------------------------------------------------------------
@@ -249,14 +251,16 @@ class _Watchdog(threading.Thread):
             self.join(timeout=2 * _POLL_SECONDS)
 
 
-def start(rank: int, world_size: int, report_after: timedelta | None = None) -> None:
-    """Connect this rank to the job's store and start its watchdog (once per process). With `report_after`, the
-    watchdog starts the desync report when a collective has waited that long (for backends whose collectives
-    do not raise in Python when they time out: NCCL)."""
+def start(rank: int, world_size: int, namespace: str | None, report_after: timedelta | None = None) -> None:
+    """Connect this rank to the job's store and start its watchdog (once per process). Its keys go under
+    `namespace`, the process group's own; without one there is no report, as an earlier group's keys could
+    answer it. With `report_after`, the watchdog starts the desync report when a collective has waited that long
+    (for backends whose collectives do not raise in Python when they time out: NCCL)."""
     global _watchdog
     RECORD.rank, RECORD.world_size = rank, world_size
-    if _watchdog is not None and _watchdog.is_alive():
+    if _watchdog is not None and _watchdog.is_alive() or namespace is None:
         return
+    RECORD.namespace = namespace
     RECORD.store = _connect()
     if RECORD.store is None:
         return

@@ -43,6 +43,10 @@ class ClusterEnvironment:
         """Processes on this node, where the environment says; None where it does not."""
         return None
 
+    def num_nodes(self) -> int | None:
+        """Nodes in the job, where the environment says; None where it does not."""
+        return None
+
     def export(self) -> dict[str, str | None]:
         """Write MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK so `init_process_group(init_method="env://")`
         works. Returns what they were before, for `restore_environment`."""
@@ -106,15 +110,29 @@ class TorchElasticEnvironment(ClusterEnvironment):
         value = os.environ.get("LOCAL_WORLD_SIZE")
         return int(value) if value else None
 
+    def num_nodes(self) -> int | None:
+        # The agents of this attempt: an elastic job has as many as joined the rendezvous, known only now.
+        if os.environ.get("GROUP_WORLD_SIZE"):
+            return int(os.environ["GROUP_WORLD_SIZE"])
+        local = self.local_world_size()
+        if local and self.world_size() % local == 0:
+            return self.world_size() // local
+        return None
+
 
 class SLURMEnvironment(ClusterEnvironment):
-    """Started by `srun`: one task per rank. An interactive allocation (`salloc` + bash) is not detected."""
+    """Started by `srun`: one task per rank, the tasks of one job step making one job.
+
+    Detected inside an srun step (SLURM_STEP_ID) of more than one task, whatever the job's name: `srun python
+    train.py` in an allocation named "bash" or "interactive" (salloc) starts tasks that must train together, not
+    one job each writing the same checkpoints. Not detected where srun did not start this process (a batch script
+    or an salloc shell running `python train.py`: there Loom starts its own processes, see `detect_environment`),
+    nor in a step of one task (`srun --pty bash`, `srun -n1 python ...`), where Loom(devices=N) starts N."""
 
     @staticmethod
     def detect() -> bool:
-        return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in (
-            "bash",
-            "interactive",
+        return (
+            _slurm_step_id() is not None and _slurm_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1) > 1
         )
 
     @property
@@ -128,12 +146,13 @@ class SLURMEnvironment(ClusterEnvironment):
     def main_port(self) -> int:
         if "MASTER_PORT" in os.environ:
             return int(os.environ["MASTER_PORT"])
-        # Every task of a job must agree without talking: derive the port from the job id.
-        job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
-        return 10000 + job_id % 20000
+        # Every task of a step must agree without talking, and two steps of one job running at once (`srun ... &`
+        # twice in a batch script) must not meet in one store: derive the port from the job and step ids.
+        job_id = _slurm_int("SLURM_JOB_ID", default=0)
+        return 10000 + (job_id * 101 + (_slurm_step_id() or 0)) % 20000
 
     def world_size(self) -> int:
-        return int(os.environ["SLURM_NTASKS"])
+        return _slurm_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1)
 
     def global_rank(self) -> int:
         return int(os.environ["SLURM_PROCID"])
@@ -145,8 +164,57 @@ class SLURMEnvironment(ClusterEnvironment):
         return int(os.environ.get("SLURM_NODEID", 0))
 
     def local_world_size(self) -> int | None:
-        value = os.environ.get("SLURM_NTASKS_PER_NODE")
-        return int(value.split("(")[0]) if value else None
+        # The step's tasks on this node: SLURM_STEP_TASKS_PER_NODE ("2(x3),1": per node of the step, in node
+        # order). SLURM_NTASKS_PER_NODE is what the job asked for, which a step (`srun -n 2`) may not use.
+        counts = _expand_slurm_counts(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+        node = self.node_rank()
+        return counts[node] if node < len(counts) else None
+
+    def num_nodes(self) -> int | None:
+        counts = _expand_slurm_counts(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+        return _slurm_int("SLURM_STEP_NUM_NODES", default=len(counts) or None)
+
+
+def _slurm_step_id() -> int | None:
+    """The srun step this process is a task of; None outside one (a batch script, an salloc shell). The batch
+    and extern steps (ids from 0xFFFFFFF0 up, or their names) are not srun's."""
+    value = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    if value is None or not value.isdigit() or int(value) >= 0xFFFFFFF0:
+        return None
+    return int(value)
+
+
+def _slurm_int(*names: str, default: int | None = None) -> int | None:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
+def _expand_slurm_counts(value: str) -> list[int]:
+    """SLURM's per-node counts, "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, value.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return []
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def warn_if_srun_was_forgotten() -> None:
+    """A batch script or salloc shell that runs `python train.py` where SLURM allocated several tasks: only srun
+    starts them, so this process is alone (before, it waited for peers that never came)."""
+    tasks = _slurm_int("SLURM_NTASKS", default=1)
+    if _slurm_step_id() is None and tasks is not None and tasks > 1:
+        from torchloom.errors import warn_user
+
+        warn_user(
+            f"SLURM allocated {tasks} tasks, but srun did not start this process (no SLURM_STEP_ID): torchloom runs "
+            "it as a job of its own on this node, with the processes Loom(devices=...) asks for. To run one rank "
+            "per SLURM task, start the script with `srun python train.py`."
+        )
 
 
 class LocalEnvironment(ClusterEnvironment):

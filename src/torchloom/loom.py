@@ -54,7 +54,8 @@ class Loom:
     Args:
         accelerator: "auto", "cpu", "cuda", "mps" or Fabric's "gpu" (CUDA, else MPS).
         devices: on CPU the number of processes per node; on CUDA an int, a list of GPU indices, or "auto".
-        num_nodes: number of machines.
+        num_nodes: number of machines; by default the launcher's count (torchrun's nodes, SLURM's), else 1.
+            Given, it must match the launcher's.
         strategy: "auto", "single_device", "ddp", "fsdp", "fsdp2" or a `torchloom.strategies.Strategy`; also
             Fabric's "ddp_spawn", "ddp_find_unused_parameters_true" and "fsdp_cpu_offload".
         precision: "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true" (see README), or
@@ -73,7 +74,7 @@ class Loom:
         self,
         accelerator: str = "auto",
         devices: int | str | list[int] = "auto",
-        num_nodes: int = 1,
+        num_nodes: int | None = None,
         strategy: str | Strategy = "auto",
         precision: str | int | None = "32-true",
         timeout: timedelta | None = None,

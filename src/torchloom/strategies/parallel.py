@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import time
+import uuid
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
@@ -38,15 +39,76 @@ def refuse_options(owner: str, given: dict[str, Any], owned: dict[str, str]) -> 
             raise ConfigurationError(f"{owner}({name}=...) is not an option: {name} is {instead}.")
 
 
-# Process groups this process has made (see `ParallelStrategy.setup_environment`).
-_GROUPS_MADE = 0
+# The store namespace of the process group this process is in now (see `agree_on_namespace`); None before the
+# first group and after it is destroyed.
+_NAMESPACE: str | None = None
+
+# Where ranks other than 0 leave the random ids rank 0 answers (see `agree_on_namespace`).
+_JOINS = "torchloom/joins"
+_POLL_SECONDS = 0.01
 
 
-def _wait_for_peers(store: dist.Store, prefix: str, world_size: int, timeout: timedelta) -> None:
-    """Return once all `world_size` ranks have called this with the same prefix (at most `timeout`)."""
-    if store.add(f"{prefix}/arrived", 1) == world_size:
-        store.set(f"{prefix}/all", "1")
-    store.wait([f"{prefix}/all"], timeout)
+def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """Return a store namespace that every rank of this group gets and no other group ever gets,
+    `torchloom/<random id of rank 0>`, once all `world_size` ranks have called this (at most `timeout`).
+
+    An elastic agent keeps its store from one attempt to the next (torchrun's c10d and static rendezvous alike),
+    so a restarted job finds its failed attempt's keys: gloo's addresses of dead sockets, counters already at the
+    world size. Nothing the agent tells a worker names the attempt for every node (TORCHELASTIC_RESTART_COUNT is
+    each agent's own count, which a membership change does not raise), and a per-process counter restarts with
+    the process. So each rank draws a random id and rank 0 answers every id it finds with its own: a rank waits
+    only for the answer to its own id, which no earlier attempt can have written."""
+    nonce = uuid.uuid4().hex
+    namespace = f"torchloom/{nonce}"
+    if world_size == 1:
+        return namespace
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        if rank == 0:
+            _answer_joins(store, namespace, world_size, deadline, timeout)
+        else:
+            store.append(_JOINS, nonce + " ")
+            answer = f"torchloom/answer/{nonce}"
+            store.wait([answer], timeout)
+            namespace = store.get(answer).decode()
+            store.delete_key(answer)
+            if store.add(f"{namespace}/arrived", 1) == world_size - 1:
+                store.set(f"{namespace}/all", "1")
+            store.wait([f"{namespace}/all"], _left(deadline))
+    except dist.DistStoreError as error:
+        if "timeout" not in str(error).lower():
+            raise
+        raise _start_timeout(rank, world_size, timeout) from error
+    return namespace
+
+
+def _answer_joins(
+    store: dist.Store, namespace: str, world_size: int, deadline: float, timeout: timedelta
+) -> None:
+    while not store.check([f"{namespace}/all"]):
+        joins = store.get(_JOINS).decode() if store.check([_JOINS]) else ""
+        if joins:
+            # Ids of failed attempts get answered too, harmlessly: nobody waits for those answers.
+            for nonce in joins.split():
+                store.set(f"torchloom/answer/{nonce}", namespace)
+            # Empty the list unless a rank added to it meanwhile (then its ids are answered again next time), so
+            # that neither the list nor the next attempt's first read grow with every restart.
+            store.compare_set(_JOINS, joins, "")
+        if time.monotonic() > deadline:
+            raise _start_timeout(0, world_size, timeout)
+        time.sleep(_POLL_SECONDS)
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+def _start_timeout(rank: int, world_size: int, timeout: timedelta) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(
+        f"Rank {rank} waited {timeout} for the other ranks of {world_size} to start and join the process group, "
+        "in vain. Check that every rank was started (a node that did not come up, a rank that failed before "
+        "Loom(...)) and that all of them use the same MASTER_ADDR and MASTER_PORT."
+    )
 
 
 class ParallelStrategy(Strategy):
@@ -91,7 +153,13 @@ class ParallelStrategy(Strategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        global _NAMESPACE
         if dist.is_initialized():
+            # A group made outside torchloom: its store may hold an earlier attempt's keys too.
+            if _NAMESPACE is None:
+                _NAMESPACE = agree_on_namespace(
+                    _torch_compat.default_store(), dist.get_rank(), dist.get_world_size(), default_pg_timeout
+                )
             return
         env = self.cluster_environment
         self._exported_environment = env.export()
@@ -103,7 +171,6 @@ class ParallelStrategy(Strategy):
         if self.backend == "nccl":
             # NCCL's own watchdog aborts the process when a collective times out; torchloom's reports first.
             timeout += diagnostics.NCCL_REPORT_GRACE
-        global _GROUPS_MADE
         # Peers start seconds apart (importing torch took 10 s on a loaded 2-core machine), and gloo's and NCCL's
         # connection set-up waits for them only as long as the group's timeout: a short Loom(timeout=...), meant
         # for collectives, made start-up fail. So ranks first meet in the store, waiting as long as torch's
@@ -114,21 +181,17 @@ class ParallelStrategy(Strategy):
                 "env://", rank=env.global_rank(), world_size=env.world_size(), timeout=start_timeout
             )
         )
-        _wait_for_peers(store, f"torchloom/start{_GROUPS_MADE}", env.world_size(), start_timeout)
+        # The group's keys (gloo's addresses, the end-of-job marks) go under a namespace of this group's own:
+        # the store may hold an earlier group's (a restarted attempt, or a script that closed a Loom and
+        # started another), and a new group reading those would connect to closed sockets.
+        _NAMESPACE = agree_on_namespace(store, env.global_rank(), env.world_size(), start_timeout)
         store.set_timeout(timeout)
-        # A script that closed a Loom and starts another (two trainings in one job) meets in the same store as
-        # before, where the first group's keys are still there (gloo's addresses of sockets now closed, the
-        # end-of-job marks): the new group would read them and hang connecting. The first group's keys go under
-        # torch's own prefix, each later group's under one of its own; every rank makes the same groups in the
-        # same order.
-        prefix = f"torchloom/group{_GROUPS_MADE}" if _GROUPS_MADE else "default_pg"
-        _GROUPS_MADE += 1
         dist.init_process_group(
             self.backend,
             rank=env.global_rank(),
             world_size=env.world_size(),
             timeout=timeout,
-            store=dist.PrefixStore(prefix, store),
+            store=dist.PrefixStore(f"{_NAMESPACE}/group", store),
             **kwargs,
         )
         atexit.register(self._teardown_at_exit)
@@ -140,9 +203,9 @@ class ParallelStrategy(Strategy):
             # thread when one is still pending after the timeout (no Python exception would come before the
             # abort).
             diagnostics.RECORD.device_event = _recorded_cuda_event
-            diagnostics.start(self.global_rank, self.world_size, report_after=self.timeout)
+            diagnostics.start(self.global_rank, self.world_size, _NAMESPACE, report_after=self.timeout)
         else:
-            diagnostics.start(self.global_rank, self.world_size)
+            diagnostics.start(self.global_rank, self.world_size, _NAMESPACE)
 
     #: What `setup_environment` found in the variables it set, restored by `teardown`.
     _exported_environment: dict[str, str | None] | None = None
@@ -302,8 +365,11 @@ def agree_to_exit(world_size: int, timeout: timedelta) -> list[int]:
     if store is None or world_size == 1:
         return list(range(world_size))
     rank = dist.get_rank()
-    prefix = f"torchloom/exit/{_EXIT_ROUNDS.setdefault('n', 0)}"
-    _EXIT_ROUNDS["n"] += 1
+    try:
+        namespace = _NAMESPACE or agree_on_namespace(store, rank, world_size, timeout)
+    except (CollectiveTimeoutError, RuntimeError, dist.DistError):
+        return [rank]  # a group made outside torchloom, and a peer that never came to the end
+    prefix = f"{namespace}/exit"
     try:
         store.set(f"{prefix}/rank{rank}", "1")
         if store.add(f"{prefix}/arrived", 1) == world_size:
@@ -320,9 +386,6 @@ def agree_to_exit(world_size: int, timeout: timedelta) -> list[int]:
             except (RuntimeError, dist.DistError):
                 return [rank]
         return arrived
-
-
-_EXIT_ROUNDS: dict[str, int] = {}
 
 
 def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
@@ -343,7 +406,9 @@ def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
             file=sys.stderr,
             flush=True,
         )
+    global _NAMESPACE
     dist.destroy_process_group()
+    _NAMESPACE = None
     _let_gloo_workers_settle()
 
 

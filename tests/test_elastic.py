@@ -1,0 +1,212 @@
+"""Jobs under torch's own elastic agent (`python -m torch.distributed.run`): restarts after a rank dies.
+
+A restarted attempt meets in the store its failed attempt used (torchrun's agent keeps it), so every key the new
+attempt reads must be its own. Each job trains a few steps with a checkpoint per step; rank 1 dies in the first
+attempt, the agent restarts both ranks, and the new attempt resumes from the newest checkpoint. The result must be
+the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from harness import PYTHON, free_port, run_job, wait_no_strays
+
+TESTS = Path(__file__).resolve().parent
+JOB_TIMEOUT = 150
+STEPS = 4
+DIE_AT = 2  # rank 1 of the first attempt dies at the start of this step, after checkpoint `step-0002`
+RESULT_TAG = "TORCHLOOM_ELASTIC_RESULT "
+DYING_TAG = "TORCHLOOM_ELASTIC_DYING "
+
+SCRIPT = """\
+import json, os, signal, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import torch
+from torch import nn
+from torchloom import Loom
+
+
+def say(line):
+    # One write per line: the ranks share the job's stdout, where print's separate newline can interleave.
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
+ckpt_dir, steps, die_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+loom = Loom(accelerator="cpu")  # processes and nodes as the launcher started them
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = loom.setup(model, optimizer)
+state = {"model": model, "optimizer": optimizer, "step": 0}
+saved = sorted(ckpt_dir.glob("step-*"))
+if saved:
+    loom.load(saved[-1], state)
+resumed_at = state["step"]
+for step in range(resumed_at, steps):
+    if step == die_at and attempt == 0 and loom.global_rank == 1:
+        say(f"TORCHLOOM_ELASTIC_DYING {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
+    loom.backward(model(x).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    state["step"] = step + 1
+    loom.save(ckpt_dir / f"step-{step + 1:04d}", state, fsync=False)
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "resumed_at": resumed_at,
+          "params": params.tolist()}
+say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+loom.close()
+"""
+
+
+def _reference(world_size: int) -> torch.Tensor:
+    """Plain torch, never interrupted: each step on the concatenated batches of all ranks."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x = torch.cat(
+            [
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + r))
+                for r in range(world_size)
+            ]
+        )
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _reports(output: str) -> list[dict]:
+    found = [
+        json.loads(line[len(RESULT_TAG) :]) for line in output.splitlines() if line.startswith(RESULT_TAG)
+    ]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", *args]
+
+
+RENDEZVOUS = {
+    # torchrun's default: the static rendezvous, whose store the agent of node 0 holds.
+    "static": "--max-restarts 1 --master-addr 127.0.0.1 --master-port {port}",
+    # The elastic one: the agent shares a store of its own with the workers, kept across restarts.
+    "c10d": "--max-restarts 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port}",
+}
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+@pytest.mark.parametrize("rendezvous", sorted(RENDEZVOUS))
+def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous):
+    """Rank 1 is killed at step 2 of the first attempt; the agent restarts both ranks, which form a new group in
+    the store the failed attempt used (its gloo addresses and start-up counters still there), load the newest
+    checkpoint and finish: the parameters are those of an uninterrupted run, the job exits 0 and leaves no
+    process behind."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    cmd = _torchrun(
+        "--nproc-per-node", "2", *RENDEZVOUS[rendezvous].format(port=free_port()).split(), str(script), str(ckpts), str(STEPS),
+        str(DIE_AT),
+    )  # fmt: skip
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
+    reports = _reports(proc.stdout)
+    assert [r["rank"] for r in reports] == [0, 1], proc.stdout
+    expected = _reference(2)
+    for report in reports:
+        # The second attempt finished, from the checkpoint the first one wrote last (step 2; step 1 at worst
+        # when rank 0 was still swapping step 2's file into place when rank 1 died).
+        assert report["attempt"] == 1 and report["world_size"] == 2
+        assert 1 <= report["resumed_at"] <= DIE_AT, report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+    assert wait_no_strays(token) == [], "processes of the job survived it"
+
+
+NODES_SCRIPT = """\
+import json, sys
+import torch
+from torch import nn
+from torchloom import Loom
+from torchloom.strategies import FSDP2Strategy
+
+
+def say(line):
+    # One write per line: the ranks share the job's stdout, where print's separate newline can interleave.
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
+steps = int(sys.argv[1])
+
+
+def train(loom):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = loom.setup(model, optimizer)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
+        loom.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return torch.cat([p.detach().flatten() for p in full]).tolist()
+
+
+for name, strategy in (("default", "auto"), ("hybrid", FSDP2Strategy(hybrid=True))):
+    loom = Loom(accelerator="cpu", strategy=strategy)  # nodes and processes as torchrun started them
+    params = train(loom)
+    mesh = list(loom.strategy.device_mesh.mesh.shape) if name == "hybrid" else None
+    report = {"case": name, "rank": loom.global_rank, "world_size": loom.world_size,
+              "num_nodes": loom.strategy.num_nodes, "node_rank": loom.node_rank, "strategy": loom.strategy.name,
+              "mesh": mesh, "params": params}
+    say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+    loom.close()
+"""
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_two_torchrun_nodes_with_loom_defaults(tmp_path):
+    """Two torchrun agents (one per "node", static rendezvous, one process each): `Loom()` takes the node count
+    from torchrun (it refused the job before: devices='auto' became 1 process per node, checked against the 2
+    started), DDP trains as one process would on both batches, and hybrid FSDP2 replicates across the 2 nodes
+    and shards within each (mesh (2, 1), not (1, 2): sharding across nodes)."""
+    script = tmp_path / "nodes.py"
+    script.write_text(NODES_SCRIPT)
+    port = str(free_port())
+
+    def node(rank: int) -> tuple:
+        cmd = _torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                        "--master-addr", "127.0.0.1", "--master-port", port, str(script), str(STEPS))  # fmt: skip
+        return run_job(cmd, timeout=JOB_TIMEOUT)
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = list(pool.map(node, range(2)))
+    expected = _reference(2)
+    reports = []
+    for proc, token in jobs:
+        assert proc.returncode == 0, proc.stdout
+        reports += _reports(proc.stdout)
+        assert wait_no_strays(token) == [], "processes of the job survived it"
+    assert sorted((r["case"], r["rank"], r["node_rank"]) for r in reports) == [
+        ("default", 0, 0), ("default", 1, 1), ("hybrid", 0, 0), ("hybrid", 1, 1)
+    ]  # fmt: skip
+    for report in reports:
+        assert report["world_size"] == 2 and report["num_nodes"] == 2, report
+        assert report["strategy"] == ("ddp" if report["case"] == "default" else "fsdp2")
+        if report["case"] == "hybrid":
+            assert report["mesh"] == [2, 1], report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
