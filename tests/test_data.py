@@ -630,3 +630,169 @@ def test_a_checkpoint_after_a_break_says_it_resumes_at_the_next_epoch():
     finally:
         logging.getLogger("torchloom").removeHandler(handler)
     assert sum("pass over epoch 0 was left after 4 samples" in r for r in records) == 1, records
+
+
+# ---- samplers torchloom must not replace by a plain shuffle, and custom orders split exactly ------------------
+class _Reversed(torch.utils.data.SequentialSampler):
+    """A SequentialSampler subclass that reads backwards: not the plain order."""
+
+    def __iter__(self):
+        return iter(range(len(self.data_source) - 1, -1, -1))
+
+
+class _GlobalRngShuffle(torch.utils.data.Sampler):
+    """Shuffles with Python's and NumPy's global generators (torch's is not involved)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        import numpy as np
+
+        order = np.random.permutation(self.n).tolist()
+        random.shuffle(order)
+        return iter(order)
+
+
+class _OwnRngShuffle(_GlobalRngShuffle):
+    """Shuffles with a private Python generator seeded with `seed`: different on every rank when seeded with it."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        super().__init__(n)
+        self.rng = random.Random(seed)
+
+    def __iter__(self):
+        order = list(range(self.n))
+        self.rng.shuffle(order)
+        return iter(order)
+
+
+SAMPLERS = ("replacement", "num_samples", "subclass", "batch_sampler", "global_rngs", "rank_rng")
+
+
+def _user_sampler(name: str, rank: int):
+    """The user's sampler of scenario `name` (as built on rank `rank`), and the DataLoader arguments around it."""
+    from torch.utils.data import BatchSampler, RandomSampler, WeightedRandomSampler
+
+    data = range(20)
+    if name == "replacement":
+        return RandomSampler(
+            data, replacement=True, num_samples=30, generator=torch.Generator().manual_seed(1)
+        )
+    if name == "num_samples":
+        return RandomSampler(data, num_samples=27, generator=torch.Generator().manual_seed(2))
+    if name == "subclass":
+        return _Reversed(data)
+    if name == "batch_sampler":
+        weighted = WeightedRandomSampler(
+            [1.0] * 10 + [4.0] * 10, 20, generator=torch.Generator().manual_seed(3)
+        )
+        return BatchSampler(weighted, 3, drop_last=False)
+    if name == "global_rngs":
+        return _GlobalRngShuffle(20)
+    return _OwnRngShuffle(20, seed=rank)
+
+
+def _sampler_scenario(loom: Loom, name: str, path: str, resume: str | None) -> list[list[list[int]]]:
+    """Two epochs (a resumed run: the rest of epoch 1) of scenario `name`, saved in epoch 1 after its 2nd step.
+    Returns each epoch's global batches (sorted)."""
+    import numpy as np
+
+    sampler = _user_sampler(name, loom.global_rank)
+    arguments = (
+        {"batch_sampler": sampler} if name == "batch_sampler" else {"batch_size": 3, "sampler": sampler}
+    )
+    loader = loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(20)), **arguments))
+    model = loom.setup_module(nn.Linear(1, 1))
+    if resume is not None:
+        loom.load(resume, {"loader": loader, "model": model})
+    epochs = []
+    for epoch in range(1 if resume else 0, 2):
+        # The ranks' global generators drift apart, as other code in a training loop makes them.
+        for _ in range(loom.global_rank + 1):
+            random.random()
+            np.random.rand()
+        steps = []
+        for (idx,) in loader:
+            steps.append(sorted(loom.all_gather(idx).flatten().tolist()))
+            if epoch == 1 and len(steps) == 2 and resume is None:
+                loom.save(path, {"loader": loader, "model": model})
+        epochs.append(steps)
+    return epochs
+
+
+def _samplers(rank: int, world_size: int, directory: str, resume_from: str | None) -> dict[str, list]:
+    loom = Loom(accelerator="cpu", devices=world_size)
+    loom.launch()
+    loom.seed_everything(0)
+    out = {}
+    for name in SAMPLERS:
+        resume = None if resume_from is None else f"{resume_from}/{name}.pt"
+        out[name] = _sampler_scenario(loom, name, f"{directory}/{name}.pt", resume)
+    return out
+
+
+def _batches(draw: list[int], size: int) -> list[list[int]]:
+    return [sorted(draw[i : i + size]) for i in range(0, len(draw), size)]
+
+
+@pytest.mark.timeout(600)
+def test_the_users_sampler_is_split_not_replaced(tmp_path):
+    """On 2 ranks, each global batch is the next 6 samples the user's sampler yields in one process: with
+    replacement, with num_samples, a SequentialSampler subclass, an explicit BatchSampler (its batch size kept),
+    a sampler shuffling with Python's and NumPy's global generators (whose states differ between the ranks), and
+    one with a private generator seeded differently on each rank (rank 0's draw is the epoch's). Saved inside
+    epoch 1, a run resumed on 2 ranks reads what the uninterrupted run read after the save."""
+    live, again = tmp_path / "live", tmp_path / "again"
+    live.mkdir()
+    again.mkdir()
+    two = run_ranks(_samplers, 2, str(live), None, timeout=300)[0]
+    for name in ("replacement", "num_samples", "subclass", "batch_sampler", "rank_rng"):
+        sampler = _user_sampler(name, 0)
+        if name == "batch_sampler":
+            sampler = sampler.sampler  # each rank reads batches of 3: global batches of 6
+        # The sampler's own epochs, in one process; a ragged end padded with the epoch's first samples.
+        draws = [list(sampler) for _ in range(2)]
+        expected = [_batches(draw + draw[: -len(draw) % 2], 6) for draw in draws]
+        assert two[name] == expected, name
+    # Python's and NumPy's generators: each epoch one shuffle of the dataset, the one a single process reads.
+    assert all(sorted(sum(epoch, [])) == list(range(20)) for epoch in two["global_rngs"]), two["global_rngs"]
+    assert two["global_rngs"][0] != two["global_rngs"][1]
+    one = _samplers(0, 1, str(tmp_path), None)
+    assert [_batches(sum(epoch, []), 6) for epoch in one["global_rngs"]] == two["global_rngs"]
+    resumed = run_ranks(_samplers, 2, str(again), str(live), timeout=300)[0]
+    for name in SAMPLERS:
+        if name != "rank_rng":  # a private generator's state is not in the checkpoint
+            assert resumed[name] == [two[name][1][2:]], name
+
+
+def test_a_custom_batch_samplers_own_generator_resumes_its_next_epoch():
+    """A custom batch sampler, used as it is in one process: saved between epochs, the resumed run's next epoch
+    draws what the uninterrupted run's did, not the first epoch's batches again."""
+
+    class ShuffledBatches(torch.utils.data.Sampler):
+        def __init__(self) -> None:
+            self.generator = torch.Generator().manual_seed(5)
+
+        def __len__(self) -> int:
+            return 3
+
+        def __iter__(self):
+            return iter(torch.randperm(12, generator=self.generator).view(3, 4).tolist())
+
+    def loader(loom):
+        return loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(12)), batch_sampler=ShuffledBatches())
+        )
+
+    loom = Loom(accelerator="cpu", devices=1)
+    live = loader(loom)
+    list(live)
+    state = live.state_dict()
+    expected = [idx.tolist() for (idx,) in live]
+    resumed = loader(loom)
+    resumed.load_state_dict(state)
+    assert [idx.tolist() for (idx,) in resumed] == expected

@@ -147,17 +147,20 @@ class SeededPerSample(Dataset):
         return getattr(self.dataset, name)
 
 
-def order_generator(sampler: Any) -> torch.Generator | None:
+def order_generator(sampler: Any, batch_sampler: Any = None) -> torch.Generator | None:
     """The generator of the user's own that a pass's order is drawn from, if any: a custom sampler split by
     torchloom (`ShardedSampler`) draws with its inner sampler's `generator`, a sampler torchloom did not replace
-    with its own. None where the order comes from `seed + epoch` or from torch's global generator (restored
-    with the other random generators)."""
-    if isinstance(sampler, DistributedSampler):
-        sampler = getattr(sampler, "sampler", None)  # a ShardedSampler's custom sampler; else seed + epoch
-    generator = getattr(sampler, "generator", None)
-    if generator is None or generator is torch.default_generator:
-        return None
-    return generator
+    with its own with its `generator`, and a batch sampler the loader uses as it is (a custom one, or a
+    `BatchSampler` given explicitly) with its own `generator` or its sampler's. None where the order comes from
+    `seed + epoch` or from torch's global generator (restored with the other random generators)."""
+    sources = [batch_sampler, getattr(batch_sampler, "sampler", None)] if batch_sampler is not None else []
+    for source in (*sources, sampler):
+        if isinstance(source, DistributedSampler):
+            source = getattr(source, "sampler", None)  # a ShardedSampler's custom sampler; else seed + epoch
+        generator = getattr(source, "generator", None)
+        if generator is not None and generator is not torch.default_generator:
+            return generator
+    return None
 
 
 class LoomDataLoader:
@@ -229,7 +232,7 @@ class LoomDataLoader:
             # interrupted run drew before its checkpoint captured the generator's state.
             torch.empty((), dtype=torch.int64).random_()
         self._prepare_sampler(epoch, start)
-        generator = order_generator(self.sampler)
+        generator = order_generator(self.sampler, self._loader.batch_sampler)
         # The sampler draws this pass's order from its own generator: a checkpoint taken during the pass keeps the
         # state it drew from, so that the resumed pass draws the same order.
         drawn_from = generator.get_state() if isinstance(generator, torch.Generator) else None
@@ -305,7 +308,7 @@ class LoomDataLoader:
 
     def _order_generator_state(self, epoch: int, consumed: int) -> torch.Tensor | None:
         """The state the sampler's own generator draws the saved epoch's order from (None without one)."""
-        generator = order_generator(self.sampler)
+        generator = order_generator(self.sampler, self._loader.batch_sampler)
         if generator is None:
             return None
         if not isinstance(generator, torch.Generator):
@@ -413,7 +416,7 @@ class LoomDataLoader:
         self._epoch = epoch
 
     def _load_order_generator(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
-        generator = order_generator(self.sampler)
+        generator = order_generator(self.sampler, self._loader.batch_sampler)
         saved = state.get("order_generator")
         if saved is not None:
             if not isinstance(generator, torch.Generator):

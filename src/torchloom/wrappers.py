@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import os
+import random
 import sys
 from collections.abc import Callable, Iterator
 from types import MethodType
@@ -398,15 +399,17 @@ _LOADER_ARGS = (
 
 class ShardedSampler(ResumableSampler):
     """A custom sampler (`SubsetRandomSampler`, `WeightedRandomSampler`, your own) split across ranks: every
-    rank draws the sampler's whole sequence for the epoch, identically, and takes every num_replicas-th item of
-    it, so the ranks' parts never overlap and together make one draw (padded like DistributedSampler to equal
-    length, or trimmed with `drop_last`).
+    rank draws the sampler's whole sequence for the epoch, the ranks take rank 0's draw, and each takes every
+    num_replicas-th item of it, so the ranks' parts never overlap and together make one draw (padded like
+    DistributedSampler to equal length, or trimmed with `drop_last`).
 
-    A sampler without a generator of its own draws from torch's global generator; each epoch's draw is made from
-    that generator seeded with `seed + epoch` (without changing the global state), so every rank draws the same
-    sequence whatever else it has drawn. A sampler with its own generator is left to it: seed it alike on every
-    rank (a checkpoint keeps that generator's state at the start of the pass, so a resumed pass draws the same
-    sequence; see `torchloom.data.order_generator`)."""
+    Each epoch's draw is made with torch's, Python's and NumPy's global generators seeded from `seed + epoch`
+    (their states outside the draw are left as they were), so a sampler drawing from any of them draws the
+    same sequence in every epoch of every run, whatever else was drawn: a resumed pass draws the saved
+    epoch's sequence. A sampler with a torch generator of its own draws from it (a checkpoint keeps its state
+    at the start of the pass; see `torchloom.data.order_generator`). On several ranks, rank 0's draw is
+    broadcast at the start of each pass, so a sampler whose random numbers differ between ranks still splits
+    one sequence (every rank must iterate the loader, as training does)."""
 
     def __init__(
         self, sampler: Any, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False
@@ -422,15 +425,64 @@ class ShardedSampler(ResumableSampler):
         )
         self.sampler = sampler
 
+    def _draw(self) -> list[Any]:
+        epoch_seed = self.seed + self.epoch
+        # Not torch.manual_seed: it would reseed the GPUs' generators too, which fork_rng(devices=[]) keeps not.
+        with torch.random.fork_rng(devices=[]), _python_and_numpy_seeded(epoch_seed):
+            torch.default_generator.manual_seed(epoch_seed)
+            return list(self.sampler)
+
     def __iter__(self) -> Iterator[Any]:
-        if getattr(self.sampler, "generator", None) is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed + self.epoch)
-                draw = list(self.sampler)
-        else:
-            draw = list(self.sampler)
+        draw = self._draw()
+        if self.num_replicas > 1 and _group_of(self.num_replicas):
+            shared = [draw]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            draw = shared[0]
+        if len(draw) != len(self.dataset):  # type: ignore[arg-type]
+            raise MisuseError(
+                f"The dataloader's sampler ({type(self.sampler).__name__}) yielded {len(draw)} indices but its "
+                f"len() is {len(self.dataset)}: torchloom splits the draw by its length. Make __len__ match "  # type: ignore[arg-type]
+                "what __iter__ yields."
+            )
         mine = self._my_positions()
         return self._keys(mine, [draw[p] for p in mine])
+
+
+def _group_of(world_size: int) -> bool:
+    """Whether a process group of `world_size` ranks is up (a sampler built by hand, as in a unit test, draws
+    alone: with the seeding above its draw agrees with the other ranks' unless its random numbers differ)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
+
+
+@contextlib.contextmanager
+def _python_and_numpy_seeded(seed: int) -> Iterator[None]:
+    """Python's and NumPy's global generators seeded from `seed` inside, their states restored on leaving
+    (torch's has `fork_rng`)."""
+    try:
+        import numpy
+    except ImportError:
+        numpy = None  # type: ignore[assignment]
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    random.seed(f"torchloom-sampler/{seed}")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def _plain_order(sampler: Any) -> bool:
+    """Whether `sampler` reads the dataset once in order or in one uniform shuffle, which `ResumableSampler`
+    reproduces: a SequentialSampler, or a RandomSampler without replacement or num_samples (exact types: a
+    subclass may draw otherwise). Its own generator, if any, gives way to the loader's seed, as under Fabric."""
+    if type(sampler) is SequentialSampler:
+        return True
+    return type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
 
 
 def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int = 0) -> DataLoader:
@@ -450,27 +502,40 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
             "cannot split across ranks. Shard it yourself and pass use_distributed_sampler=False."
         )
+    kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
+    user_sampler, drop_last = loader.sampler, bool(loader.drop_last)
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        # batch_sampler=BatchSampler(sampler, ...) given explicitly: loader.sampler is a placeholder the
+        # DataLoader made (SequentialSampler) and loader.batch_size None; the order and the batching are the
+        # BatchSampler's.
+        user_sampler = loader.batch_sampler.sampler
+        kwargs["batch_size"], drop_last = (
+            loader.batch_sampler.batch_size,
+            bool(loader.batch_sampler.drop_last),
+        )
+        kwargs["drop_last"] = drop_last
     sampler: DistributedSampler
-    if isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    if _plain_order(user_sampler):
         sampler = ResumableSampler(
             loader.dataset,
             num_replicas=num_replicas,
             rank=rank,
-            shuffle=isinstance(loader.sampler, RandomSampler),
+            shuffle=isinstance(user_sampler, RandomSampler),
             seed=seed,
-            drop_last=bool(loader.drop_last),
+            drop_last=drop_last,
         )
     else:
-        if not hasattr(loader.sampler, "__len__"):
+        # Any other sampler, a RandomSampler subclass or one drawing with replacement or num_samples included:
+        # its own draw, split across ranks.
+        if not hasattr(user_sampler, "__len__"):
             raise MisuseError(
-                f"The dataloader's custom sampler ({type(loader.sampler).__name__}) has no len(), so torchloom "
+                f"The dataloader's custom sampler ({type(user_sampler).__name__}) has no len(), so torchloom "
                 "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
                 "use_distributed_sampler=False."
             )
         sampler = ShardedSampler(
-            loader.sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=bool(loader.drop_last)
+            user_sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last
         )
-    kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     own_generator = kwargs.get("generator") is None
     if own_generator:
         # A DataLoader draws its workers' base seed from the global generator each time a pass starts, so a
