@@ -556,9 +556,17 @@ class Loom:
         state: dict[str, Any] | None = None,
         strict: bool = True,
         weights_only: bool = True,
+        restore_run_state: bool | None = None,
     ) -> dict[str, Any]:
         """Restore the objects of `state` in place (plain values are replaced in `state`) and return the
         checkpoint's entries that `state` did not name. With no `state`, return everything.
+
+        `restore_run_state`: whether the saved run's state comes back too: every rank's random generators (at
+        the world size they were saved at), the loss scaler, and how many data loaders the Loom had set up.
+        None (the default) restores it when `state` names an optimizer or a data loader set up with this Loom
+        (a resume), and leaves this run's generators alone when it names only modules and values (weights to
+        start another run from: two fine-tuning runs with different seeds keep drawing different numbers).
+        Pass True to resume without those (a loop that sets up its loaders every epoch), False never to.
 
         `weights_only=True` (the default, as in `torch.load`) unpickles only plain data: tensors, numbers,
         strings, lists, dicts, which is all torchloom itself writes (models, optimizers, LR schedulers, the loss
@@ -568,7 +576,12 @@ class Loom:
         self._require_launch("load")
         with _record("load"):
             return self._checkpointer.load(
-                Path(path), state or {}, self._forward_modules(), strict=strict, weights_only=weights_only
+                Path(path),
+                state or {},
+                self._forward_modules(),
+                strict=strict,
+                weights_only=weights_only,
+                restore_run_state=restore_run_state,
             )
 
     def load_raw(

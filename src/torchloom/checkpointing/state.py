@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from torchloom.checkpointing._interface import StateAccess
 from torchloom.errors import CheckpointError
-from torchloom.wrappers import LoomModule, LoomOptimizer, state_module, unwrap_optimizer
+from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, state_module, unwrap_optimizer
 
 META_KEY = "__torchloom__"
 # 2: a sharded checkpoint keeps the grad scaler and the random generators in extra.pt's `__torchloom__` record,
@@ -111,6 +111,16 @@ def _owner_of(optimizer: Optimizer, candidates: list[nn.Module]) -> nn.Module | 
         if ids <= {id(p) for p in module.parameters()}:
             return module
     return None
+
+
+def is_resume(entries: dict[str, Entry]) -> bool:
+    """Whether a load continues a run, so the saved run's state (random generators, loss scaler, the Loom's
+    counters) is restored with it: `state` names an optimizer or a set-up data loader. A load of weights only
+    (modules, plain values, other objects) starts another run from them and keeps this run's generators."""
+    return any(
+        entry.kind in (OPTIMIZER, POSITIONAL_OPTIMIZER) or isinstance(entry.obj, LoomDataLoader)
+        for entry in entries.values()
+    )
 
 
 def check_state_arg(state: Any) -> None:
