@@ -366,8 +366,24 @@ class Loom:
                     "set up with loom.setup_module. Call setup_module(model) first and build the optimizer from "
                     "model.parameters()."
                 )
+            if self._strategy.replaces_parameters:
+                self._check_one_owner(optimizer, params)
             out.append(LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks))
         return out
+
+    def _check_one_owner(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
+        """Under sharding, an optimizer's state is saved and loaded by the parameter names of the one set-up
+        module that holds all its parameters; without one, each rank would have only its own shards of the state
+        to save positionally, and a checkpoint could not hold them all."""
+        ids = {id(p) for p in params}
+        if any(ids <= {id(p) for p in m.module.parameters()} for m in self._modules):
+            return
+        raise MisuseError(
+            f"The optimizer {type(optimizer).__name__} updates parameters of more than one module set up with "
+            f"loom.setup_module, which strategy {self._strategy.name!r} cannot checkpoint: optimizer state is "
+            "saved by the parameter names of one sharded module. Set up one module holding both (e.g. "
+            "loom.setup_module(nn.ModuleDict({'a': a, 'b': b}))), or make one optimizer per module."
+        )
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True

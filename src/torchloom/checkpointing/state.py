@@ -97,6 +97,8 @@ def resolve(state: dict[str, Any], modules: Iterable[nn.Module] = ()) -> dict[st
         elif is_optimizer(value):
             optimizer = unwrap_optimizer(value)
             owner = _owner_of(optimizer, candidates)
+            if owner is None:
+                _check_unsharded(key, optimizer)
             out[key] = Entry(OPTIMIZER if owner is not None else POSITIONAL_OPTIMIZER, optimizer, owner)
         elif has_state(value):
             out[key] = Entry(STATEFUL, value)
@@ -121,6 +123,20 @@ def is_resume(entries: dict[str, Entry]) -> bool:
         entry.kind in (OPTIMIZER, POSITIONAL_OPTIMIZER) or isinstance(entry.obj, LoomDataLoader)
         for entry in entries.values()
     )
+
+
+def _check_unsharded(key: str, optimizer: Optimizer) -> None:
+    """An optimizer no one module owns is saved positionally, as `optimizer.state_dict()`: over sharded
+    parameters (FSDP2's DTensors, FSDP1's flattened views) that is this rank's shards only, which one file cannot
+    hold for every rank and every rank would load as its own."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(hasattr(p, "to_local") or getattr(p, "_fsdp_flattened", False) for p in params):
+        raise CheckpointError(
+            f"Entry {key!r} is an optimizer over sharded parameters that belong to no one module of `state` or "
+            "set up with this Loom (e.g. the parameters of two set-up modules), so its state cannot be saved or "
+            "loaded by parameter name. Set up one module holding all its parameters, or use one optimizer per "
+            "module."
+        )
 
 
 def check_state_arg(state: Any) -> None:
