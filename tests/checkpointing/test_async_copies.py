@@ -177,3 +177,13 @@ def test_async_full_save_names_an_entry_it_cannot_copy(tmp_path):
     with pytest.raises(CheckpointError, match="async_save cannot copy entry 'lock'"):
         loom.save(tmp_path / "c.pt", {"model": model, "lock": threading.Lock()}, async_save=True)
     loom.close()
+
+
+def test_snapshot_copies_a_fresh_tensor_that_a_user_entry_also_holds():
+    """A tensor a module entry alone would keep uncopied is copied when an entry of unknown provenance holds it
+    too, once, and both places share the copy (as pickling the original would have shared it)."""
+    model, shared = nn.Linear(2, 2), torch.randn(3)
+    entries = {"model": Entry(MODULE, model), "user": Entry(VALUE, shared)}
+    snap = private_snapshot({"model": {"extra": shared}, "user": shared}, entries)
+    assert _storage(snap["user"]) != _storage(shared)
+    assert snap["model"]["extra"] is snap["user"]

@@ -139,13 +139,19 @@ def private_snapshot(payload: dict[str, Any], entries: dict[str, Entry]) -> dict
     # The tensors the writer reads, each decided once; deepcopy then takes them from its memo and copies the rest
     # (sharing between values is kept, as pickling the original would have kept it).
     memo: dict[int, Any] = {}
+    # Tensors kept as they are: copied after all if an entry of unknown provenance holds them too.
+    uncopied: set[int] = set()
     for key, value in payload.items():
         known = kinds.get(key) in (MODULE, OPTIMIZER)
         for leaf in torch.utils._pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor):
-                kept = memo.get(id(leaf))
-                if kept is None or (kept is leaf and not known):  # copied if any entry must copy it
-                    memo[id(leaf)] = private(leaf, known)
+            if isinstance(leaf, torch.Tensor) and (
+                id(leaf) not in memo or (id(leaf) in uncopied and not known)
+            ):
+                memo[id(leaf)] = private(leaf, known)
+                if _storage_of(memo[id(leaf)]) == _storage_of(leaf) and leaf.numel():
+                    uncopied.add(id(leaf))
+                else:
+                    uncopied.discard(id(leaf))
     out: dict[str, Any] = {}
     for key, value in payload.items():
         try:
