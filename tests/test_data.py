@@ -241,7 +241,7 @@ def _other_world_size_warning(rank: int, world_size: int, ckpt: str) -> list[str
     if world_size == 2:
         loom.save(ckpt, {"model": model})
     else:
-        loom.load(ckpt, {"model": model})
+        loom.load(ckpt, {"model": model}, restore_run_state=True)
     return records
 
 
@@ -302,7 +302,8 @@ def _rebuilt_every_epoch(rank: int, world_size: int, ckpt: str, save_after: int 
     model = loom.setup_module(nn.Linear(1, 1))
     first = 0
     if resume:
-        first = loom.load(ckpt, {"model": model})["epoch"] + 1
+        # No optimizer or loader in `state`: the loader count (part of the run's state) is asked for.
+        first = loom.load(ckpt, {"model": model}, restore_run_state=True)["epoch"] + 1
     orders = []
     for epoch in range(first, 4):
         shuffled = loom.setup_dataloaders(DataLoader(data, batch_size=2, shuffle=True))

@@ -367,8 +367,24 @@ class Loom:
                     "set up with loom.setup_module. Call setup_module(model) first and build the optimizer from "
                     "model.parameters()."
                 )
+            if self._strategy.replaces_parameters:
+                self._check_one_owner(optimizer, params)
             out.append(LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks))
         return out
+
+    def _check_one_owner(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
+        """Under sharding, an optimizer's state is saved and loaded by the parameter names of the one set-up
+        module that holds all its parameters; without one, each rank would have only its own shards of the state
+        to save positionally, and a checkpoint could not hold them all."""
+        ids = {id(p) for p in params}
+        if any(ids <= {id(p) for p in m.module.parameters()} for m in self._modules):
+            return
+        raise MisuseError(
+            f"The optimizer {type(optimizer).__name__} updates parameters of more than one module set up with "
+            f"loom.setup_module, which strategy {self._strategy.name!r} cannot checkpoint: optimizer state is "
+            "saved by the parameter names of one sharded module. Set up one module holding both (e.g. "
+            "loom.setup_module(nn.ModuleDict({'a': a, 'b': b}))), or make one optimizer per module."
+        )
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
@@ -567,9 +583,17 @@ class Loom:
         state: dict[str, Any] | None = None,
         strict: bool = True,
         weights_only: bool = True,
+        restore_run_state: bool | None = None,
     ) -> dict[str, Any]:
         """Restore the objects of `state` in place (plain values are replaced in `state`) and return the
         checkpoint's entries that `state` did not name. With no `state`, return everything.
+
+        `restore_run_state`: whether the saved run's state comes back too: every rank's random generators (at
+        the world size they were saved at), the loss scaler, and how many data loaders the Loom had set up.
+        None (the default) restores it when `state` names an optimizer or a data loader set up with this Loom
+        (a resume), and leaves this run's generators alone when it names only modules and values (weights to
+        start another run from: two fine-tuning runs with different seeds keep drawing different numbers).
+        Pass True to resume without those (a loop that sets up its loaders every epoch), False never to.
 
         `weights_only=True` (the default, as in `torch.load`) unpickles only plain data: tensors, numbers,
         strings, lists, dicts, which is all torchloom itself writes (models, optimizers, LR schedulers, the loss
@@ -579,7 +603,12 @@ class Loom:
         self._require_launch("load")
         with _record("load"):
             return self._checkpointer.load(
-                Path(path), state or {}, self._forward_modules(), strict=strict, weights_only=weights_only
+                Path(path),
+                state or {},
+                self._forward_modules(),
+                strict=strict,
+                weights_only=weights_only,
+                restore_run_state=restore_run_state,
             )
 
     def load_raw(

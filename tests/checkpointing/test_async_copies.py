@@ -116,3 +116,74 @@ def test_async_full_save_gathers_once_in_host_memory(tmp_path):
     assert rank0["grew"] < 1.5 * rank0["size"], (rank0["grew"] / rank0["size"], rank0)
     saved = torch.load(path, weights_only=False)["model"]
     assert len(saved) == BLOCKS and all(v.shape == (DIM, DIM) for v in saved.values())
+
+
+class _Counter:
+    """A user object saved as a plain value (pickled)."""
+
+    def __init__(self) -> None:
+        self.seen = [1, 2]
+
+
+def test_async_full_save_writes_the_values_of_the_moment_it_was_called(tmp_path, monkeypatch):
+    """Training goes on while the writer pickles: a scheduler step (which changes a tensor `lr` in place), an
+    in-place change to a NumPy array and to a user object after `save` returns must not reach the file. The
+    write is held until after the changes, so the test does not depend on timing."""
+    import threading
+
+    import numpy as np
+
+    from torchloom import Loom
+    from torchloom.checkpointing import full
+
+    release = threading.Event()
+    write_file = full.write_file
+
+    def held_write(*args, **kwargs):
+        assert release.wait(30), "the test never released the write"
+        write_file(*args, **kwargs)
+
+    monkeypatch.setattr(full, "write_file", held_write)
+    loom = Loom(accelerator="cpu", devices=1)
+    model = loom.setup_module(nn.Linear(2, 2))
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=torch.tensor(0.01)))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    array, user = np.zeros(3), _Counter()
+    path = tmp_path / "ckpt.pt"
+    try:
+        loom.save(path, {"model": model, "optimizer": opt, "array": array, "user": user}, async_save=True)
+        loom.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+        sched.step()  # lr 0.01 -> 0.005, in place in the optimizer's tensor
+        array[:] = 7.0
+        user.seen.append(3)
+        assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.005)
+    finally:
+        release.set()
+    loom.close()
+    saved = torch.load(path, weights_only=False)
+    assert float(saved["optimizer"]["param_groups"][0]["lr"]) == pytest.approx(0.01)
+    assert np.array_equal(saved["array"], np.zeros(3))
+    assert saved["user"].seen == [1, 2]
+
+
+def test_async_full_save_names_an_entry_it_cannot_copy(tmp_path):
+    import threading
+
+    from torchloom import CheckpointError, Loom
+
+    loom = Loom(accelerator="cpu", devices=1)
+    model = loom.setup_module(nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match="async_save cannot copy entry 'lock'"):
+        loom.save(tmp_path / "c.pt", {"model": model, "lock": threading.Lock()}, async_save=True)
+    loom.close()
+
+
+def test_snapshot_copies_a_fresh_tensor_that_a_user_entry_also_holds():
+    """A tensor a module entry alone would keep uncopied is copied when an entry of unknown provenance holds it
+    too, once, and both places share the copy (as pickling the original would have shared it)."""
+    model, shared = nn.Linear(2, 2), torch.randn(3)
+    entries = {"model": Entry(MODULE, model), "user": Entry(VALUE, shared)}
+    snap = private_snapshot({"model": {"extra": shared}, "user": shared}, entries)
+    assert _storage(snap["user"]) != _storage(shared)
+    assert snap["model"]["extra"] is snap["user"]

@@ -135,7 +135,8 @@ def test_the_scaler_and_generators_live_in_the_record_in_both_formats(tmp_path):
         assert len(pickled[META_KEY]["rng"]) == 1, strategy
         fresh = _fp16_loom(strategy)
         assert fresh.strategy.precision.state_dict() != SCALER
-        assert fresh.load(path, {"model": fresh.setup_module(nn.Linear(4, 2))}) == {"step": 3}
+        state = {"model": fresh.setup_module(nn.Linear(4, 2))}
+        assert fresh.load(path, state, restore_run_state=True) == {"step": 3}
         assert fresh.strategy.precision.state_dict() == SCALER, strategy
 
 
@@ -149,7 +150,7 @@ def _old_generators() -> tuple[list[dict], float]:
 
 def _scrambled_after_load(loom: Loom, path: Path, state: dict) -> tuple[dict, float]:
     torch.manual_seed(99)  # the load must put back the saved generators
-    leftovers = loom.load(path, state)
+    leftovers = loom.load(path, state, restore_run_state=True)
     return leftovers, torch.rand(()).item()
 
 
@@ -218,6 +219,66 @@ def test_a_version_1_sharded_checkpoint_loads_its_scaler_and_generators(tmp_path
         fresh, tmp_path / "one.pt", {"model": fresh.setup_module(nn.Linear(4, 2))}
     )
     assert fresh.strategy.precision.state_dict() == SCALER and draw == next_draw
+
+
+def _run_state_after_load(strategy: str, path: Path, entries: str, **kwargs) -> tuple[bool, bool, bool]:
+    """Whether a load into a fresh Loom (seeded 99) brought back the saved generators, scaler and loader count.
+    `entries`: what `state` names, of "model", "optimizer" and "loader"."""
+    loom = _fp16_loom(strategy)
+    model = loom.setup_module(nn.Linear(4, 2))
+    candidates = {
+        "model": model,
+        "optimizer": loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1)),
+        "loader": loom.setup_dataloaders(torch.utils.data.DataLoader(list(range(8)), batch_size=2)),
+    }
+    loom._counters["loaders"] = 0
+    torch.manual_seed(99)
+    draw_without = torch.rand(()).item()
+    torch.manual_seed(99)
+    loom.load(path, {k: candidates[k] for k in entries.split("+")}, **kwargs)
+    draw = torch.rand(()).item()
+    assert draw in (draw_without, _SAVED_DRAW[0]), (draw, draw_without)
+    return (
+        draw == _SAVED_DRAW[0],
+        loom.strategy.precision.state_dict() == SCALER,
+        loom._counters["loaders"] == 3,
+    )
+
+
+_SAVED_DRAW: list[float] = []
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp2"])
+def test_a_weights_only_load_leaves_the_run_state_alone_and_a_resume_restores_it(strategy, tmp_path):
+    """Two fine-tuning runs with different seeds loading one pretrained checkpoint must draw different numbers:
+    only a load that resumes (an optimizer or a set-up loader in `state`), or one that asks, restores the saved
+    generators, loss scaler and loader count."""
+    loom = _fp16_loom(strategy)
+    loom.strategy.precision.load_state_dict(SCALER)
+    model = loom.setup_module(nn.Linear(4, 2))
+    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(3):
+        loom.setup_dataloaders(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
+    torch.manual_seed(1234)
+    path = tmp_path / ("sharded" if strategy == "fsdp2" else "full.pt")
+    loom.save(path, {"model": model, "optimizer": opt, "step": 3})
+    _SAVED_DRAW[:] = [torch.rand(()).item()]
+
+    restored = (True, True, True)
+    assert _run_state_after_load(strategy, path, "model") == (False, False, False)
+    assert _run_state_after_load(strategy, path, "model+optimizer") == restored
+    assert _run_state_after_load(strategy, path, "model+loader", strict=False) == restored
+    assert _run_state_after_load(strategy, path, "model", restore_run_state=True) == restored
+    assert _run_state_after_load(strategy, path, "model+optimizer", restore_run_state=False) == (False,) * 3
+
+    # Two fine-tuning runs of different seeds from the same weights draw different streams.
+    draws = []
+    for seed in (1, 2):
+        fresh = _fp16_loom(strategy)
+        fresh.seed_everything(seed, verbose=False)
+        fresh.load(path, {"model": fresh.setup_module(nn.Linear(4, 2))})
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1])
 
 
 # ---- the asynchronous save's life --------------------------------------------------------------------------------

@@ -139,3 +139,75 @@ def test_two_ranks_to_one_keeps_partial_state(tmp_path):
     opt.step()
     got = full_state(model)
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-6
+
+
+def _two_modules_body(rank: int, world_size: int, strategy: str, root: str) -> dict:
+    """One optimizer over the parameters of two modules set up separately. Under DDP its state is whole on
+    every rank and saved positionally: the resumed step must match the uninterrupted one. Under FSDP each rank
+    holds only its shards of that state, which no checkpoint kept: refused at setup_optimizers, and an
+    optimizer that was never set up is refused at save and load."""
+    from itertools import chain
+
+    from torchloom import CheckpointError, MisuseError
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=_strategy(strategy, "sharded"))
+    loom.launch()
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)
+        return loom.setup_module(_Net()), loom.setup_module(_Net())
+
+    def step(a, b, opt, seed: int) -> None:
+        x = _batch(loom, seed)
+        loom.backward(a(x).sum() + b(x).pow(2).sum())
+        opt.step()
+        opt.zero_grad()
+
+    a, b = fresh(0)
+    both = torch.optim.Adam(chain(a.parameters(), b.parameters()), lr=1e-2)
+    if strategy != "ddp":
+        out = {}
+        try:
+            loom.setup_optimizers(both)
+        except MisuseError as error:
+            out["setup"] = str(error)
+        for action in ("save", "load"):
+            try:
+                getattr(loom, action)(f"{root}/never-set-up", {"a": a, "b": b, "optimizer": both})
+            except CheckpointError as error:
+                out[action] = str(error)
+        return out
+    opt = loom.setup_optimizers(both)
+    for seed in range(2):
+        step(a, b, opt, seed)
+    loom.save(f"{root}/ddp", {"a": a, "b": b, "optimizer": opt})
+    step(a, b, opt, 2)
+    a2, b2 = fresh(1)
+    opt2 = loom.setup_optimizers(torch.optim.Adam(chain(a2.parameters(), b2.parameters()), lr=1e-2))
+    loom.load(f"{root}/ddp", {"a": a2, "b": b2, "optimizer": opt2})
+    step(a2, b2, opt2, 2)
+    return {
+        "differ": [
+            f"{name}.{k}"
+            for name, (x, y) in {"a": (a, a2), "b": (b, b2)}.items()
+            for k, v in x.state_dict().items()
+            if not torch.equal(v, y.state_dict()[k])
+        ]
+    }
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
+def test_one_optimizer_over_two_set_up_modules(tmp_path, strategy):
+    for rank, r in enumerate(run_ranks(_two_modules_body, 2, strategy, str(tmp_path), timeout=180)):
+        if strategy == "ddp":
+            assert r == {"differ": []}, rank
+            continue
+        assert "updates parameters of more than one module set up with loom.setup_module" in r.get(
+            "setup", ""
+        ), (rank, r)
+        for action in ("save", "load"):
+            assert "optimizer over sharded parameters that belong to no one module" in r.get(action, ""), (
+                rank,
+                action,
+                r,
+            )

@@ -181,3 +181,66 @@ def test_save_before_setup_and_plain_module(tmp_path):
     for result in run_ranks(_before_setup_body, 2, str(tmp_path), timeout=120):
         for fmt, r in result.items():
             assert r == {"plain": [], "wrapped": []}, fmt
+
+
+def _dotted_names_body(rank: int, world_size: int, root: str) -> dict:
+    """Entry names with dots ("model.ema") in a sharded checkpoint, loaded with strict=True and strict=False; and
+    two entries whose tensors would share a stored name, refused before anything is written."""
+    from fsdp_models import Block
+
+    from torchloom import CheckpointError
+    from torchloom.strategies import FSDP2Strategy
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(shard_policy={Block}))
+    loom.launch()
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)
+        model, ema = loom.setup_module(Net()), loom.setup_module(Net())
+        return model, ema, loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    model, ema, opt = fresh(0)
+    _step(loom, model, opt, 0)
+    path = f"{root}/dotted"
+    loom.save(path, {"model": model, "model.ema": ema, "optimizer": opt, "model.step": 3})
+    expected = (full_state(model), full_state(ema), _optimizer_state(model, opt))
+    out: dict = {}
+    for strict in (True, False):
+        model2, ema2, opt2 = fresh(5 + strict)
+        before = full_state(ema2)
+        state = {"model": model2, "model.ema": ema2, "optimizer": opt2}
+        rest = loom.load(path, state, strict=strict)
+        got = _optimizer_state(model2, opt2)
+        out[strict] = {
+            "init_differed": _differing(expected[1], before) == sorted(expected[1]),
+            "model": _differing(expected[0], full_state(model2)),
+            "ema": _differing(expected[1], full_state(ema2)),
+            "optimizer": sorted(
+                f"{k}.{n}"
+                for k in expected[2]
+                for n in expected[2][k]
+                if not _same_value(expected[2][k][n], got.get(k, {}).get(n))
+            ),
+            "rest": rest,
+        }
+    try:
+        loom.save(f"{root}/clash", {"model": model, "model.embed": torch.nn.Linear(D_IN, 16)})
+        out["clash"] = None
+    except CheckpointError as error:
+        out["clash"] = str(error)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_entry_names_with_dots_load_sharded(world_size, tmp_path):
+    for rank, result in enumerate(run_ranks(_dotted_names_body, world_size, str(tmp_path), timeout=180)):
+        for strict in (True, False):
+            r = result[strict]
+            where = f"strict={strict} rank {rank}"
+            assert r["init_differed"], where
+            assert r["model"] == [] and r["ema"] == [] and r["optimizer"] == [], (where, r)
+            assert r["rest"] == {"model.step": 3}, where
+        assert "Entries 'model' and 'model.embed' both store a tensor named 'model.embed.weight'" in (
+            result["clash"] or ""
+        ), result["clash"]
+    assert not (tmp_path / "clash").exists()

@@ -813,7 +813,7 @@ def _generators_body(rank: int, world_size: int, tmp: str) -> dict:
                 torch.save(ckpt, path)
             loom.barrier()
         torch.cuda.manual_seed(999)
-        loom.load(path, {"model": model})
+        loom.load(path, {"model": model}, restore_run_state=True)
         out[case] = torch.rand(8, device=loom.device).cpu()
     out["expected"] = expected
     return out

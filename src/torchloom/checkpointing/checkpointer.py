@@ -11,6 +11,7 @@ at the end of the job, and interpreter exit waits for it if `close()` never ran.
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 import traceback
 from collections.abc import Callable, Iterable
@@ -27,12 +28,15 @@ from torchloom.checkpointing.state import (
     STATEFUL,
     Entry,
     collect,
+    is_resume,
     kinds_of,
     load_module,
     resolve,
     torch_internal_warnings_filtered,
 )
 from torchloom.errors import CheckpointError, MisuseError, describe_failure, raise_shared_failure
+
+log = logging.getLogger("torchloom")
 
 #: `save(..., filter=)`: for an entry, a function `(name, value) -> bool` that keeps the matching items.
 Filter = Callable[[str, Any], bool]
@@ -95,8 +99,11 @@ class Checkpointer:
         modules: Iterable[nn.Module] = (),
         strict: bool = True,
         weights_only: bool = True,
+        restore_run_state: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore `state` in place (plain values are replaced in it); return the entries it did not name."""
+        """Restore `state` in place (plain values are replaced in it); return the entries it did not name.
+        `restore_run_state`: whether the saved run's generators, loss scaler and counters come back too (None:
+        when `state` names an optimizer or a set-up data loader, see `state.is_resume`)."""
         self.finish_pending_save()
         entries = resolve(state, modules)
         path = atomic.recover(path)
@@ -108,7 +115,16 @@ class Checkpointer:
                 values, run_state = sharded.load(self._io, path, entries, strict, weights_only=weights_only)
             else:
                 values, run_state = full.load(self._io, path, entries, strict, weights_only=weights_only)
-        record.restore_run_state(self._io, self._scaler, self._counters, run_state)
+        if restore_run_state is None:
+            restore_run_state = is_resume(entries)
+        if restore_run_state:
+            record.restore_run_state(self._io, self._scaler, self._counters, run_state)
+        elif run_state and self._io.global_rank == 0:
+            log.info(
+                "torchloom: %s loaded without the saved run's random generators, loss scaler and counters "
+                "(`state` names no optimizer or data loader); pass restore_run_state=True to restore them.",
+                path,
+            )
         state.update({k: v for k, v in values.items() if k in entries})
         return {k: v for k, v in values.items() if k not in entries}
 

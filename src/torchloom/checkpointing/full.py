@@ -9,6 +9,7 @@ given, as `torch.save` would, so `model.load_state_dict(torch.load(path))` works
 
 from __future__ import annotations
 
+import copy
 import pickle
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,21 +133,22 @@ def save(
 
 
 def private_snapshot(payload: dict[str, Any], entries: dict[str, Entry]) -> dict[str, Any]:
-    """`payload` with every tensor that training could still change replaced by a host copy of it, and every
-    other tensor kept as it is: at most one copy of the state in host memory, never two.
+    """A private copy of `payload` for the background writer: every value the writer reads is either copied or
+    known to be unreachable from training, and at most one copy of the state is held in host memory, never two.
 
     A module's or optimizer's full state dict holds either the live tensors themselves (one process, DDP: the
-    parameters and optimizer moments) or fresh tensors (FSDP: gathered into new CPU memory on rank 0). Copying
-    every tensor, as the async save once did, held a second copy of a gathered model in host memory until the
-    write finished. A tensor is live when it shares storage with a parameter, buffer or optimizer state of the
-    objects being saved; tensors on a device are copied to the host anyway (that is the one copy), and the
-    values of other entries (user objects, schedulers: their provenance is unknown) are always copied."""
+    parameters, optimizer moments, a tensor `lr` of a param group) or fresh tensors (FSDP: gathered into new CPU
+    memory on rank 0). Copying every tensor, as the async save once did, held a second copy of a gathered model
+    in host memory until the write finished. A tensor is live when it shares storage with a parameter, buffer,
+    optimizer state or param-group value of the objects being saved; tensors on a device are copied to the host
+    anyway (that is the one copy), and the tensors of other entries (user objects, schedulers: their provenance
+    is unknown) are always copied. Everything else (numbers are immutable; lists, dicts, NumPy arrays, user
+    objects are not) is deep-copied: the writer pickles after `save` has returned, while training goes on, and a
+    scheduler step or an in-place change must not reach the checkpoint."""
     live = _live_storages(entries)
     kinds = kinds_of(entries)
 
-    def private(t: Any, known: bool) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
+    def private(t: torch.Tensor, known: bool) -> torch.Tensor:
         t = t.detach()
         if t.device.type != "cpu":
             return t.to("cpu")
@@ -154,10 +156,32 @@ def private_snapshot(payload: dict[str, Any], entries: dict[str, Entry]) -> dict
             return t.clone()
         return t
 
-    out: dict[str, Any] = {}
+    # The tensors the writer reads, each decided once; deepcopy then takes them from its memo and copies the rest
+    # (sharing between values is kept, as pickling the original would have kept it).
+    memo: dict[int, Any] = {}
+    # Tensors kept as they are: copied after all if an entry of unknown provenance holds them too.
+    uncopied: set[int] = set()
     for key, value in payload.items():
         known = kinds.get(key) in (MODULE, OPTIMIZER)
-        out[key] = torch.utils._pytree.tree_map(lambda t, known=known: private(t, known), value)
+        for leaf in torch.utils._pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and (
+                id(leaf) not in memo or (id(leaf) in uncopied and not known)
+            ):
+                memo[id(leaf)] = private(leaf, known)
+                if _storage_of(memo[id(leaf)]) == _storage_of(leaf) and leaf.numel():
+                    uncopied.add(id(leaf))
+                else:
+                    uncopied.discard(id(leaf))
+    out: dict[str, Any] = {}
+    for key, value in payload.items():
+        try:
+            out[key] = copy.deepcopy(value, memo)
+        except Exception as exc:  # noqa: BLE001 - any copying failure: name the entry
+            raise CheckpointError(
+                f"async_save cannot copy entry {key!r} of the checkpoint ({type(exc).__name__}: {exc}): an "
+                "asynchronous save copies every value before it returns, so that training cannot change what "
+                "is written. Store a value copy.deepcopy can copy there, or save with async_save=False."
+            ) from exc
     return out
 
 
@@ -167,8 +191,9 @@ def _storage_of(t: torch.Tensor) -> int:
 
 
 def _live_storages(entries: dict[str, Entry]) -> set[int]:
-    """The storages of every parameter, buffer and optimizer state tensor of the modules and optimizers saved
-    (a DTensor's local shard; an FSDP1 parameter is a view into its unit's flat parameter, same storage)."""
+    """The storages of every parameter, buffer, optimizer state and param-group tensor of the modules and
+    optimizers saved (a DTensor's local shard; an FSDP1 parameter is a view into its unit's flat parameter, same
+    storage)."""
     tensors: list[torch.Tensor] = []
     for entry in entries.values():
         if entry.kind == MODULE:
@@ -176,6 +201,9 @@ def _live_storages(entries: dict[str, Entry]) -> set[int]:
         elif entry.kind == OPTIMIZER:
             for per_param in entry.obj.state.values():
                 tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+            # A tensor `lr` (or other hyper-parameter) of a param group: a scheduler changes it in place.
+            for group in entry.obj.param_groups:
+                tensors += [v for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)]
     live = {0}
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t

@@ -108,6 +108,7 @@ def save(
     checkpoint is in place (rank 0 swaps it in); the shards are staged in memory before this returns."""
     collected = collect_state(io, entries, full=False)
     tensors = {k: v for k, v in collected.items() if entries[k].kind in (MODULE, OPTIMIZER)}
+    check_flat_names(tensors)
     extra = {k: v for k, v in collected.items() if k not in tensors}
     described, run_state = record.split(meta)
     extra[META_KEY] = run_state
@@ -244,14 +245,54 @@ def read_dcp_metadata(path: Path, weights_only: bool = True) -> Any:
     return md
 
 
-def tensor_entries(md: Any) -> dict[str, dict[str, tuple[torch.Size, torch.dtype]]]:
-    """entry -> {name inside the entry: (shape, dtype)} for the tensors DCP stored."""
+def tensor_entries(
+    md: Any, names: list[str] | None = None
+) -> dict[str, dict[str, tuple[torch.Size, torch.dtype]]]:
+    """entry -> {name inside the entry: (shape, dtype)} for the tensors DCP stored. An entry's name may hold dots
+    ("model.ema"): the entry a stored tensor belongs to is the first element of the path DCP recorded for it
+    (its `planner_data`), else the longest of `names` (the checkpoint's model and optimizer entries) that
+    prefixes it, else (a plain DCP checkpoint) what precedes the first dot."""
+    planner_data = getattr(md, "planner_data", None) or {}
+    by_length = sorted(names or (), key=len, reverse=True)
     out: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
     for fqn, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            entry, _, rest = fqn.partition(".")
+            entry = _entry_of(fqn, planner_data.get(fqn), by_length)
+            rest = fqn[len(entry) + 1 :]
             out.setdefault(entry, {})[rest] = (item.size, item.properties.dtype)
     return out
+
+
+def _entry_of(fqn: str, path: Any, names: list[str]) -> str:
+    if isinstance(path, (tuple, list)) and path and fqn.startswith(f"{path[0]}."):
+        return str(path[0])
+    for name in names:
+        if fqn.startswith(f"{name}."):
+            return name
+    return fqn.partition(".")[0]
+
+
+def check_flat_names(collected: dict[str, Any]) -> None:
+    """DCP stores every tensor under its path joined by dots, so entry "model" holding "ema.weight" and entry
+    "model.ema" holding "weight" would both be "model.ema.weight": refuse that before anything is written, naming
+    both entries."""
+    owners: dict[str, str] = {}
+    for key, value in collected.items():
+        for flat in _flat_names(key, value):
+            other = owners.setdefault(flat, key)
+            if other != key:
+                raise CheckpointError(
+                    f"Entries {other!r} and {key!r} both store a tensor named {flat!r} in a sharded checkpoint, "
+                    "which joins names with dots. Rename one entry (e.g. 'model_ema' instead of 'model.ema')."
+                )
+
+
+def _flat_names(prefix: str, value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [n for k, v in value.items() for n in _flat_names(f"{prefix}.{k}", v)]
+    if isinstance(value, (list, tuple)):
+        return [n for i, v in enumerate(value) for n in _flat_names(f"{prefix}.{i}", v)]
+    return [prefix]
 
 
 def load(
@@ -265,10 +306,11 @@ def load(
     (every entry, named or not, that is not loaded into an object), and the `__torchloom__` record."""
     meta = read_meta(path)
     md = read_dcp_metadata(path, weights_only)
-    stored = tensor_entries(md)
+    known = meta.get("kinds")
+    stored = tensor_entries(md, [k for k, kind in (known or {}).items() if kind in (MODULE, OPTIMIZER)])
     extra = read_extra(path, weights_only)
     run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
-    kinds = meta.get("kinds") or {k: MODULE for k in stored}
+    kinds = known or {k: MODULE for k in stored}
     check_missing(entries, list(kinds), strict)
 
     template: dict[str, Any] = {}

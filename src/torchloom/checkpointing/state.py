@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from torchloom.checkpointing._interface import StateAccess
 from torchloom.errors import CheckpointError
-from torchloom.wrappers import LoomModule, LoomOptimizer, state_module, unwrap_optimizer
+from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, state_module, unwrap_optimizer
 
 META_KEY = "__torchloom__"
 # 2: a sharded checkpoint keeps the grad scaler and the random generators in extra.pt's `__torchloom__` record,
@@ -97,6 +97,8 @@ def resolve(state: dict[str, Any], modules: Iterable[nn.Module] = ()) -> dict[st
         elif is_optimizer(value):
             optimizer = unwrap_optimizer(value)
             owner = _owner_of(optimizer, candidates)
+            if owner is None:
+                _check_unsharded(key, optimizer)
             out[key] = Entry(OPTIMIZER if owner is not None else POSITIONAL_OPTIMIZER, optimizer, owner)
         elif has_state(value):
             out[key] = Entry(STATEFUL, value)
@@ -111,6 +113,30 @@ def _owner_of(optimizer: Optimizer, candidates: list[nn.Module]) -> nn.Module | 
         if ids <= {id(p) for p in module.parameters()}:
             return module
     return None
+
+
+def is_resume(entries: dict[str, Entry]) -> bool:
+    """Whether a load continues a run, so the saved run's state (random generators, loss scaler, the Loom's
+    counters) is restored with it: `state` names an optimizer or a set-up data loader. A load of weights only
+    (modules, plain values, other objects) starts another run from them and keeps this run's generators."""
+    return any(
+        entry.kind in (OPTIMIZER, POSITIONAL_OPTIMIZER) or isinstance(entry.obj, LoomDataLoader)
+        for entry in entries.values()
+    )
+
+
+def _check_unsharded(key: str, optimizer: Optimizer) -> None:
+    """An optimizer no one module owns is saved positionally, as `optimizer.state_dict()`: over sharded
+    parameters (FSDP2's DTensors, FSDP1's flattened views) that is this rank's shards only, which one file cannot
+    hold for every rank and every rank would load as its own."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(hasattr(p, "to_local") or getattr(p, "_fsdp_flattened", False) for p in params):
+        raise CheckpointError(
+            f"Entry {key!r} is an optimizer over sharded parameters that belong to no one module of `state` or "
+            "set up with this Loom (e.g. the parameters of two set-up modules), so its state cannot be saved or "
+            "loaded by parameter name. Set up one module holding all its parameters, or use one optimizer per "
+            "module."
+        )
 
 
 def check_state_arg(state: Any) -> None:
