@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint gpu-check
+.PHONY: demo test lint gpu-check install-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: $(VENV)/.installed-test
 # a summary. It uses $(VENV) as it is, or creates it with TORCH_SPEC; without a GPU it stops with the reason.
 gpu-check:
 	VENV=$(VENV) TORCH_SPEC="$(TORCH_SPEC)" bash benchmarks/gpu_check.sh
+
+# torchloom installed as a user installs it (a fresh environment, TORCH_SPEC, then the runtime dependencies only),
+# then a 2-process job with both checkpoint formats: a runtime dependency that only the test extra brought fails
+# here. A few minutes, most of it installing torch; .ci/run runs it after the suite.
+install-check:
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash tests/install/install_check.sh
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests examples

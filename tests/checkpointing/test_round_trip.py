@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from fsdp_models import D_IN, Net, build_layout, full_state, layout_strategy
+from fsdp_models import D_IN, Block, D, Net, build_layout, full_state, layout_strategy
 from harness import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -244,3 +244,135 @@ def test_entry_names_with_dots_load_sharded(world_size, tmp_path):
             result["clash"] or ""
         ), result["clash"]
     assert not (tmp_path / "clash").exists()
+
+class Calibrated(torch.nn.Module):
+    """A layer with plain-data extra state (`get_extra_state`), as quantisation observers and some transformer
+    layers keep: stored under "<name>._extra_state", not as a tensor."""
+
+    def __init__(self, dim: int, state: dict) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+        self.calib = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def get_extra_state(self) -> dict:
+        return dict(self.calib)
+
+    def set_extra_state(self, state) -> None:
+        self.calib = state
+
+
+class Uncalibrated(Calibrated):
+    """The same layer (the same parameters) without extra state."""
+
+    get_extra_state = torch.nn.Module.get_extra_state
+    set_extra_state = torch.nn.Module.set_extra_state
+
+
+CALIBRATED = {"calls": 7, "scale": [0.5, 2.0], "observer": {"min": -1.5, "max": 3.0}, "mode": "int8"}
+EXTRA_KEYS = ("0.0._extra_state", "2._extra_state")
+
+
+def _calibrated_model(loom, flavour: str, state: dict | None) -> torch.nn.Module:
+    """A unit holding a layer with extra state, a block unit, a replicated layer with extra state and a
+    replicated head (`state=None`: the same parameters, no extra state). The layer with extra
+    state is not a unit's own root: torch's `get_model_state_dict` fails for that under FSDP1."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import wrap
+
+    def layer(dim: int) -> torch.nn.Module:
+        return Calibrated(dim, dict(state)) if state is not None else Uncalibrated(dim, {})
+
+    torch.manual_seed(0)
+    if flavour == "fsdp":
+        with loom.init_module():
+            first, block = wrap(torch.nn.Sequential(layer(D_IN), torch.nn.Linear(D_IN, D))), wrap(Block())
+    else:
+        first, block = torch.nn.Sequential(layer(D_IN), torch.nn.Linear(D_IN, D)), Block()
+        fully_shard(first)
+        fully_shard(block)
+    return loom.setup_module(torch.nn.Sequential(first, block, layer(D), torch.nn.Linear(D, 1)))
+
+
+def _calibs(model) -> list:
+    """The extra state of the model's two layers that have it."""
+    return [model.module[0][0].calib, model.module[2].calib]
+
+
+def _refusal(loom, path: str, model) -> str | None:
+    """The CheckpointError of a strict load, or None."""
+    from torchloom.errors import CheckpointError
+
+    try:
+        loom.load(path, {"model": model})
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _extra_state_body(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for flavour in ("fsdp", "fsdp2"):
+        for fmt in ("sharded", "full"):
+            loom = Loom(
+                accelerator="cpu",
+                devices=world_size,
+                strategy=layout_strategy(flavour, "units_plus_leftovers", state_dict_type=fmt),
+            )
+            loom.launch()
+            path = f"{root}/{flavour}-{fmt}"
+            loom.save(path, {"model": _calibrated_model(loom, flavour, CALIBRATED)})
+            # A fresh layer whose extra state has other values and fewer keys: the load restores what was saved.
+            fresh = _calibrated_model(loom, flavour, {"calls": 0})
+            loom.load(path, {"model": fresh})
+            refused = _refusal(loom, path, _calibrated_model(loom, flavour, None))
+            # strict=False: extra state the model lacks is skipped; extra state the checkpoint lacks stays as it is.
+            loom.load(path, {"model": _calibrated_model(loom, flavour, None)}, strict=False)
+            loom.save(f"{path}-none", {"model": _calibrated_model(loom, flavour, None)})
+            refused_missing = _refusal(loom, f"{path}-none", _calibrated_model(loom, flavour, {"calls": 1}))
+            kept = _calibrated_model(loom, flavour, {"calls": -1})
+            loom.load(f"{path}-none", {"model": kept}, strict=False)
+            out[(flavour, fmt)] = {
+                "loaded": _calibs(fresh),
+                "refused": [refused, refused_missing],
+                "kept": _calibs(kept),
+            }
+    return out
+
+
+def test_extra_state_round_trips(tmp_path):
+    """A module's `get_extra_state()` survives both formats under both flavours on 2 ranks, a sharded checkpoint
+    loaded into one plain process, and consolidation. Before, a sharded load left it out of DCP's template
+    ("Missing key(s) in state_dict: _extra_state"), and a full load under FSDP handed `set_extra_state` PyTorch's
+    internal placeholder object."""
+    from torchloom.checkpointing.tools import consolidate
+
+    for rank, result in enumerate(run_ranks(_extra_state_body, 2, str(tmp_path), timeout=240)):
+        for (flavour, fmt), r in result.items():
+            where = f"{flavour} {fmt} rank {rank}"
+            assert r["loaded"] == [CALIBRATED, CALIBRATED], where
+            # Strict: a model without the extra state, or a checkpoint without it, is refused naming the keys.
+            for refused in r["refused"]:
+                assert refused is not None and all(repr(k) in refused for k in EXTRA_KEYS), (where, refused)
+            assert r["kept"] == [{"calls": -1}, {"calls": -1}], where
+
+    loom = Loom(accelerator="cpu")  # one process, a plain model
+    torch.manual_seed(0)
+    model = loom.setup_module(
+        torch.nn.Sequential(
+            torch.nn.Sequential(Calibrated(D_IN, {}), torch.nn.Linear(D_IN, D)),
+            Block(),
+            Calibrated(D, {}),
+            torch.nn.Linear(D, 1),
+        )
+    )
+    loom.load(tmp_path / "fsdp2-sharded", {"model": model})
+    assert _calibs(model) == [CALIBRATED, CALIBRATED]
+    consolidated = consolidate(tmp_path / "fsdp2-sharded", tmp_path / "one.pt")["model"]
+    assert [consolidated[k] for k in EXTRA_KEYS] == [CALIBRATED, CALIBRATED]
+    from_file = torch.load(tmp_path / "one.pt", weights_only=True)["model"]
+    assert [from_file[k] for k in EXTRA_KEYS] == [CALIBRATED, CALIBRATED]
+    full_file = torch.load(tmp_path / "fsdp-full", weights_only=True)["model"]
+    assert [full_file[k] for k in EXTRA_KEYS] == [CALIBRATED, CALIBRATED]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from torchloom import _torch_compat
 from torchloom.checkpointing import atomic, record
@@ -37,9 +37,11 @@ from torchloom.checkpointing.state import (
     OPTIMIZER,
     VALUE,
     Entry,
+    check_extra_state,
     check_missing,
     check_module_keys,
     collect_state,
+    extra_state_of,
     restore_entry,
     shapes_of,
     torch_internal_warnings_filtered,
@@ -294,6 +296,43 @@ def _flat_names(prefix: str, value: Any) -> list[str]:
         return [n for i, v in enumerate(value) for n in _flat_names(f"{prefix}.{i}", v)]
     return [prefix]
 
+_EMPTY_EXTRA_HINT = (
+    " (A sharded checkpoint keeps nothing for extra state that was an empty dict when saved, as DCP stores no "
+    "item for an empty dict; with strict=False the module then keeps its own.)"
+)
+
+
+def stored_extra_state(md: Any, entry: str) -> dict[str, Any]:
+    """Module entry `entry`'s non-tensor items (its modules' `get_extra_state()`), as a load template: state-dict
+    key -> the structure the save stored, with `None` where DCP's load puts each value. DCP flattens a nested dict
+    into one item per leaf; `planner_data` maps each item back to its path, which rebuilds the saved structure
+    whatever the module now returns (a template taken from the module would silently skip keys it lacks)."""
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out: dict[str, Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        path = tuple(paths.get(fqn) or fqn.split(".", 1))
+        if len(path) >= 2 and path[0] == entry:
+            _place(out, path[1:], None)
+    return out
+
+
+def _place(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """Put `value` at `path` (dict keys, and list indices where the save went into a list) under `root`."""
+    node: Any = root
+    for part, following in zip(path[:-1], path[1:], strict=True):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (part + 1 - len(node)))
+            node[part] = empty if node[part] is None else node[part]
+        else:
+            node.setdefault(part, empty)
+        node = node[part]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
 
 def load(
     io: StateAccess,
@@ -322,6 +361,12 @@ def load(
             current = io.module_state_dict(_module_of(entry, key), full=False)
             check_module_keys(shapes_of(current), stored.get(key, {}), strict, key)
             template[key] = {k: v for k, v in current.items() if k in stored.get(key, {})}
+            # Extra state (get_extra_state) is stored as byte items, not tensors. DCP stores nothing for an
+            # empty dict: the module's own empty one is what was saved.
+            own, saved = extra_state_of(current), stored_extra_state(md, key)
+            saved.update({k: v for k, v in own.items() if k not in saved and isinstance(v, dict) and not v})
+            check_extra_state(own, saved, strict, key, _EMPTY_EXTRA_HINT)
+            template[key].update({k: v for k, v in saved.items() if k in own})
         else:
             if entry.owner is None:
                 raise CheckpointError(

@@ -233,6 +233,32 @@ def shapes_of(state_dict: dict[str, Any]) -> dict[str, tuple[torch.Size, torch.d
     return {k: (v.shape, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
 
 
+def extra_state_of(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a module state dict that are not tensors: what modules defining `get_extra_state` return,
+    under their `<module>._extra_state` keys (a tensor returned there travels with the tensors)."""
+    return {k: v for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
+
+
+def check_extra_state(
+    expected: Iterable[str], saved: Iterable[str], strict: bool, name: str, hint: str = ""
+) -> None:
+    """With `strict`, name every extra state (`get_extra_state`) the module has and the checkpoint lacks, and
+    the reverse, instead of PyTorch's bare "Missing key(s)" from inside `load_state_dict`."""
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"Entry {name!r} does not match the module's extra state (get_extra_state/set_extra_state): missing "
+            f"{missing}, unexpected {unexpected}. Load into the same architecture, or pass strict=False to load "
+            f"what matches.{hint if missing else ''}"
+        )
+
+
+def with_own_extra_state(state: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """`state` plus the module's own extra state (`current`'s) where the checkpoint has none (`strict=False`):
+    PyTorch's full-state-dict loading would otherwise hand `set_extra_state` an internal placeholder object."""
+    return {**{k: v for k, v in extra_state_of(current).items() if k not in state}, **state}
+
+
 def load_module(
     io: StateAccess, module: nn.Module, saved: Any, strict: bool, name: str = "model", full: bool = True
 ) -> None:
@@ -241,10 +267,13 @@ def load_module(
         raise CheckpointError(
             f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict."
         )
-    expected = io.module_state_shapes(module)
+    current = io.module_state_dict(module, full=False)  # what module_state_shapes walks, and the extra state
+    expected = shapes_of(current)
     check_module_keys(expected, shapes_of(saved), strict, name)
-    usable = {k: v for k, v in saved.items() if k in expected}
-    io.load_module_state_dict(module, usable, strict=strict, full=full)
+    extra = extra_state_of(current)
+    check_extra_state(extra, extra_state_of(saved), strict, name)
+    usable = {k: v for k, v in saved.items() if k in expected or k in extra}
+    io.load_module_state_dict(module, with_own_extra_state(usable, current), strict=strict, full=full)
 
 
 def is_positional(optimizer_state: Any) -> bool:
