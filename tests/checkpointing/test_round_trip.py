@@ -245,6 +245,7 @@ def test_entry_names_with_dots_load_sharded(world_size, tmp_path):
         ), result["clash"]
     assert not (tmp_path / "clash").exists()
 
+
 class Calibrated(torch.nn.Module):
     """A layer with plain-data extra state (`get_extra_state`), as quantisation observers and some transformer
     layers keep: stored under "<name>._extra_state", not as a tensor."""

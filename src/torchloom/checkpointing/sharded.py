@@ -296,6 +296,7 @@ def _flat_names(prefix: str, value: Any) -> list[str]:
         return [n for i, v in enumerate(value) for n in _flat_names(f"{prefix}.{i}", v)]
     return [prefix]
 
+
 _EMPTY_EXTRA_HINT = (
     " (A sharded checkpoint keeps nothing for extra state that was an empty dict when saved, as DCP stores no "
     "item for an empty dict; with strict=False the module then keeps its own.)"
