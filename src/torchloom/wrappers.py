@@ -378,7 +378,7 @@ def _kinds_apart(optimizer: Optimizer) -> Iterator[None]:
         return
     groups = optimizer.param_groups
     parts: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for group, split in zip(groups, kinds):
+    for group, split in zip(groups, kinds, strict=True):
         for params in split if split is not None else (group["params"],):
             parts.append((group, {**group, "params": params}))
     optimizer.param_groups = [part for _, part in parts]

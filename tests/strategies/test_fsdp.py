@@ -434,7 +434,12 @@ def test_units_that_ran_on_some_ranks_only_are_refused_and_running_all_matches(f
 @pytest.mark.parametrize(
     "flags_apart, grads_kept",
     [(False, ""), (True, ""), (False, "zeroed"), (False, "accumulated")],
-    ids=["training-group", "gloo-group-of-their-own", "zero-grad-keeps-tensors", "accumulated-without-no-sync"],
+    ids=[
+        "training-group",
+        "gloo-group-of-their-own",
+        "zero-grad-keeps-tensors",
+        "accumulated-without-no-sync",
+    ],
 )
 def test_fsdp2_unit_parameters_with_a_gradient_on_some_ranks_only_are_refused(flags_apart, grads_kept):
     """The experts inside one fully_shard unit: FSDP2 reduces only the parameters that have a gradient, so rank

@@ -597,7 +597,8 @@ class ShardedStrategy(ParallelStrategy):
         if self._replica_group is None:
             # A group of its own, so these all-reduces never interleave with FSDP's own collectives.
             self._replica_group = dist.new_group(backend=self.backend)
-        self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
+        sync = self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
+        sync.watch_outputs(module)
 
     def teardown(self) -> None:
         for sync in self._grad_syncs.values():
