@@ -230,3 +230,36 @@ def test_foreach_and_fused_optimizers_save_and_load_with_mixed_groups(tmp_path, 
             assert r["groups"] == [8, 8], where  # the user's decay / no-decay groups, not the split ones
             assert r["no_state"] == (start == 0), where  # state exactly as saved
             assert r["diff"] <= 1e-5, (where, r["diff"])
+
+
+def test_mixed_group_split_is_computed_once_per_set_of_groups(monkeypatch):
+    """Which groups mix DTensors and plain tensors is worked out once, not on every step and zero_grad (a scan
+    of every parameter: thousands in MoE models), and again when the groups change. Plumbing: DTensors are
+    faked by a mark, counted where torchloom asks."""
+    from torchloom import wrappers
+
+    asked = []
+
+    def fake_is_dtensor(t):
+        asked.append(t)
+        return getattr(t, "fake_dtensor", False)
+
+    monkeypatch.setattr(wrappers, "_is_dtensor", fake_is_dtensor)
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(6)]
+    for p in params[:3]:
+        p.fake_dtensor = True
+    opt = torch.optim.SGD(params[:4], lr=0.1)
+    for _ in range(3):
+        with wrappers._kinds_apart(opt):
+            assert [len(g["params"]) for g in opt.param_groups] == [3, 1]  # split for the step
+        assert [len(g["params"]) for g in opt.param_groups] == [4]  # the user's group afterwards
+        assert wrappers._mixes_kinds(opt)
+    first = len(asked)
+    assert 0 < first <= 2 * 4  # one scan, on the first step only
+    opt.add_param_group({"params": params[4:]})  # plain only: not split
+    with wrappers._kinds_apart(opt):
+        assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 2]
+    assert len(asked) > first  # new groups: scanned again
+    opt.param_groups[1]["params"] = params[:1]  # replaced list: scanned again
+    with wrappers._kinds_apart(opt):
+        assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 1]
