@@ -17,6 +17,13 @@ The model is a stack of blocks, each its own FSDP unit made by hand, and a head 
            all-reduce after the last, and a hand-written global norm (the blocks' sharded norm via
            `get_total_norm(...).full_tensor()`, combined with the head's) + `clip_grads_with_norm_`. The two
            sides' norms are checked to agree before timing.
+    fsdp2-many-tensors
+           the fsdp2 pair on a model of many small parameter tensors, as mixture-of-experts models have:
+           `--many-blocks` units made by hand, each of `--many-experts` small experts (2 tensors each), and
+           outside every unit a LayerNorm and `--many-adapters` small linear layers per block (replicated
+           leftovers), 3,106 parameter tensors by default; one AdamW group over all of them on the torchloom side
+           (it mixes DTensors and plain tensors), one per kind on the raw side. Torch's own per-tensor work (the
+           optimizer, FSDP2's copies) grows with the count too: the ratio shows whether torchloom's grows faster.
 
 The desync record (what `Loom`'s collectives note for the desync report) is timed on its own, per call, against
 each pair's torchloom step, as if the step made RECORDED_PER_STEP Loom collectives (a loss all-reduce and
@@ -70,7 +77,53 @@ from _common import (  # noqa: E402
 from torch import nn  # noqa: E402
 
 ACCUM = "fsdp2-accum-clip"
-PAIRS = ("fsdp2", "fsdp", "ddp", ACCUM)
+MANY = "fsdp2-many-tensors"
+PAIRS = ("fsdp2", "fsdp", "ddp", ACCUM, MANY)
+MANY_DIM = 16
+
+
+class _Experts(nn.Module):
+    """Small experts, every one applied to every row (a unit whose every parameter gets a gradient)."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(expert(x) for expert in self.experts) / len(self.experts)
+
+
+class ManyTensorNet(nn.Module):
+    """`blocks` expert blocks (made units by hand), each followed by a LayerNorm and `adapters` small linear
+    layers that stay outside every unit, and a head: 2 * (blocks * (experts + adapters + 1) + 1) tensors."""
+
+    def __init__(self, dim: int, blocks: int, experts: int, adapters: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Experts(dim, experts) for _ in range(blocks))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(blocks))
+        self.adapters = nn.ModuleList(
+            nn.ModuleList(nn.Linear(dim, dim) for _ in range(adapters)) for _ in range(blocks)
+        )
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, norm, adapters in zip(self.blocks, self.norms, self.adapters, strict=True):
+            x = norm(block(x))
+            for adapter in adapters:
+                x = x + torch.tanh(adapter(x))
+        return self.head(x)
+
+
+def _model(pair: str, cfg: dict[str, Any], **kwargs: Any) -> nn.Module:
+    if pair == MANY:
+        return ManyTensorNet(MANY_DIM, cfg["many_blocks"], cfg["many_experts"], cfg["many_adapters"])
+    return Net(cfg["dim"], cfg["blocks"], **kwargs)
+
+
+def _many_tensors(cfg: dict[str, Any]) -> int:
+    return 2 * (cfg["many_blocks"] * (cfg["many_experts"] + cfg["many_adapters"] + 1) + 1)
+
+
 GOAL = "<= 1.03"
 RECORDED_PER_STEP = 2
 RECORD_GOAL = "<= 1.0"  # percent of the step
@@ -116,15 +169,17 @@ def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
 
     from torchloom import Loom
 
-    loom = Loom(accelerator=cfg["device"], devices="auto", strategy="fsdp2" if pair == ACCUM else pair)
+    loom = Loom(
+        accelerator=cfg["device"], devices="auto", strategy="fsdp2" if pair in (ACCUM, MANY) else pair
+    )
     loom.launch()
     torch.manual_seed(0)
     if pair == "fsdp":
         with loom.init_module():
-            model = Net(cfg["dim"], cfg["blocks"], wrap=wrap)
+            model = _model(pair, cfg, wrap=wrap)
     else:
-        model = Net(cfg["dim"], cfg["blocks"])
-        if pair in ("fsdp2", ACCUM):
+        model = _model(pair, cfg)
+        if pair in ("fsdp2", ACCUM, MANY):
             for block in model.blocks:
                 fully_shard(block)
     model = loom.setup_module(model)
@@ -139,15 +194,16 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
 
     device = _device(cfg)
     torch.manual_seed(0)
-    model = Net(cfg["dim"], cfg["blocks"]).to(device)
+    model = _model(pair, cfg).to(device)
     replicated: list[nn.Parameter] = []
-    if pair in ("fsdp2", ACCUM):
+    if pair in ("fsdp2", ACCUM, MANY):
         mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             # Explicit: left at its default, a unit that is a root (no root unit here) keeps its parameters
             # unsharded from forward to backward; torchloom gives hand-made units non-root behaviour.
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        replicated = list(model.head.parameters())
+        in_units = {id(p) for p in model.blocks.parameters()}
+        replicated = [p for p in model.parameters() if id(p) not in in_units]
         _broadcast(replicated)
         forward = model
     elif pair == "fsdp":
@@ -309,9 +365,10 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     x, y = (t.to(device) for t in batch(rank, cfg["tokens"], cfg["dim"]))
+    many = tuple(t.to(device) for t in batch(rank, cfg["tokens"], MANY_DIM))
     results: dict[str, Any] = {}
     for pair in cfg["pairs"]:
-        results[pair] = _measure_pair(pair, cfg, world, x, y)
+        results[pair] = _measure_pair(pair, cfg, world, *(many if pair == MANY else (x, y)))
         dist.barrier()
     results["record"] = _record_cost(min(cfg["repeats"], 20))
     return results
@@ -332,12 +389,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--accumulate", type=int, default=4, help=f"micro-batches per step in the {ACCUM} pair"
     )
+    parser.add_argument("--many-blocks", type=int, default=16, help=f"units in the {MANY} pair")
+    parser.add_argument("--many-experts", type=int, default=82, help=f"experts per unit in the {MANY} pair")
+    parser.add_argument(
+        "--many-adapters", type=int, default=14, help=f"leftover linear layers per block in the {MANY} pair"
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     check_device(parser, args.device, args.world)
     if args.tiny:
         args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 8, 32, 3, 2, 1
+        args.many_blocks, args.many_experts, args.many_adapters = 4, 8, 2
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
@@ -349,9 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         f"head, {model_numel(args.dim, args.blocks) / 1e6:.1f}M parameters; {args.tokens} rows per rank; AdamW",
         flush=True,
     )
-    cfg = {
-        k: getattr(args, k) for k in ("dim", "blocks", "tokens", "steps", "repeats", "warmup", "accumulate")
-    }
+    keys = ("dim", "blocks", "tokens", "steps", "repeats", "warmup", "accumulate")
+    cfg = {k: getattr(args, k) for k in (*keys, "many_blocks", "many_experts", "many_adapters")}
+    if MANY in pairs:
+        print(
+            f"# {MANY}: {cfg['many_blocks']} units of {cfg['many_experts']} experts + {cfg['many_adapters']} "
+            f"leftover layers per block, width {MANY_DIM}: {_many_tensors(cfg)} parameter tensors",
+            flush=True,
+        )
     cfg["pairs"] = pairs
     cfg["device"] = args.device
     per_rank = run_ranks(_rank, cfg, world_size=args.world, device=args.device)

@@ -156,3 +156,110 @@ def test_foreach_and_fused_optimizers_on_sharded_and_replicated_parameters(name)
             torch.testing.assert_close(
                 r["params"][key], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {key}"
             )
+
+
+def _resume_body(rank: int, world_size: int, name: str, path: str) -> dict:
+    """For each checkpoint format: save before the first step and after two steps, load each into a new model
+    and a new optimizer (no state yet: PyTorch steps it raw to make some), train on; every run must equal the
+    uninterrupted one. Returns the largest difference per run and what the loads left in `param_groups`."""
+    import warnings
+
+    from fsdp_models import STEPS, Net, data, full_state
+    from torch.distributed.fsdp import fully_shard
+
+    from torchloom import Loom
+    from torchloom.strategies import FSDP2Strategy
+
+    x, y = data()
+    rows = slice(rank * 4, rank * 4 + 4)
+    out: dict = {}
+
+    def setup(loom):
+        torch.manual_seed(0)
+        model = Net()
+        for block in model.blocks:
+            fully_shard(block)  # the embedding and head stay plain: every group mixes both kinds
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = loom.setup_module(model)
+        return model, loom.setup_optimizers(OPTIMIZERS[name](_two_groups(model)))
+
+    def train(loom, model, opt, steps):
+        for step in steps:
+            loom.backward(nn.functional.mse_loss(model(x[step, 0, rows]), y[step, 0, rows]))
+            opt.step()
+            opt.zero_grad()
+
+    for fmt in ("full", "sharded"):
+        loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(state_dict_type=fmt))
+        loom.launch()
+        model, opt = setup(loom)
+        loom.save(f"{path}/{fmt}-0", {"model": model, "optimizer": opt})  # before the first step
+        empty_after_save = not opt.state
+        train(loom, model, opt, range(2))
+        loom.save(f"{path}/{fmt}-2", {"model": model, "optimizer": opt})
+        train(loom, model, opt, range(2, STEPS))
+        expected = full_state(model)
+        for start in (0, 2):
+            model, opt = setup(loom)
+            loom.load(f"{path}/{fmt}-{start}", {"model": model, "optimizer": opt})
+            out[(fmt, start)] = {
+                "empty_after_save": empty_after_save,
+                "groups": [len(g["params"]) for g in opt.param_groups],
+                "no_state": not opt.state,
+            }
+            train(loom, model, opt, range(start, STEPS))
+            got = full_state(model)
+            out[(fmt, start)]["diff"] = max((got[k] - v).abs().max().item() for k, v in expected.items())
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["sgd-foreach", "adamw-foreach", "adam-fused"])
+def test_foreach_and_fused_optimizers_save_and_load_with_mixed_groups(tmp_path, name):
+    """A new optimizer has no state, so PyTorch's state-dict functions step it raw (zero gradients, lr 0) to
+    make some, when loading into it and when saving it before its first step: with foreach or fused kernels
+    (CUDA's default) over FSDP2 DTensors and plain leftovers in one group, that step crashed ("got mixed
+    torch.Tensor and DTensor"). Resuming must equal the uninterrupted run, and keep the user's two groups."""
+    from harness import run_ranks
+
+    for rank, result in enumerate(run_ranks(_resume_body, 2, name, str(tmp_path), timeout=240)):
+        for (fmt, start), r in result.items():
+            where = f"rank {rank} {fmt} from step {start}"
+            assert r["empty_after_save"], where  # saving before the first step made no state
+            assert r["groups"] == [8, 8], where  # the user's decay / no-decay groups, not the split ones
+            assert r["no_state"] == (start == 0), where  # state exactly as saved
+            assert r["diff"] <= 1e-5, (where, r["diff"])
+
+
+def test_mixed_group_split_is_computed_once_per_set_of_groups(monkeypatch):
+    """Which groups mix DTensors and plain tensors is worked out once, not on every step and zero_grad (a scan
+    of every parameter: thousands in MoE models), and again when the groups change. Plumbing: DTensors are
+    faked by a mark, counted where torchloom asks."""
+    from torchloom import wrappers
+
+    asked = []
+
+    def fake_is_dtensor(t):
+        asked.append(t)
+        return getattr(t, "fake_dtensor", False)
+
+    monkeypatch.setattr(wrappers, "_is_dtensor", fake_is_dtensor)
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(6)]
+    for p in params[:3]:
+        p.fake_dtensor = True
+    opt = torch.optim.SGD(params[:4], lr=0.1)
+    for _ in range(3):
+        with wrappers._kinds_apart(opt):
+            assert [len(g["params"]) for g in opt.param_groups] == [3, 1]  # split for the step
+        assert [len(g["params"]) for g in opt.param_groups] == [4]  # the user's group afterwards
+        assert wrappers._mixes_kinds(opt)
+    first = len(asked)
+    assert 0 < first <= 2 * 4  # one scan, on the first step only
+    opt.add_param_group({"params": params[4:]})  # plain only: not split
+    with wrappers._kinds_apart(opt):
+        assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 2]
+    assert len(asked) > first  # new groups: scanned again
+    opt.param_groups[1]["params"] = params[:1]  # replaced list: scanned again
+    with wrappers._kinds_apart(opt):
+        assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 1]

@@ -353,6 +353,7 @@ def _experts_body(
     call_every_expert: bool,
     one_unit: bool = False,
     flags_apart: bool = False,
+    grads_kept: str = "",
 ) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import wrap
@@ -379,10 +380,22 @@ def _experts_body(
     rows = slice(rank * 4, rank * 4 + 4)
     if flags_apart:
         assert loom.strategy._flag_group() is loom.strategy._flags_group
+    if grads_kept:
+        # First a backward that calls every expert on every rank, so every parameter has a gradient, then one
+        # routed backward whose gradients still land on parameters that have one: kept as zeros by
+        # zero_grad(set_to_none=False), or from the first backward (accumulating without no_backward_sync).
+        model.group.call_every_expert = True
+        loom.backward(torch.nn.functional.mse_loss(model(x[rows], _ROUTE[rows]), y[rows]))
+        model.group.call_every_expert = False
+        if grads_kept == "zeroed":
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        assert all(p.grad is not None for p in model.parameters())
     for _ in range(3):
         with torch.no_grad():  # evaluation runs other experts: never counted
             model(x[rows], torch.full((4,), 3))
-        opt.zero_grad()
+        if not grads_kept:
+            opt.zero_grad()
         try:
             loom.backward(torch.nn.functional.mse_loss(model(x[rows], _ROUTE[rows]), y[rows]))
         except MisuseError as error:
@@ -418,11 +431,22 @@ def test_units_that_ran_on_some_ranks_only_are_refused_and_running_all_matches(f
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flags_apart", [False, True], ids=["training-group", "gloo-group-of-their-own"])
-def test_fsdp2_unit_parameters_with_a_gradient_on_some_ranks_only_are_refused(flags_apart):
+@pytest.mark.parametrize(
+    "flags_apart, grads_kept",
+    [(False, ""), (True, ""), (False, "zeroed"), (False, "accumulated")],
+    ids=[
+        "training-group",
+        "gloo-group-of-their-own",
+        "zero-grad-keeps-tensors",
+        "accumulated-without-no-sync",
+    ],
+)
+def test_fsdp2_unit_parameters_with_a_gradient_on_some_ranks_only_are_refused(flags_apart, grads_kept):
     """The experts inside one fully_shard unit: FSDP2 reduces only the parameters that have a gradient, so rank
-    0's expert 1 and rank 1's expert 2 (same shapes) were reduced together, silently. The step is refused."""
-    for result in run_ranks(_experts_body, 2, "fsdp2", False, True, flags_apart, timeout=120):
+    0's expert 1 and rank 1's expert 2 (same shapes) were reduced together, silently. The step is refused, also
+    where every parameter already had a gradient tensor before the backward (zero_grad(set_to_none=False), or
+    a second backward accumulating without no_backward_sync): what counts is which ones this backward wrote."""
+    for result in run_ranks(_experts_body, 2, "fsdp2", False, True, flags_apart, grads_kept, timeout=120):
         assert (
             "Parameter(s) ['group.experts.1.weight', 'group.experts.1.bias', 'group.experts.2.weight'"
             in (result["error"])

@@ -140,6 +140,8 @@ def _train_body(rank: int, world_size: int, flavour: str, case: str, uses: list)
                 failures += 1
             opt.zero_grad()
             loss_of(step).backward()
+        elif case.startswith("plain_"):
+            loss_of(step).backward()
         else:
             loom.backward(loss_of(step))
         opt.step()
@@ -154,6 +156,9 @@ CASES = {
     "plain_backward": [("embed", "a", "b"), ("embed", "a", "b")],
     "rank_skips_all_leftovers": [("embed", "a", "b"), ()],
     "rank_skips_some_leftovers": [("embed", "a"), ("b",)],
+    # `loss.backward()` without loom, on a rank that reaches no leftover: it still sends every bucket (its round
+    # starts at the model's output), else rank 0's all-reduces wait for rank 1's next backward.
+    "plain_rank_skips_all_leftovers": [("embed", "a", "b"), ()],
 }
 
 

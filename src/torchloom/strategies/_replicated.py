@@ -10,7 +10,8 @@ Every backward run through `loom.backward` is one *round*: it starts from a clea
 inside it, issues every bucket's all-reduce exactly once on every rank. That is what keeps ranks aligned when a
 rank's backward reaches no leftover at all (a branch not taken, an expert not routed to), or only some of them,
 or raises midway (an out-of-memory error the user catches before retrying): the missing buckets are sent at the
-end of the round, so the ranks never wait in collectives that their peers will not issue.
+end of the round, so the ranks never wait in collectives that their peers will not issue. A plain
+`loss.backward()` through the model's output is a round too: it starts when backward reaches the output.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from torchloom import _torch_compat
 from torchloom.errors import MisuseError
@@ -94,7 +97,8 @@ class ReplicatedGradSync:
     """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False.
 
     `begin()` before and `end(error)` after a backward make it one round (what `loom.backward` does). A plain
-    `loss.backward()` also works: its first hook starts a round and queues the end of it on autograd's engine.
+    `loss.backward()` also works: its first hook (on the model's output, see `watch_outputs`, or on a replicated
+    parameter) starts a round and queues the end of it on autograd's engine.
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int | None = None):
@@ -139,22 +143,55 @@ class ReplicatedGradSync:
     def _new_round(self, managed: bool) -> _Round:
         return _Round(missing=[len(b) for b in self.buckets], managed=managed)
 
+    def watch_outputs(self, module: nn.Module) -> None:
+        """Start a round at the start of every plain `.backward()` through `module`'s output, on every rank, so
+        that a rank whose backward reaches no replicated parameter (a branch not taken, an expert without tokens)
+        still sends every bucket. Without it, that rank's first gradient hook would never run: it would send
+        nothing, and its peers' all-reduces would pair with its next backward's (wrong averages) or wait for
+        them (a hang). A backward through the output that accumulates nothing (`torch.autograd.grad`) is a round
+        too: it sends the current gradients, which the average leaves as they are when every rank does it."""
+        self._handles.append(module.register_forward_hook(self._on_forward))
+
+    def _on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._plain_round()
+
+    def _plain_round(self) -> _Round:
+        """The round of the backward running now: `loom.backward`'s, or else one started (with its end queued)
+        by the first hook of this plain backward."""
+        current = self._round
+        if current is not None and not current.managed:
+            if current.graph_task != _torch_compat.current_graph_task_id():
+                # A plain backward that raised never ran its end-of-backward callback.
+                self._round = None
+                self._end(current, failed=True)
+                current = None
+        if current is None:
+            current = self._round = self._new_round(managed=False)
+            current.graph_task = _torch_compat.current_graph_task_id()
+            # Runs once at the very end of this backward pass, after every hook, and after the end-of-backward
+            # callbacks queued before it runs (FSDP's, which reduce the units' gradients): the round's last
+            # all-reduce waits for every rank, so it must come after every collective of the backward, on every
+            # rank, whichever hook queued it first.
+            _torch_compat.queue_backward_callback(
+                lambda: _torch_compat.queue_backward_callback(self._end_plain_backward)
+            )
+        return current
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.enabled:
             return
         with self._lock:
-            current = self._round
-            if current is not None and not current.managed:
-                if current.graph_task != _torch_compat.current_graph_task_id():
-                    # A plain backward that raised never ran its end-of-backward callback.
-                    self._round = None
-                    self._end(current, failed=True)
-                    current = None
-            if current is None:
-                current = self._round = self._new_round(managed=False)
-                current.graph_task = _torch_compat.current_graph_task_id()
-                # Runs once at the very end of this backward pass, after every hook.
-                _torch_compat.queue_backward_callback(self._end_plain_backward)
+            current = self._plain_round()
             current.missing[self._bucket_of[id(param)]] -= 1
             self._launch(current, force=False)
 

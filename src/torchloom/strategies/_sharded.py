@@ -597,7 +597,8 @@ class ShardedStrategy(ParallelStrategy):
         if self._replica_group is None:
             # A group of its own, so these all-reduces never interleave with FSDP's own collectives.
             self._replica_group = dist.new_group(backend=self.backend)
-        self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
+        sync = self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
+        sync.watch_outputs(module)
 
     def teardown(self) -> None:
         for sync in self._grad_syncs.values():
@@ -637,6 +638,9 @@ class ShardedStrategy(ParallelStrategy):
         watch = _UnitRuns([u.path for u in nested], fsdp2_params)
         for i, unit in enumerate(nested):
             unit.module.register_forward_pre_hook(functools.partial(_mark_run, watch, i))
+        for i, (_, param) in enumerate(fsdp2_params):
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(functools.partial(_mark_grad, watch, i))
         self._unit_runs[id(module)] = watch
 
     def _flag_group(self) -> dist.ProcessGroup | None:
@@ -652,7 +656,9 @@ class ShardedStrategy(ParallelStrategy):
         """The names whose flag is 1 on some ranks and 0 on others (one all-reduce: MAX over [flags, not flags])."""
         both = torch.tensor(flags + [1 - f for f in flags], dtype=torch.int32)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._flag_group())
-        return [names[i] for i in range(len(flags)) if both[i] and both[len(flags) + i]]
+        agreed = both.tolist()  # one conversion: indexing a tensor element by element costs ~7 us each
+        n = len(flags)
+        return [names[i] for i in range(n) if agreed[i] and agreed[n + i]]
 
     def _check_unit_runs(self) -> None:
         """Every rank's units that ran since the last backward must be the same (see `_watch_unit_runs`)."""
@@ -672,13 +678,13 @@ class ShardedStrategy(ParallelStrategy):
                 )
 
     def _check_unit_grads(self) -> None:
-        """After a backward that reduced: every rank's "fsdp2" unit parameters with a gradient must be the same
-        (see `_watch_unit_runs`). The reduction already happened, so this stops the step, not the damage."""
+        """After a backward that reduced: every rank's "fsdp2" unit parameters that this backward gave a gradient
+        must be the same (see `_watch_unit_runs`). The reduction already happened, so this stops the step, not
+        the damage."""
         for watch in self._unit_runs.values():
             if not watch.checking or not watch.params:
                 continue
-            has_grad = [int(p.grad is not None) for _, p in watch.params]
-            mixed = self._agree(has_grad, [n for n, _ in watch.params])
+            mixed = self._agree(watch.got, watch.names)
             if mixed:
                 raise MisuseError(
                     f"Parameter(s) {mixed[:5]}{' ...' if len(mixed) > 5 else ''} of FSDP2 units got a gradient "
@@ -692,6 +698,8 @@ class ShardedStrategy(ParallelStrategy):
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
         self._check_unit_runs()
+        for watch in self._unit_runs.values():
+            watch.start_backward()
         # Each backward is one round of the leftover gradient sync on every rank, whether or not this rank's
         # backward reaches the leftovers, and whether or not it completes.
         rounds = [sync for sync in self._grad_syncs.values() if sync.enabled]
@@ -894,6 +902,11 @@ class _UnitRuns:
     def __init__(self, paths: list[str], params: list[tuple[str, nn.Parameter]]) -> None:
         self.paths = paths
         self.params = params
+        self.names = [n for n, _ in params]
+        #: Which parameters fully_shard wrote a reduced gradient into since `start_backward`. Whether a
+        #: gradient exists says nothing about this backward: it survives `zero_grad(set_to_none=False)` and
+        #: accumulation from an earlier backward (and a unit's gradients share one version counter).
+        self.got = [0] * len(params)
         self.ran = [0] * len(paths)
         #: False inside no_backward_sync (nothing is reduced, so nothing to agree on).
         self.checking = True
@@ -902,11 +915,19 @@ class _UnitRuns:
         ran, self.ran = self.ran, [0] * len(self.paths)
         return ran
 
+    def start_backward(self) -> None:
+        self.got = [0] * len(self.params)
+
 
 def _mark_run(watch: _UnitRuns, index: int, module: nn.Module, args: Any) -> None:
     # A forward without gradients (evaluation) is never reduced.
     if torch.is_grad_enabled():
         watch.ran[index] = 1
+
+
+def _mark_grad(watch: _UnitRuns, index: int, param: torch.Tensor) -> None:
+    # fully_shard calls a sharded parameter's post-accumulate-grad hooks after writing its reduced gradient.
+    watch.got[index] = 1
 
 
 def _place_state_with_parameters(optimizer: Optimizer, param_ids: set[int]) -> None:

@@ -25,6 +25,7 @@ from torchloom.accelerators import Accelerator
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.precision import Precision
+from torchloom.wrappers import steps_kinds_apart
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -300,7 +301,8 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         had_state = bool(optimizer.state)
-        state = get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
+        with steps_kinds_apart(optimizer):  # PyTorch steps an optimizer without state (see there)
+            state = get_optimizer_state_dict(module, optimizer, options=self._state_dict_options(full))
         if not had_state and not template:
             # PyTorch gives an optimizer without state and without gradients (before its first step) state to
             # save by stepping it with zero gradients at lr 0: that would leave the live optimizer one step count
@@ -319,12 +321,13 @@ class Strategy:
         # strict=False: a parameter without saved state is no damage, it had none when saved (it never got a
         # gradient); with strict, PyTorch refuses it. A truncated sharded checkpoint still fails in DCP's load,
         # which asks for every key of every parameter that has state (`sharded._stored_optimizer_state`).
-        set_optimizer_state_dict(
-            module,
-            optimizer,
-            _torch_compat.optimizer_state_to_load(state),
-            options=self._state_dict_options(full, loading=True, strict=False),
-        )
+        with steps_kinds_apart(optimizer):  # PyTorch steps an optimizer without state (see there)
+            set_optimizer_state_dict(
+                module,
+                optimizer,
+                _torch_compat.optimizer_state_to_load(state),
+                options=self._state_dict_options(full, loading=True, strict=False),
+            )
         # PyTorch initialises the optimizer's state (a zero-gradient step at lr 0) before it loads, and the full
         # format's load keeps that state for parameters the checkpoint has none for; a parameter that had no state
         # when saved (before the first step, after a skipped one, or one that never got a gradient) gets none.
