@@ -558,6 +558,19 @@ def test_two_passes_at_once_cannot_be_saved():
     assert loader.state_dict()["epoch"] == 3
 
 
+def _assert_saved_between_epochs_resumes_the_next(loader) -> None:
+    """One epoch of `loader(loom)`, saved; the next epoch of the live loader and of a fresh one loaded from the
+    state must be the same batches."""
+    loom = Loom(accelerator="cpu", devices=1)
+    live = loader(loom)
+    list(live)
+    state = live.state_dict()
+    expected = [idx.tolist() for (idx,) in live]
+    resumed = loader(loom)
+    resumed.load_state_dict(state)
+    assert [idx.tolist() for (idx,) in resumed] == expected
+
+
 def test_a_users_sampler_with_its_own_generator_resumes_its_next_epoch():
     """Not split by torchloom (use_distributed_sampler=False), saved between epochs: the resumed run's next
     epoch draws what the uninterrupted run's did, not the first epoch's permutation again."""
@@ -570,14 +583,7 @@ def test_a_users_sampler_with_its_own_generator_resumes_its_next_epoch():
             use_distributed_sampler=False,
         )
 
-    loom = Loom(accelerator="cpu", devices=1)
-    live = loader(loom)
-    list(live)
-    state = live.state_dict()
-    expected = [idx.tolist() for (idx,) in live]
-    resumed = loader(loom)
-    resumed.load_state_dict(state)
-    assert [idx.tolist() for (idx,) in resumed] == expected
+    _assert_saved_between_epochs_resumes_the_next(loader)
 
 
 def test_a_sampler_generator_torchloom_cannot_save_is_refused():
@@ -789,11 +795,4 @@ def test_a_custom_batch_samplers_own_generator_resumes_its_next_epoch():
             DataLoader(TensorDataset(torch.arange(12)), batch_sampler=ShuffledBatches())
         )
 
-    loom = Loom(accelerator="cpu", devices=1)
-    live = loader(loom)
-    list(live)
-    state = live.state_dict()
-    expected = [idx.tolist() for (idx,) in live]
-    resumed = loader(loom)
-    resumed.load_state_dict(state)
-    assert [idx.tolist() for (idx,) in resumed] == expected
+    _assert_saved_between_epochs_resumes_the_next(loader)
