@@ -267,7 +267,7 @@ def load_module(
         raise CheckpointError(
             f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict."
         )
-    current = io.module_state_dict(module, full=False)  # what module_state_shapes walks, and the extra state
+    current = io.module_state_dict(module, full=False)  # shapes (global, on every rank) and extra state
     expected = shapes_of(current)
     check_module_keys(expected, shapes_of(saved), strict, name)
     extra = extra_state_of(current)

@@ -279,11 +279,6 @@ class Strategy:
 
         return get_model_state_dict(module, options=self._state_dict_options(full))
 
-    def module_state_shapes(self, module: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Global shape and dtype of every tensor in the module's state, on every rank."""
-        state = self.module_state_dict(module, full=False)
-        return {k: (v.shape, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
     ) -> Any:
