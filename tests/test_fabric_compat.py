@@ -885,3 +885,16 @@ def test_unwrap_and_is_wrapped():
         out["model"] is module and out["rest"][0] is optimizer and out["rest"][1][0] is wrapped_loader.loader
     )
     assert out["rest"][1][1] == 5 and unwrap(module) is module
+
+
+@pytest.mark.parametrize("move_to_device", [True, False])
+def test_loader_device_is_fabrics(move_to_device):
+    """`loader.device` on a loader from setup_dataloaders: where batches go, None when they stay put; the
+    same value Fabric's loader reports, side by side."""
+    from lightning.fabric import Fabric
+
+    data = torch.utils.data.DataLoader(list(range(4)))
+    theirs = Fabric(accelerator="cpu", devices=1).setup_dataloaders(data, move_to_device=move_to_device)
+    ours = Loom(accelerator="cpu", devices=1).setup_dataloaders(data, move_to_device=move_to_device)
+    assert ours.device == theirs.device
+    assert (ours.device is None) is (not move_to_device)
