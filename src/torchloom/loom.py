@@ -547,8 +547,9 @@ class Loom:
         """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
 
         `filter` (Fabric's): for some entries of `state`, a function `(name, value) -> bool` that keeps only the
-        matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`. Full
-        checkpoints only; load such an entry back with `strict=False`.
+        matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`; an entry
+        whose filter keeps nothing is not saved (as in Fabric). Both formats; a sharded checkpoint refuses a
+        filter on an optimizer (its state loads only whole). Load a filtered model back with `strict=False`.
 
         The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
