@@ -291,11 +291,21 @@ class Loom:
         A model from `torch.compile` is set up as the module it compiled, and the strategy's wrapper is compiled
         the same way (backend, mode, options): the returned model's forward runs compiled; `.module` is the
         uncompiled model and checkpoints use its names."""
-        if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
+        if isinstance(module, LoomModule):
             raise MisuseError(
-                "setup_module was called twice on the same module. Set up each model once and keep the returned "
-                "LoomModule."
+                "setup_module was given a LoomModule, which is set up already: pass the model itself, or keep "
+                "using the LoomModule that setup_module returned."
             )
+        if getattr(module, SETUP_MARK, False):
+            earlier = next((m for m in self._modules if m.module is module), None)
+            if earlier is None:
+                raise MisuseError(
+                    "setup_module was given a model that another Loom set up (and wrapped or sharded for its "
+                    "own processes). Build the model again for this Loom, or keep using the first one."
+                )
+            # The same model set up again on this Loom (a notebook cell run twice): wrapping or sharding it a
+            # second time would stack a second DDP or FSDP over the first, so it gets the same LoomModule.
+            return earlier
         if not isinstance(module, nn.Module):
             raise MisuseError(
                 f"setup_module expects a torch.nn.Module, got {type(module).__name__}. Pass the model itself "
@@ -361,16 +371,27 @@ class Loom:
                     "setup_module: `model = loom.setup_module(model); optimizer = torch.optim.AdamW(model.parameters())"
                     "`, or pass both to `loom.setup(model, optimizer)`, which rebinds a fresh optimizer for you."
                 )
-            if stray:
-                raise MisuseError(
-                    f"The optimizer {type(optimizer).__name__} updates {stray} parameter(s) that belong to no module "
-                    "set up with loom.setup_module. Call setup_module(model) first and build the optimizer from "
-                    "model.parameters()."
-                )
             if self._strategy.replaces_parameters:
                 self._check_one_owner(optimizer, params)
-            out.append(LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks))
+            wrapped = LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks)
+            if stray and self._strategy.is_distributed:
+                # As in Fabric, the model may be set up after its optimizer (the parameters stay the same
+                # objects without sharding); by the first step it must be, or those parameters' gradients
+                # would never be averaged and the ranks would drift apart.
+                wrapped.before_first_step(functools.partial(self._check_no_strays, optimizer))
+            out.append(wrapped)
         return out
+
+    def _check_no_strays(self, optimizer: Optimizer) -> None:
+        known = {id(p) for m in self._modules for p in m.module.parameters()}
+        stray = sum(id(p) not in known for group in optimizer.param_groups for p in group["params"])
+        if stray:
+            raise MisuseError(
+                f"The optimizer {type(optimizer).__name__} updates {stray} parameter(s) that belong to no module "
+                f"set up with loom.setup_module; with {self.world_size} processes their gradients would never be "
+                "averaged and the ranks would drift apart. Set up the model they belong to (before or after the "
+                "optimizer, but before the first step)."
+            )
 
     def _check_one_owner(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
         """Under sharding, an optimizer's state is saved and loaded by the parameter names of the one set-up

@@ -279,7 +279,14 @@ class LoomOptimizer:
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self._optimizer.defaults
 
+    def before_first_step(self, check: Callable[[], None]) -> None:
+        """Run `check` at the first `step()` (it raises to refuse the step)."""
+        self.__dict__["_first_step_check"] = check
+
     def step(self, closure: Any = None) -> Any:
+        check = self.__dict__.pop("_first_step_check", None)
+        if check is not None:
+            check()
         kwargs = {} if closure is None else {"closure": closure}
         with _kinds_apart(self._optimizer):
             output = self._precision.optimizer_step(self._optimizer, **kwargs)
