@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -198,6 +199,25 @@ class Loom:
             fn = functools.partial(fn, **kwargs)  # picklable when fn is
         return launcher.launch_function(self, fn, args, *where)
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Fabric's subclass entry point. Override `run` in a subclass of Loom and call `loom.run(...)`: the
+        ranks are started as `launch` starts them and your `run(*args, **kwargs)` runs on each (the subclass
+        must be importable, as `launch`'s function must); rank 0's result is returned. Not overridden, it does
+        nothing."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        user_run = cls.__dict__.get("run")
+        if user_run is None:
+            return
+        cls._user_run = user_run
+
+        @functools.wraps(user_run)
+        def run(self: Loom, *args: Any, **kwargs: Any) -> Any:
+            return self.launch(_run_users_run, *args, **kwargs)
+
+        cls.run = run  # type: ignore[method-assign]
+
     def _setup_rank(self) -> None:
         # In a rank started by an elastic agent, the environment it inherited from its parent's Loom is stale.
         if TorchElasticEnvironment.detect() and not isinstance(
@@ -253,6 +273,16 @@ class Loom:
             )
 
     # ---- models, optimizers, data ----------------------------------------------------------------------------
+    def sharded_model(self) -> contextlib.AbstractContextManager[None]:
+        """Deprecated, as in Fabric: use `init_module()`, which this is (modules created inside land on
+        `loom.device` in the precision's dtype, and `wrap()` makes units under strategy='fsdp')."""
+        warnings.warn(
+            "loom.sharded_model() is deprecated, as in Fabric: use loom.init_module().",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.init_module()
+
     @contextlib.contextmanager
     def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Create modules directly on `loom.device` in the precision's dtype. With `empty_init=True`, sharding
@@ -800,6 +830,11 @@ class Loom:
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
+
+
+def _run_users_run(loom: Loom, *args: Any, **kwargs: Any) -> Any:
+    """What `Loom.run` runs on every rank: the subclass's own `run`."""
+    return type(loom)._user_run(loom, *args, **kwargs)
 
 
 def _not_an_op(group: Any, reduce_op: Any) -> Any:
