@@ -7,6 +7,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 from torchloom import ConfigurationError, Loom
 from torchloom.environments import LocalEnvironment, SLURMEnvironment, TorchElasticEnvironment
@@ -162,3 +163,25 @@ def test_concurrent_steps_of_one_job_meet_on_different_ports(launched):
     assert all(ports[step, "0"] == ports[step, "3"] for step in ("0", "1", "2"))
     assert len({ports[step, "0"] for step in ("0", "1", "2")}) == 3
     assert all(10000 <= port < 30000 for port in ports.values())
+
+
+# ---- a notebook: a second Loom after a one-process run that was never closed ---------------------------------------
+def _world_size(loom: Loom) -> int:
+    return loom.world_size
+
+
+def test_a_later_loom_is_not_fooled_by_the_variables_an_unclosed_one_process_run_set(launched):
+    """A one-process DDP run exports RANK/WORLD_SIZE/... for its group; left unclosed (a notebook cell), those
+    variables must not make the next Loom(devices=2) believe torchrun started it: it starts its 2 ranks."""
+    launched()
+    first = Loom(accelerator="cpu", devices=1, strategy="ddp")
+    first.launch()
+    first.setup_module(torch.nn.Linear(2, 2))
+    assert os.environ.get("RANK") == "0"  # what the first run exported, still there
+    second = Loom(accelerator="cpu", devices=2, strategy="ddp")
+    assert isinstance(second._strategy.cluster_environment, LocalEnvironment)
+    assert second.launch(_world_size) == 2
+    # Variables a launcher set are still the launcher's, even where a one-process Loom exports the same.
+    launched(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    assert TorchElasticEnvironment.detect()
+    first.close()

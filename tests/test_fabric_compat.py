@@ -885,3 +885,43 @@ def test_unwrap_and_is_wrapped():
         out["model"] is module and out["rest"][0] is optimizer and out["rest"][1][0] is wrapped_loader.loader
     )
     assert out["rest"][1][1] == 5 and unwrap(module) is module
+
+
+@pytest.mark.parametrize("move_to_device", [True, False])
+def test_loader_device_is_fabrics(move_to_device):
+    """`loader.device` on a loader from setup_dataloaders: where batches go, None when they stay put; the
+    same value Fabric's loader reports, side by side."""
+    from lightning.fabric import Fabric
+
+    data = torch.utils.data.DataLoader(list(range(4)))
+    theirs = Fabric(accelerator="cpu", devices=1).setup_dataloaders(data, move_to_device=move_to_device)
+    ours = Loom(accelerator="cpu", devices=1).setup_dataloaders(data, move_to_device=move_to_device)
+    assert ours.device == theirs.device
+    assert (ours.device is None) is (not move_to_device)
+
+
+# ---- Fabric's subclass entry point and deprecated context ------------------------------------------------------
+class _Job(Loom):
+    def run(self, scale: float) -> tuple[float, int]:
+        total = self.all_reduce(torch.tensor([float(self.global_rank + 1)]), reduce_op="sum")
+        return float(total) * scale, self.world_size
+
+
+@pytest.mark.timeout(300)
+def test_an_overridden_run_is_launched_on_every_rank():
+    """As with a Fabric subclass: `loom.run(...)` starts the ranks and runs the override on each."""
+    assert _Job(accelerator="cpu", devices=2, strategy="ddp").run(10.0) == (30.0, 2)
+    assert _Job(accelerator="cpu", devices=1).run(scale=2.0) == (2.0, 1)
+    assert Loom(accelerator="cpu").run(1) is None  # not overridden: nothing, as Fabric's
+
+
+def test_sharded_model_is_init_module_and_deprecated_as_in_fabric():
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    with pytest.warns(DeprecationWarning, match="init_module"), fabric.sharded_model():
+        theirs = nn.Linear(2, 2)
+    loom = Loom(accelerator="cpu", devices=1, precision="bf16-true")
+    with pytest.warns(DeprecationWarning, match="init_module"), loom.sharded_model():
+        ours = nn.Linear(2, 2)
+    assert theirs.weight.dtype == torch.float32 and ours.weight.dtype == torch.bfloat16  # init_module's dtype

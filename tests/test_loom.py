@@ -178,17 +178,41 @@ def test_devices_must_match_an_external_launcher(monkeypatch):
 
 
 # ---- misuse ------------------------------------------------------------------------------------------------
-def test_optimizer_with_parameters_of_no_setup_module():
+def test_an_optimizer_or_model_set_up_in_any_order_or_twice_in_one_process():
+    """What Fabric accepts: the optimizer before its model, and the same model set up again (a notebook cell run
+    twice), which gives the same LoomModule rather than a second wrapping; an optimizer set up twice is refused."""
     loom = Loom(accelerator="cpu")
-    model = loom.setup_module(Net())
-    stray = nn.Parameter(torch.zeros(3))
-    with pytest.raises(MisuseError, match=r"1 parameter\(s\) that belong to no module"):
-        loom.setup_optimizers(torch.optim.SGD([*model.parameters(), stray], lr=0.1))
-    with pytest.raises(MisuseError, match=r"4 parameter\(s\)"):
-        loom.setup_optimizers(torch.optim.SGD(Net().parameters(), lr=0.1))
-    opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    net = Net()
+    optimizer = loom.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
+    model = loom.setup_module(net)
+    assert loom.setup_module(net) is model
+    before = [p.detach().clone() for p in net.parameters()]
+    loom.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
     with pytest.raises(MisuseError, match="twice"):
-        loom.setup_optimizers(opt)
+        loom.setup_optimizers(optimizer)
+
+
+def _optimizer_first(rank: int, world_size: int) -> list[float]:
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
+    loom.launch()
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = loom.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
+    model = loom.setup_module(net)
+    loom.backward(model(torch.full((2, 4), float(rank))).sum())
+    optimizer.step()
+    out = [p.detach().sum().item() for p in net.parameters()]
+    loom.close()
+    return out
+
+
+def test_ddp_optimizer_set_up_before_its_model_averages_gradients():
+    from harness import run_ranks
+
+    first, second = run_ranks(_optimizer_first, 2)
+    assert first == second  # gradients averaged: the ranks did not drift apart
 
 
 def test_clip_gradients_single_process_matches_torch():
@@ -448,8 +472,8 @@ def _rank_body(rank: int, world_size: int) -> dict:
     out["attribute"] = (wrapped.label, wrapped.describe())
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     out["forward"] = (x, wrapped(x).detach())
-    with pytest.raises(MisuseError, match="twice"):
-        loom.setup_module(model)
+    # Set up again (a notebook cell run twice): the same DDP wrapper, not a second one stacked on it.
+    assert loom.setup_module(model) is wrapped
     # Data: shuffle kept, epochs reshuffle, ranks disjoint.
     dataset = TensorDataset(torch.arange(24))
     shuffled, ordered, whole = loom.setup_dataloaders(

@@ -460,15 +460,14 @@ def init_module_before_launch(tmp: Path) -> None:
 
 
 # ---- models and optimizers ---------------------------------------------------------------------------------
-@mistake(MisuseError, "setup_module was called twice on the same module", "keep the returned LoomModule")
-def setup_module_twice(tmp: Path) -> None:
-    loom = launched()
+@mistake(MisuseError, "setup_module was given a model that another Loom set up", "Build the model again")
+def setup_module_of_another_looms_model(tmp: Path) -> None:
     model = Tiny()
-    loom.setup_module(model)
-    loom.setup_module(model)
+    launched().setup_module(model)
+    launched().setup_module(model)
 
 
-@mistake(MisuseError, "setup_module was called twice on the same module", "keep the returned LoomModule")
+@mistake(MisuseError, "setup_module was given a LoomModule", "keep using the LoomModule")
 def setup_module_of_its_result(tmp: Path) -> None:
     loom = launched()
     loom.setup_module(loom.setup_module(Tiny()))
@@ -497,16 +496,6 @@ def setup_optimizers_of_a_model(tmp: Path) -> None:
 def setup_optimizers_twice(tmp: Path) -> None:
     loom, model = setup_model()
     loom.setup_optimizers(loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1)))
-
-
-@mistake(
-    MisuseError,
-    "updates 6 parameter(s) that belong to no module set up",
-    "build the optimizer from model.parameters()",
-)
-def optimizer_of_a_module_not_set_up(tmp: Path) -> None:
-    loom, model = setup_model()
-    loom.setup_optimizers(torch.optim.SGD([*model.parameters(), *Tiny().parameters()], lr=0.1))
 
 
 @mistake(
@@ -768,6 +757,20 @@ def fsdp2_optimizer_made_before_setup(tmp: Path) -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model = loom.setup_module(model)
     loom.setup_optimizers(optimizer)
+
+
+@mistake(
+    MisuseError,
+    "updates 6 parameter(s) that belong to no module set up with loom.setup_module; with 2 processes",
+    "Set up the model they belong to",
+    ranks=True,
+)
+def ddp_optimizer_of_a_module_never_set_up(tmp: Path) -> None:
+    loom = launched(devices=2, strategy="ddp")
+    model = loom.setup_module(Tiny())
+    optimizer = loom.setup_optimizers(torch.optim.SGD([*model.parameters(), *Tiny().parameters()], lr=0.1))
+    loom.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
 
 
 @mistake(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import random
 
@@ -52,7 +53,26 @@ def test_seed_everything_workers_false_turns_it_off(monkeypatch):
 
 def test_seed_everything_without_a_seed(monkeypatch):
     monkeypatch.delenv("TORCHLOOM_SEED", raising=False)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     with pytest.warns(UserWarning, match="using 0"):
         assert seed_everything() == 0
     seed_everything(11)
     assert seed_everything() == 11
+
+
+@pytest.mark.parametrize("workers", [None, True, False])
+def test_seed_everything_exports_what_fabric_exports(monkeypatch, workers):
+    """Scripts written for Fabric read `PL_GLOBAL_SEED` / `PL_SEED_WORKERS`: torchloom's seed_everything
+    leaves them as Fabric's does (compared side by side with lightning's own)."""
+    from lightning.fabric import Fabric
+
+    names = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+    for name in (*names, "TORCHLOOM_SEED", SEED_WORKERS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    Fabric.seed_everything(123, workers=workers, verbose=False)
+    fabric_env = {name: os.environ.pop(name, None) for name in names}
+    seed_everything(123, workers=workers, verbose=False)
+    assert {name: os.environ.get(name) for name in names} == fabric_env
+    # A later call without a seed reuses it, whichever library exported it.
+    monkeypatch.delenv("TORCHLOOM_SEED")
+    assert seed_everything(verbose=False) == 123

@@ -263,3 +263,67 @@ def test_mixed_group_split_is_computed_once_per_set_of_groups(monkeypatch):
     opt.param_groups[1]["params"] = params[:1]  # replaced list: scanned again
     with wrappers._kinds_apart(opt):
         assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 1]
+
+
+# ---- a DataLoader subclass stays itself ------------------------------------------------------------------------
+class _Scaling(torch.utils.data.DataLoader):
+    """A loader whose own __iter__ transforms batches, with an argument of its own."""
+
+    def __init__(self, dataset, factor: int, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.factor = factor
+
+    def __iter__(self):
+        return (batch * self.factor for batch in super().__iter__())
+
+
+class _Forgetful(torch.utils.data.DataLoader):
+    def __init__(self, dataset, factor: int, **kwargs):  # factor is not kept anywhere
+        super().__init__(dataset, **kwargs)
+
+
+class _Fixed(torch.utils.data.DataLoader):
+    def __init__(self, dataset, batch_size: int = 2):  # no way to pass a sampler in
+        super().__init__(dataset, batch_size=batch_size)
+
+
+def _scaled_batches(rank: int, world_size: int) -> list[list[int]]:
+    from torchloom import Loom
+
+    loom = Loom(accelerator="cpu", devices=world_size)
+    loom.launch()
+    loader = loom.setup_dataloaders(_Scaling(torch.arange(8), factor=10, batch_size=2))
+    assert isinstance(loader.loader, _Scaling)
+    batches = [batch.tolist() for batch in loader]
+    loom.close()
+    return batches
+
+
+def test_a_dataloader_subclass_is_rebuilt_as_itself():
+    """Its __iter__ still runs: in one process the batches are Fabric's (side by side), on 2 ranks each rank
+    gets its half, transformed."""
+    from lightning.fabric import Fabric
+
+    fabric_loader = Fabric(accelerator="cpu", devices=1).setup_dataloaders(
+        _Scaling(torch.arange(8), factor=10, batch_size=2)
+    )
+    theirs = [batch.tolist() for batch in fabric_loader]
+    assert _scaled_batches(0, 1) == theirs == [[0, 10], [20, 30], [40, 50], [60, 70]]
+    from harness import run_ranks
+
+    first, second = run_ranks(_scaled_batches, 2)
+    assert sorted(x for batch in first + second for x in batch) == list(range(0, 80, 10))
+    assert len(first) == len(second) == 2
+
+
+@pytest.mark.parametrize(
+    ("cls", "says"), [(_Forgetful, "'factor' is not an attribute"), (_Fixed, "takes no 'sampler'")]
+)
+def test_a_dataloader_subclass_that_cannot_be_rebuilt_is_refused(cls, says):
+    from torchloom import Loom, MisuseError
+
+    loom = Loom(accelerator="cpu", devices=1)
+    loader = cls(torch.arange(8), 3) if cls is _Forgetful else cls(torch.arange(8))
+    with pytest.raises(MisuseError, match=says):
+        loom.setup_dataloaders(loader)
+    assert loom.setup_dataloaders(loader, use_distributed_sampler=False).loader is loader

@@ -461,6 +461,11 @@ class LoomDataLoader:
         dataset.load_state_dict(mine)
         self._epoch = int(state.get("epoch", 0))
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are moved (None with `setup_dataloaders(..., move_to_device=False)`), as Fabric's."""
+        return self._device
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 

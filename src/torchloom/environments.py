@@ -59,15 +59,28 @@ class ClusterEnvironment:
         }
         previous = {key: os.environ.get(key) for key in values}
         os.environ.update(values)
+        if all(value is None for value in previous.values()):
+            _OWN_EXPORT.clear()
+            _OWN_EXPORT.update(values)
         return previous
 
     def __repr__(self) -> str:
         return type(self).__name__
 
 
+# The rank variables this process set itself, where nothing had set them before (a one-process DDP or FSDP
+# run): a later Loom in the same process (a notebook cell) must not take them for a launcher's.
+_OWN_EXPORT: dict[str, str] = {}
+
+
+def _set_by_this_process() -> bool:
+    return bool(_OWN_EXPORT) and all(os.environ.get(key) == value for key, value in _OWN_EXPORT.items())
+
+
 def restore_environment(previous: dict[str, str | None]) -> None:
     """Undo `ClusterEnvironment.export`. A process that ran a one-process sharded job (a notebook, a test) must
     not look like a rank of a torchrun job to the next `Loom` it creates."""
+    _OWN_EXPORT.clear()
     for key, value in previous.items():
         if value is None:
             os.environ.pop(key, None)
@@ -82,6 +95,8 @@ class TorchElasticEnvironment(ClusterEnvironment):
     def detect() -> bool:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             return True
+        if _set_by_this_process():
+            return False
         return all(
             k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
         )

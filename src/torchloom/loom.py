@@ -7,6 +7,7 @@ import functools
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -198,6 +199,25 @@ class Loom:
             fn = functools.partial(fn, **kwargs)  # picklable when fn is
         return launcher.launch_function(self, fn, args, *where)
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Fabric's subclass entry point. Override `run` in a subclass of Loom and call `loom.run(...)`: the
+        ranks are started as `launch` starts them and your `run(*args, **kwargs)` runs on each (the subclass
+        must be importable, as `launch`'s function must); rank 0's result is returned. Not overridden, it does
+        nothing."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        user_run = cls.__dict__.get("run")
+        if user_run is None:
+            return
+        cls._user_run = user_run
+
+        @functools.wraps(user_run)
+        def run(self: Loom, *args: Any, **kwargs: Any) -> Any:
+            return self.launch(_run_users_run, *args, **kwargs)
+
+        cls.run = run  # type: ignore[method-assign]
+
     def _setup_rank(self) -> None:
         # In a rank started by an elastic agent, the environment it inherited from its parent's Loom is stale.
         if TorchElasticEnvironment.detect() and not isinstance(
@@ -253,6 +273,16 @@ class Loom:
             )
 
     # ---- models, optimizers, data ----------------------------------------------------------------------------
+    def sharded_model(self) -> contextlib.AbstractContextManager[None]:
+        """Deprecated, as in Fabric: use `init_module()`, which this is (modules created inside land on
+        `loom.device` in the precision's dtype, and `wrap()` makes units under strategy='fsdp')."""
+        warnings.warn(
+            "loom.sharded_model() is deprecated, as in Fabric: use loom.init_module().",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.init_module()
+
     @contextlib.contextmanager
     def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Create modules directly on `loom.device` in the precision's dtype. With `empty_init=True`, sharding
@@ -291,11 +321,21 @@ class Loom:
         A model from `torch.compile` is set up as the module it compiled, and the strategy's wrapper is compiled
         the same way (backend, mode, options): the returned model's forward runs compiled; `.module` is the
         uncompiled model and checkpoints use its names."""
-        if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
+        if isinstance(module, LoomModule):
             raise MisuseError(
-                "setup_module was called twice on the same module. Set up each model once and keep the returned "
-                "LoomModule."
+                "setup_module was given a LoomModule, which is set up already: pass the model itself, or keep "
+                "using the LoomModule that setup_module returned."
             )
+        if getattr(module, SETUP_MARK, False):
+            earlier = next((m for m in self._modules if m.module is module), None)
+            if earlier is None:
+                raise MisuseError(
+                    "setup_module was given a model that another Loom set up (and wrapped or sharded for its "
+                    "own processes). Build the model again for this Loom, or keep using the first one."
+                )
+            # The same model set up again on this Loom (a notebook cell run twice): wrapping or sharding it a
+            # second time would stack a second DDP or FSDP over the first, so it gets the same LoomModule.
+            return earlier
         if not isinstance(module, nn.Module):
             raise MisuseError(
                 f"setup_module expects a torch.nn.Module, got {type(module).__name__}. Pass the model itself "
@@ -361,16 +401,27 @@ class Loom:
                     "setup_module: `model = loom.setup_module(model); optimizer = torch.optim.AdamW(model.parameters())"
                     "`, or pass both to `loom.setup(model, optimizer)`, which rebinds a fresh optimizer for you."
                 )
-            if stray:
-                raise MisuseError(
-                    f"The optimizer {type(optimizer).__name__} updates {stray} parameter(s) that belong to no module "
-                    "set up with loom.setup_module. Call setup_module(model) first and build the optimizer from "
-                    "model.parameters()."
-                )
             if self._strategy.replaces_parameters:
                 self._check_one_owner(optimizer, params)
-            out.append(LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks))
+            wrapped = LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks)
+            if stray and self._strategy.is_distributed:
+                # As in Fabric, the model may be set up after its optimizer (the parameters stay the same
+                # objects without sharding); by the first step it must be, or those parameters' gradients
+                # would never be averaged and the ranks would drift apart.
+                wrapped.before_first_step(functools.partial(self._check_no_strays, optimizer))
+            out.append(wrapped)
         return out
+
+    def _check_no_strays(self, optimizer: Optimizer) -> None:
+        known = {id(p) for m in self._modules for p in m.module.parameters()}
+        stray = sum(id(p) not in known for group in optimizer.param_groups for p in group["params"])
+        if stray:
+            raise MisuseError(
+                f"The optimizer {type(optimizer).__name__} updates {stray} parameter(s) that belong to no module "
+                f"set up with loom.setup_module; with {self.world_size} processes their gradients would never be "
+                "averaged and the ranks would drift apart. Set up the model they belong to (before or after the "
+                "optimizer, but before the first step)."
+            )
 
     def _check_one_owner(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
         """Under sharding, an optimizer's state is saved and loaded by the parameter names of the one set-up
@@ -547,8 +598,9 @@ class Loom:
         """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
 
         `filter` (Fabric's): for some entries of `state`, a function `(name, value) -> bool` that keeps only the
-        matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`. Full
-        checkpoints only; load such an entry back with `strict=False`.
+        matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`; an entry
+        whose filter keeps nothing is not saved (as in Fabric). Both formats; a sharded checkpoint refuses a
+        filter on an optimizer (its state loads only whole). Load a filtered model back with `strict=False`.
 
         The format is the strategy's: one file (single device, DDP, FSDP with state_dict_type="full") or a
         directory of shards (FSDP's default "sharded"). It is written beside `path` under a temporary name,
@@ -778,6 +830,11 @@ class Loom:
             f"Loom(strategy={self._strategy!r}, device={self.device}, world_size={self.world_size}, "
             f"precision={self._strategy.precision})"
         )
+
+
+def _run_users_run(loom: Loom, *args: Any, **kwargs: Any) -> Any:
+    """What `Loom.run` runs on every rank: the subclass's own `run`."""
+    return type(loom)._user_run(loom, *args, **kwargs)
 
 
 def _not_an_op(group: Any, reduce_op: Any) -> Any:

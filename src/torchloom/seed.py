@@ -16,6 +16,9 @@ from torch.utils.data import DataLoader
 
 SEED_ENV = "TORCHLOOM_SEED"
 SEED_WORKERS_ENV = "TORCHLOOM_SEED_WORKERS"
+# Lightning's names for the same two values: Fabric scripts (and libraries written for them) read these.
+_LIGHTNING_SEED_ENV = "PL_GLOBAL_SEED"
+_LIGHTNING_WORKERS_ENV = "PL_SEED_WORKERS"
 
 # Objects told when `seed_everything` runs (their `_reseeded()` is called): a Loom numbers the loaders it sets up
 # from the last seeding, so seeding again replays the same orders, as it does in plain PyTorch.
@@ -30,20 +33,23 @@ def on_reseed(listener: Any) -> None:
 def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
     """Seed Python's `random`, NumPy (if installed) and torch (CPU and every GPU); returns the seed.
 
-    With no `seed`, the one exported by an earlier call (`TORCHLOOM_SEED`), else 0 (with a warning when
-    `verbose`). The seed is exported as `TORCHLOOM_SEED`, so ranks started later by `loom.launch()` see it.
+    With no `seed`, the one exported by an earlier call (`TORCHLOOM_SEED`, else Lightning's `PL_GLOBAL_SEED`),
+    else 0 (with a warning when `verbose`). The seed is exported as `TORCHLOOM_SEED`, so ranks started later by
+    `loom.launch()` see it, and under Lightning's names (`PL_GLOBAL_SEED`, `PL_SEED_WORKERS`) as Fabric's
+    `seed_everything` exports it, for scripts that read those.
     `workers=False` stops `setup_dataloaders` from seeding DataLoader workers per rank and worker (see
     `seed_worker`); the default (None or True) seeds them, as Fabric's `seed_everything` does.
     """
     if seed is None:
-        seed = int(os.environ.get(SEED_ENV, 0))
-        if SEED_ENV not in os.environ and verbose:
+        seed = global_seed()
+        if not {SEED_ENV, _LIGHTNING_SEED_ENV} & set(os.environ) and verbose:
             warnings.warn("seed_everything() got no seed and none was set before: using 0.", stacklevel=2)
     seed = int(seed)
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
-    os.environ[SEED_ENV] = str(seed)
-    os.environ[SEED_WORKERS_ENV] = "0" if workers is False else "1"
+    seed_workers = "0" if workers is False else "1"
+    os.environ[SEED_ENV] = os.environ[_LIGHTNING_SEED_ENV] = str(seed)
+    os.environ[SEED_WORKERS_ENV] = os.environ[_LIGHTNING_WORKERS_ENV] = seed_workers
     random.seed(seed)
     try:
         import numpy as np
@@ -61,7 +67,7 @@ def global_seed() -> int:
     """The seed the last `seed_everything` exported: torchloom's (`TORCHLOOM_SEED`), else Lightning's
     (`PL_GLOBAL_SEED`, for a Fabric script that still calls `lightning.seed_everything`), else 0. Samplers set up
     by `setup_dataloaders` shuffle with it, as Fabric's do with its own."""
-    for name in (SEED_ENV, "PL_GLOBAL_SEED"):
+    for name in (SEED_ENV, _LIGHTNING_SEED_ENV):
         if name in os.environ:
             return int(os.environ[name])
     return 0

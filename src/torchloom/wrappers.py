@@ -279,7 +279,14 @@ class LoomOptimizer:
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self._optimizer.defaults
 
+    def before_first_step(self, check: Callable[[], None]) -> None:
+        """Run `check` at the first `step()` (it raises to refuse the step)."""
+        self.__dict__["_first_step_check"] = check
+
     def step(self, closure: Any = None) -> Any:
+        check = self.__dict__.pop("_first_step_check", None)
+        if check is not None:
+            check()
         kwargs = {} if closure is None else {"closure": closure}
         with _kinds_apart(self._optimizer):
             output = self._precision.optimizer_step(self._optimizer, **kwargs)
@@ -603,8 +610,57 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
     elif os.environ.get(SEED_WORKERS_ENV) != "0":
         # Workers' random streams would depend on which batches each happened to load: seed every sample.
         dataset, sampler.keyed = SeededPerSample(dataset), True
-    rebuilt = DataLoader(dataset, sampler=sampler, **kwargs)
+    rebuilt = _rebuild(loader, dataset, sampler, kwargs)
     rebuilt._torchloom_generator = own_generator  # type: ignore[attr-defined]
+    return rebuilt
+
+
+def _rebuild(
+    loader: DataLoader, dataset: Any, sampler: DistributedSampler, kwargs: dict[str, Any]
+) -> DataLoader:
+    """A loader of the user's class reading `dataset` through `sampler`. A DataLoader subclass (one whose
+    `__iter__` transforms batches, say) is rebuilt as itself: each argument of its `__init__` is the one torchloom
+    sets, else the loader's attribute of the same name, else its default. One that cannot be rebuilt so is
+    refused: a plain DataLoader in its place would silently drop what the subclass does."""
+    cls = type(loader)
+    if cls is DataLoader:
+        return DataLoader(dataset, sampler=sampler, **kwargs)
+    ours = {"dataset": dataset, "sampler": sampler, **kwargs}
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    args: dict[str, Any] = {}
+    for param in params:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.name in ours:
+            args[param.name] = ours[param.name]
+        elif hasattr(loader, param.name):
+            args[param.name] = getattr(loader, param.name)
+        elif param.default is param.empty:
+            raise MisuseError(
+                f"setup_dataloaders must rebuild your {cls.__name__} with a sampler that splits the data across "
+                f"ranks, but its __init__ argument {param.name!r} is not an attribute of the loader, so its value "
+                f"is unknown. Store it as `self.{param.name}` in __init__, or shard the data yourself and pass "
+                "use_distributed_sampler=False."
+            )
+    if takes_any:
+        args.update({k: v for k, v in ours.items() if k not in named})
+    missing = [k for k in ("dataset", "sampler") if k not in args]
+    if missing:
+        raise MisuseError(
+            f"setup_dataloaders must rebuild your {cls.__name__} with a sampler that splits the data across ranks, "
+            f"but its __init__ takes no {' or '.join(repr(k) for k in missing)} argument to pass it through. "
+            "Accept and pass on the DataLoader's arguments (e.g. **kwargs), or shard the data yourself and pass "
+            "use_distributed_sampler=False."
+        )
+    rebuilt = cls(**args)
+    if rebuilt.sampler is not sampler:
+        raise MisuseError(
+            f"setup_dataloaders rebuilt your {cls.__name__} with a sampler that splits the data across ranks, but "
+            "its __init__ did not use it. Pass `sampler` on to DataLoader.__init__, or shard the data yourself and "
+            "pass use_distributed_sampler=False."
+        )
     return rebuilt
 
 

@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from torch import nn
 from torchloom.checkpointing import atomic, full, hf, record
 from torchloom.checkpointing._interface import ScalerState, StateAccess
 from torchloom.checkpointing.state import (
-    STATEFUL,
+    OPTIMIZER,
+    POSITIONAL_OPTIMIZER,
     Entry,
     collect,
     is_resume,
@@ -135,18 +137,31 @@ class Checkpointer:
         }
 
     def _filtered(self, entries: dict[str, Entry], filter: dict[str, Filter], fmt: str) -> dict[str, Entry]:
-        if fmt != "full":
-            raise MisuseError(
-                "save(..., filter=) works with full checkpoints (one file). With FSDP, pass "
-                "state_dict_type='full' to the strategy, or save everything and filter when loading."
-            )
+        """`entries` with each filtered one collected (every rank takes part: gathering may be a collective) and
+        cut down to the items its filter keeps; an entry whose filter keeps nothing is left out, as Fabric does.
+        A filtered module keeps its kind, so a sharded checkpoint stores it sharded and loads it back (with
+        strict=False where items were left out)."""
         unknown = [k for k in filter if k not in entries]
         if unknown:
             raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
+        if fmt == "sharded":
+            optimizers = [k for k in filter if entries[k].kind in (OPTIMIZER, POSITIONAL_OPTIMIZER)]
+            if optimizers:
+                raise MisuseError(
+                    f"save(..., filter=) on optimizer entries {optimizers}: a sharded checkpoint stores an "
+                    "optimizer's state whole (its items are its state and param groups, which load only "
+                    "together). Filter the model's entry, or save a full checkpoint (state_dict_type='full')."
+                )
         out = dict(entries)
         for key, keep in filter.items():
-            # Recorded as an object with state: what it holds is not the whole module's or optimizer's state.
-            out[key] = Entry(STATEFUL, _Filtered(self._io, entries[key], keep))
+            entry = entries[key]
+            value = collect(self._io, entry, full=fmt == "full")
+            if isinstance(value, dict):
+                value = {k: v for k, v in value.items() if keep(k, v)}
+                if not value:
+                    del out[key]
+                    continue
+            out[key] = replace(entry, collected=value)
         return out
 
     # ---- plain and Hugging Face files ------------------------------------------------------------------------
@@ -218,20 +233,3 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - the process is ending; say so, with the whole story
                 print("torchloom: the last asynchronous save failed:", file=sys.stderr)
                 traceback.print_exc(file=sys.stderr)
-
-
-class _Filtered:
-    """An entry of `save(..., filter=)`: its state dict (collected as save would) with only the items `keep`
-    accepts."""
-
-    def __init__(self, io: StateAccess, entry: Entry, keep: Filter) -> None:
-        self._io, self._entry, self._keep = io, entry, keep
-
-    def state_dict(self) -> Any:
-        collected = collect(self._io, self._entry, full=True)
-        if not isinstance(collected, dict):
-            return collected
-        return {k: v for k, v in collected.items() if self._keep(k, v)}
-
-    def load_state_dict(self, state_dict: Any) -> None:  # only so that it counts as an object with state
-        raise NotImplementedError

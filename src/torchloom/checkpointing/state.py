@@ -83,6 +83,8 @@ class Entry:
     kind: str
     obj: Any
     owner: nn.Module | None = None
+    #: The entry's saveable value, collected already (`save(..., filter=)` collects and filters it first).
+    collected: Any = None
 
 
 def resolve(state: dict[str, Any], modules: Iterable[nn.Module] = ()) -> dict[str, Entry]:
@@ -152,6 +154,8 @@ def check_state_arg(state: Any) -> None:
 def collect(io: StateAccess, entry: Entry, full: bool = True) -> Any:
     """One entry as a saveable value. With `full=False`, modules and optimizers stay sharded (DTensors) for
     `torch.distributed.checkpoint`."""
+    if entry.collected is not None:
+        return entry.collected
     if entry.kind == MODULE:
         return io.module_state_dict(entry.obj, full=full)
     if entry.kind == OPTIMIZER:
