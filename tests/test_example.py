@@ -71,7 +71,9 @@ def test_readme_script_trains_and_resumes(tmp_path):
     assert float(_losses(reference)[50]) < 0.5 * float(_losses(reference)[10]), "the script should learn"
     assert (interrupted / "checkpoint" / ".metadata").exists()
 
-    proc, token = run_job([PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py"], 240, cwd=interrupted)
+    proc, token = run_job(
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py"], 240, cwd=interrupted
+    )
     assert proc.returncode == 0, proc.stdout
     assert wait_no_strays(token) == []
     assert "resumed at step 30" in proc.stdout, proc.stdout
