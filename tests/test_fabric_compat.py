@@ -885,3 +885,13 @@ def test_unwrap_and_is_wrapped():
         out["model"] is module and out["rest"][0] is optimizer and out["rest"][1][0] is wrapped_loader.loader
     )
     assert out["rest"][1][1] == 5 and unwrap(module) is module
+
+
+def test_fabric_refuses_fsdp_on_cpu_where_torchloom_configures_it():
+    """README's comparison table, row "FSDP on CPU": Lightning Fabric refuses it, torchloom configures it (the
+    FSDP tests then train with it on 2 CPU ranks)."""
+    fabric = pytest.importorskip("lightning.fabric")
+    with pytest.raises(ValueError, match="only available on GPU"):
+        fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+    for strategy in ("fsdp", "fsdp2"):
+        assert Loom(accelerator="cpu", devices=2, strategy=strategy).world_size == 2
