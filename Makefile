@@ -43,7 +43,7 @@ install-check:
 # The documentation site (docs/, mkdocs.yml) into site/, strictly: a broken link, a missing page or a docstring
 # the API reference cannot read fails the build.
 docs: $(VENV)/.installed-docs
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests examples
