@@ -75,7 +75,12 @@ ALL_BLOCKS = [block for path in _doc_files() for block in _blocks(path)]
 
 def test_every_python_block_runs_or_says_why():
     assert len(ALL_BLOCKS) > 10, "the parser found too few Python blocks"
-    problems = []
+    problems = [
+        f"{path.relative_to(REPO)}:{number}: write Python blocks as a bare ```python fence, so they are run"
+        for path in _doc_files()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.match(r"^\s*```\s*(py|python)", line, re.I) and not FENCE.match(line)
+    ]
     for block in ALL_BLOCKS:
         if block.kind == "not-run" and len(block.arg.split()) < 2:
             problems.append(f"{block.where}: `not-run:` needs a reason")
