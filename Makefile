@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint gpu-check install-check
+.PHONY: demo test lint docs gpu-check install-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ gpu-check:
 # here. A few minutes, most of it installing torch; .ci/run runs it after the suite.
 install-check:
 	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash tests/install/install_check.sh
+
+# The documentation site (docs/, mkdocs.yml) into site/, strictly: a broken link, a missing page or a docstring
+# the API reference cannot read fails the build.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests examples

@@ -1,8 +1,10 @@
-"""The demo example (`make demo`) runs as a real 2-rank job, trains, and leaves a checkpoint plain torch reads."""
+"""The examples run as real 2-rank jobs: examples/train_ddp.py, and README.md's script as written (train, stop,
+resume, compared with an uninterrupted run)."""
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from harness import PYTHON, REPO, run_job, wait_no_strays
@@ -34,29 +36,47 @@ def test_train_ddp_example(tmp_path):
     assert f"saved {out}" in proc.stdout
 
 
-def test_readme_example_runs(tmp_path):
-    """The training loop shown in README.md runs as written, on 2 ranks, and saves its checkpoint."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## A training loop", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "train.py").write_text(code)
-    proc, token = run_job([PYTHON, "train.py"], timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout
-    assert wait_no_strays(token) == []
-    losses = [float(x) for x in re.findall(r"^epoch \d: loss ([\d.]+)$", proc.stdout, re.M)]
-    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2
+def _readme_script() -> str:
+    """The one Python block of README.md (test_docs.py checks that it names this test)."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert len(blocks) == 1, "README.md should hold exactly one Python block, the complete script"
+    return blocks[0]
 
 
-def test_readme_fsdp_example_runs(tmp_path):
-    """The FSDP example in README.md runs as written on 2 ranks and writes a sharded checkpoint."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## FSDP", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "train.py").write_text(code)
-    proc, token = run_job([PYTHON, "train.py"], timeout=120, cwd=tmp_path)
+def _losses(out: str) -> dict[int, str]:
+    return dict((int(s), loss) for s, loss in re.findall(r"^step (\d+): loss ([\d.]+)$", out, re.M))
+
+
+def test_readme_script_trains_and_resumes(tmp_path):
+    """README.md's FSDP2 script, as written, under the three launch commands the README shows: stopped at step 30
+    and resumed, it prints the losses of an uninterrupted run to every digit, and leaves a sharded checkpoint."""
+    script = _readme_script()
+    interrupted, whole = tmp_path / "interrupted", tmp_path / "whole"
+    for folder in (interrupted, whole):
+        folder.mkdir()
+        (folder / "train.py").write_text(script)
+    jobs = [
+        ([PYTHON, "train.py", "--steps", "30"], interrupted),
+        ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], whole),
+    ]
+    # The stopped run and the uninterrupted reference are independent jobs: run them side by side.
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda job: run_job(job[0], timeout=240, cwd=job[1]), jobs))
+    for proc, token in results:
+        assert proc.returncode == 0, proc.stdout
+        assert wait_no_strays(token) == []
+    first, reference = results[0][0].stdout, results[1][0].stdout
+    assert "the root is not a unit" in first and "replicated on every rank" in first, first
+    assert sorted(_losses(first)) == [10, 20, 30] and sorted(_losses(reference)) == [10, 20, 30, 40, 50]
+    assert float(_losses(reference)[50]) < 0.5 * float(_losses(reference)[10]), "the script should learn"
+    assert (interrupted / "checkpoint" / ".metadata").exists()
+
+    proc, token = run_job(
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py"], 240, cwd=interrupted
+    )
     assert proc.returncode == 0, proc.stdout
     assert wait_no_strays(token) == []
-    assert "done, last gradient norm" in proc.stdout
-    assert "the root is not a unit" in proc.stdout and "replicated on every rank" in proc.stdout
-    assert (tmp_path / "ckpt" / ".metadata").exists()
+    assert "resumed at step 30" in proc.stdout, proc.stdout
+    resumed = _losses(proc.stdout)
+    assert sorted(resumed) == [40, 50], proc.stdout
+    assert resumed == {step: _losses(reference)[step] for step in (40, 50)}, (proc.stdout, reference)

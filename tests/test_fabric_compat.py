@@ -925,3 +925,13 @@ def test_sharded_model_is_init_module_and_deprecated_as_in_fabric():
     with pytest.warns(DeprecationWarning, match="init_module"), loom.sharded_model():
         ours = nn.Linear(2, 2)
     assert theirs.weight.dtype == torch.float32 and ours.weight.dtype == torch.bfloat16  # init_module's dtype
+
+
+def test_fabric_refuses_fsdp_on_cpu_where_torchloom_configures_it():
+    """README's comparison table, row "FSDP on CPU": Lightning Fabric refuses it, torchloom configures it (the
+    FSDP tests then train with it on 2 CPU ranks)."""
+    fabric = pytest.importorskip("lightning.fabric")
+    with pytest.raises(ValueError, match="only available on GPU"):
+        fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
+    for strategy in ("fsdp", "fsdp2"):
+        assert Loom(accelerator="cpu", devices=2, strategy=strategy).world_size == 2

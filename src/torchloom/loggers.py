@@ -55,24 +55,30 @@ class Logger:
 
     @property
     def name(self) -> str | None:
+        """The experiment's name (None by default)."""
         return None
 
     @property
     def version(self) -> int | str | None:
+        """The run's version (None by default)."""
         return None
 
     @property
     def root_dir(self) -> str | None:
+        """The directory the logger writes under (None by default)."""
         return None
 
     @property
     def log_dir(self) -> str | None:
+        """The directory of this run's files (None by default)."""
         return None
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Record scalar `metrics` at `step`; the one method a subclass must implement."""
         raise NotImplementedError
 
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """Record the run's hyperparameters; raises `NotImplementedError` unless a subclass implements it."""
         raise NotImplementedError(f"{type(self).__name__} does not record hyperparameters.")
 
     def log_graph(self, model: torch.nn.Module, input_array: Any = None) -> None:

@@ -135,30 +135,37 @@ class Loom:
     # ---- where this rank is ----------------------------------------------------------------------------------
     @property
     def strategy(self) -> Strategy:
+        """The strategy in use: a `SingleDeviceStrategy`, `DDPStrategy`, `FSDPStrategy` or `FSDP2Strategy`."""
         return self._strategy
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the whole job, 0..world_size-1."""
         return self._strategy.global_rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node."""
         return self._strategy.local_rank
 
     @property
     def node_rank(self) -> int:
+        """The rank of this process's node (machine)."""
         return self._strategy.node_rank
 
     @property
     def world_size(self) -> int:
+        """The number of processes in the job (1 in one process)."""
         return self._strategy.world_size
 
     @property
     def is_global_zero(self) -> bool:
+        """True on global rank 0."""
         return self.global_rank == 0
 
     @property
     def device(self) -> torch.device:
+        """The device this rank computes on: its GPU, or the CPU."""
         return self._strategy.root_device
 
     @property
@@ -739,6 +746,7 @@ class Loom:
     # ---- logging and progress --------------------------------------------------------------------------------
     @property
     def loggers(self) -> list[Logger]:
+        """The loggers given as `Loom(loggers=...)`, as a list."""
         return self._loggers
 
     def log(self, name: str, value: Any, step: int | None = None) -> None:
