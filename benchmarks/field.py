@@ -2,8 +2,8 @@
 
 One model, sharded by hand: FSDP units on its blocks, an input layer (`embed`) and a head left outside every
 unit. Every cell of the table is observed by this script, in a job of its own (2 gloo CPU ranks unless the row
-says otherwise, forked by `_common.run_ranks`), so a crash (SIGSEGV) in one cell is reported in that cell and the
-script goes on. A cell that cannot be observed prints "not measured: <reason>". The rows:
+says otherwise, forked like `_common.run_ranks` does, but every rank's exit code is read), so a crash (SIGSEGV) in
+one cell is reported in that cell, with the innermost Python frame of the crashed rank, and the script goes on. A cell that cannot be observed prints "not measured: <reason>". The rows:
 
 1. units made by hand, then setup: is the root wrapped again? (the type of the root after setup)
 2. layers outside every unit stay identical across ranks? (max |rank0 - rank1| of embed and head after
@@ -14,7 +14,8 @@ script goes on. A cell that cannot be observed prints "not measured: <reason>". 
 4. FSDP on CPU (gloo): what setup gives, and whether a training step runs.
 5. a full (one-file) checkpoint of the FSDP model: whether the save returns and the file holds the model.
 6. a sharded checkpoint written by 2 ranks, loaded by 2 ranks (the same set-up), by 1 plain process and by 3
-   ranks (parameters compared with the writer's).
+   ranks (parameters compared with the writer's): the model and its optimizer; where that fails, the model
+   alone (ranks) or the framework's own consolidation tool (1 process).
 
 Bypasses, so that rows 1-3, 5, 6 can be observed on CPU at all (the script prints them too):
 
@@ -27,7 +28,7 @@ Bypasses, so that rows 1-3, 5, 6 can be observed on CPU at all (the script print
   the plugin gets `use_orig_params=True` (FSDP1 refuses a mix with the hand-made units' setting).
 
 Accelerate is optional: `pip install accelerate==1.15.0` (the versions the README names); without it its column
-says "not installed". Lightning is in the `test` extra.
+says "not installed". Lightning is in the `test` extra (without it, the same for Fabric's column).
 
     python benchmarks/field.py --json benchmarks/results/field.json | tee benchmarks/results/field.txt
     python benchmarks/field.py --tiny        # fewer steps; the same cells (about as long: start-up dominates)
@@ -72,6 +73,10 @@ COLUMN_TITLES = {
     "fabric": "Lightning Fabric",
     "accelerate": "Accelerate",
     "raw": "raw PyTorch",
+}
+MISSING = {
+    "fabric": "lightning not installed (pip install lightning==2.6.6)",
+    "accelerate": "accelerate not installed (pip install accelerate==1.15.0)",
 }
 ROWS = {
     "root": "units made by hand, then setup: the root is not wrapped again",
@@ -1029,11 +1034,11 @@ def measure(args, columns: list[str]) -> dict[str, dict[str, str]]:
         },
     }
     out: dict[str, dict[str, str]] = {}
-    for row in args.rows:
+    for row in [r for r in ROWS if r in args.rows]:
         out[row] = {}
         for column in COLUMNS:
             if column not in columns:
-                out[row][column] = "not measured: accelerate not installed (pip install accelerate==1.15.0)"
+                out[row][column] = f"not measured: {MISSING[column]}"
                 continue
             started = time.monotonic()
             out[row][column] = cells[row][column]()
@@ -1065,10 +1070,11 @@ def main() -> None:
     if args.tiny:
         args.steps = 2
     found = versions()
-    columns = [c for c in COLUMNS if c != "accelerate" or found["accelerate"] != "not installed"]
+    package = {"fabric": "lightning", "accelerate": "accelerate"}
+    columns = [c for c in COLUMNS if found.get(package.get(c, ""), "") != "not installed"]
     # Imported once here, so the forked ranks of every cell start with them loaded.
-    import lightning.fabric  # noqa: F401
-
+    if "fabric" in columns:
+        import lightning.fabric  # noqa: F401
     if "accelerate" in columns:
         import accelerate  # noqa: F401
     logging.getLogger("torchloom").setLevel(logging.WARNING)  # no sharding summary from every setup
