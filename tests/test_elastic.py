@@ -9,6 +9,7 @@ the uninterrupted run's.
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def say(line):
 
 
 ckpt_dir, steps, die_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", -1))  # -1: the launching process
 loom = Loom(accelerator="cpu")  # processes and nodes as the launcher started them
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
@@ -210,3 +211,131 @@ def test_two_torchrun_nodes_with_loom_defaults(tmp_path):
         if report["case"] == "hybrid":
             assert report["mesh"] == [2, 1], report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+
+
+# ---- launching with torchrun's elastic options ----------------------------------------------------------------
+def _torchrun_config(argv: list[str], script: Path):
+    """The LaunchConfig torch's own torchrun makes of the command line `torchloom run ARGV SCRIPT` produces."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from torchloom.cli import _parser, split_run_args
+    from torchloom.run import torchrun_args
+
+    ours, _ = split_run_args([*argv, str(script)])
+    torchrun_argv = torchrun_args(_parser().parse_args(["run", *ours]))
+    config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_argv))
+    return config
+
+
+def test_torchloom_run_passes_elastic_options_to_torchrun(tmp_path):
+    """`torchloom run`'s elastic options end up in the LaunchConfig torchrun builds (it pinned max_restarts=0 and
+    the static rendezvous before); the fixed-size defaults are unchanged."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = _torchrun_config(
+        ["--devices", "1", "--max-restarts", "3", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", "127.0.0.1:29999", "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=7,last_call_timeout=2",
+         "--monitor-interval", "0.5"],
+        script,
+    )  # fmt: skip
+    assert (config.min_nodes, config.max_nodes, config.max_restarts) == (1, 2, 3)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "127.0.0.1:29999", "job7")
+    assert config.rdzv_configs["join_timeout"] == "7" and config.rdzv_configs["last_call_timeout"] == "2"
+    assert config.monitor_interval == 0.5
+    plain = _torchrun_config(["--devices", "1", "--max_restarts=2"], script)
+    assert (plain.min_nodes, plain.max_nodes, plain.max_restarts, plain.rdzv_backend) == (1, 1, 2, "static")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "1:2"], "--rdzv-backend c10d"),  # a range on the static rendezvous
+        (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint"),
+        (["--nnodes", "2:1", "--rdzv-backend", "c10d"], "MIN:MAX"),
+        (["--nnodes", "2", "--num-nodes", "3"], "disagree"),
+        (["--max-restarts", "-1"], "--max-restarts -1"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost"], "HOST:PORT"),
+    ],
+)
+def test_torchloom_run_refuses_bad_elastic_options(tmp_path, argv, message):
+    from torchloom.errors import ConfigurationError
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        _torchrun_config(["--devices", "1", *argv], script)
+
+
+def test_launch_passes_elastic_options_to_the_agent():
+    """`Loom(elastic=Elastic(...)).launch()` hands torchrun's options to torch's LaunchConfig."""
+    from torchloom import Elastic
+    from torchloom.launcher import _launch_config
+
+    elastic = Elastic(max_restarts=2, nnodes="1:3", rdzv_backend="c10d", rdzv_endpoint="10.0.0.1:29400",
+                      rdzv_id="job", rdzv_configs={"join_timeout": 5}, monitor_interval=0.2)  # fmt: skip
+    config = _launch_config(2, 1, 0, "127.0.0.1", 1234, elastic)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (1, 3, 2, 2)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "10.0.0.1:29400", "job")
+    assert config.rdzv_configs["join_timeout"] == 5 and config.monitor_interval == 0.2
+    default = _launch_config(2, 1, 0, "127.0.0.1", 1234)
+    assert (default.max_restarts, default.rdzv_backend, default.rdzv_endpoint) == (
+        0,
+        "static",
+        "127.0.0.1:1234",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"nnodes": "1:2"}, "static rendezvous cannot"),
+        ({"nnodes": "0:2", "rdzv_backend": "c10d"}, "MIN:MAX"),
+        ({"rdzv_backend": "zeus"}, "rendezvous backends"),
+        ({"rdzv_backend": "c10d", "rdzv_endpoint": "29400"}, "HOST:PORT"),
+    ],
+)
+def test_elastic_refuses_bad_options(kwargs, message):
+    from torchloom import Elastic
+    from torchloom.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        Elastic(**kwargs)
+
+
+LAUNCH_LINE = 'loom = Loom(accelerator="cpu")'
+LAUNCHERS = {
+    # `torchloom run` starts torchrun's agent with these options.
+    "torchloom-run": "run --devices 2 --max-restarts 1 --rdzv-backend c10d --monitor-interval 0.1",
+    # The script starts the agent itself: `python train.py` with `Loom(elastic=...).launch()`.
+    "launch": 'loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=1, rdzv_backend="c10d")); loom.launch()',
+}
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+@pytest.mark.parametrize("how", sorted(LAUNCHERS))
+def test_torchloom_launcher_restarts_a_failed_attempt(tmp_path, how):
+    """A job torchloom launches with one restart allowed: rank 1 dies once, the agent restarts both ranks, the
+    second attempt resumes from the newest checkpoint and ends with the uninterrupted run's parameters (before,
+    max_restarts was pinned to 0 and the job failed)."""
+    script = tmp_path / "train.py"
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    job_args = [str(ckpts), str(STEPS), str(DIE_AT)]
+    if how == "launch":
+        script.write_text(SCRIPT.replace("from torchloom import Loom", "from torchloom import Elastic, Loom")
+                          .replace(LAUNCH_LINE, LAUNCHERS[how]))  # fmt: skip
+        cmd = [PYTHON, str(script), *job_args]
+    else:
+        script.write_text(SCRIPT)
+        cmd = [PYTHON, "-m", "torchloom", *LAUNCHERS[how].split(), str(script), *job_args]
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
+    reports = _reports(proc.stdout)
+    assert [r["rank"] for r in reports] == [0, 1], proc.stdout
+    expected = _reference(2)
+    for report in reports:
+        assert report["attempt"] == 1 and 1 <= report["resumed_at"] <= DIE_AT, report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+    assert wait_no_strays(token) == [], "processes of the job survived it"

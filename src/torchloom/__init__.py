@@ -17,6 +17,7 @@ from torchloom.errors import (
     MisuseError,
     TorchloomError,
 )
+from torchloom.launcher import Elastic
 from torchloom.loom import Loom
 from torchloom.seed import seed_everything
 from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, is_wrapped, unwrap
@@ -35,6 +36,7 @@ if not _log.handlers:
 
 __all__ = [
     "Loom",
+    "Elastic",
     "describe",
     "LoomModule",
     "LoomOptimizer",

@@ -65,6 +65,8 @@ class Loom:
         loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
         callbacks: objects whose methods `loom.call(hook_name, ...)` calls.
         plugins: refused (Fabric's precision and environment plugins): see the error for what to use.
+        elastic: `torchloom.Elastic(...)`, torchrun's elastic options (restarts, a node range, the c10d rendezvous)
+            for the agent `launch()` starts; ignored where the processes exist already (torchrun, SLURM).
 
     Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
     here win, with a warning when they disagree with the command line.
@@ -81,12 +83,18 @@ class Loom:
         loggers: Logger | list[Logger] | None = None,
         callbacks: Any = None,
         plugins: Any = None,
+        elastic: launcher.Elastic | None = None,
     ) -> None:
         if plugins:
             raise ConfigurationError(
                 "plugins= is not supported. Choose the precision with precision=... (e.g. 'bf16-mixed'); the cluster "
                 "environment (torchrun, SLURM, local) is detected; pass a torchloom.strategies Strategy instance as "
                 "strategy= for anything else."
+            )
+        if elastic is not None and not isinstance(elastic, launcher.Elastic):
+            raise ConfigurationError(
+                f"elastic= takes torchloom.Elastic(...), got {type(elastic).__name__}: e.g. "
+                "Loom(elastic=torchloom.Elastic(max_restarts=2, nnodes='1:2', rdzv_backend='c10d', ...))."
             )
         if precision is None:
             precision = "32-true"  # Fabric's None: the default (or the command line's)
@@ -110,6 +118,7 @@ class Loom:
         self._closed = False
         self._rank_ready = False  # this process is a rank that has joined the process group
         self._preempted = False
+        self._elastic = elastic
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
@@ -186,17 +195,21 @@ class Loom:
             )
         self._launched = True
         env = self._strategy.cluster_environment
-        if self._rank_ready or env.creates_processes_externally or env.world_size() == 1:
+        # With elastic options the rendezvous decides the world, so even one local process gets an agent.
+        alone = env.world_size() == 1 and self._elastic is None
+        if self._rank_ready or env.creates_processes_externally or alone:
             if not self._rank_ready:
                 self._setup_rank()
             return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
         if fn is None:
-            launcher.launch_script(*where)  # never returns: this process waits for the ranks, then exits
+            launcher.launch_script(
+                *where, self._elastic
+            )  # never returns: this process waits for the ranks, then exits
         if kwargs:
             fn = functools.partial(fn, **kwargs)  # picklable when fn is
-        return launcher.launch_function(self, fn, args, *where)
+        return launcher.launch_function(self, fn, args, *where, self._elastic)
 
     def _setup_rank(self) -> None:
         # In a rank started by an elastic agent, the environment it inherited from its parent's Loom is stale.

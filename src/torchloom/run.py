@@ -43,17 +43,46 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def _node_range(args: argparse.Namespace) -> tuple[int, int]:
+    """(MIN, MAX) nodes: --nnodes (torchrun's spelling, a range for an elastic job) or --num-nodes."""
+    from torchloom.launcher import node_range
+
+    if args.nnodes is None:
+        if args.num_nodes < 1:
+            raise ConfigurationError(f"--num-nodes {args.num_nodes} is not valid: pass a number >= 1.")
+        return args.num_nodes, args.num_nodes
+    low, high = node_range(args.nnodes)
+    if args.num_nodes != 1 and (low, high) != (args.num_nodes, args.num_nodes):
+        raise ConfigurationError(
+            f"--num-nodes {args.num_nodes} and --nnodes {args.nnodes} disagree. Give one of them."
+        )
+    if low != high and (args.rdzv_backend or "static") == "static":
+        raise ConfigurationError(
+            f"--nnodes {args.nnodes} is a range, which the static rendezvous cannot do (its node count is fixed). "
+            "Add --rdzv-backend c10d --rdzv-endpoint HOST:PORT (a port on one node every node reaches)."
+        )
+    return low, high
+
+
 def torchrun_args(args: argparse.Namespace) -> list[str]:
     """The `torch.distributed.run` command line for these options (checked first)."""
     script = Path(args.script)
     if not script.is_file():
         raise ConfigurationError(f"The script {args.script!r} does not exist (looked in {os.getcwd()}).")
-    if args.num_nodes < 1 or not 0 <= args.node_rank < args.num_nodes:
-        raise ConfigurationError(
-            f"--node-rank {args.node_rank} must be in 0..{args.num_nodes - 1} for --num-nodes {args.num_nodes}."
-        )
+    low, high = _node_range(args)
     nproc = _processes_per_node(args.accelerator, args.devices)
-    if args.num_nodes > 1 and (args.main_address is None or args.main_port is None):
+    if args.max_restarts < 0:
+        raise ConfigurationError(f"--max-restarts {args.max_restarts} is not valid: pass a number >= 0.")
+    common = [
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={args.max_restarts}",
+        f"--monitor-interval={args.monitor_interval}",
+    ]
+    if (args.rdzv_backend or "static") != "static":
+        return [*common, *_elastic_rendezvous(args, low, high), str(script), *args.script_args]
+    if not 0 <= args.node_rank < high:
+        raise ConfigurationError(f"--node-rank {args.node_rank} must be in 0..{high - 1} for {high} nodes.")
+    if high > 1 and (args.main_address is None or args.main_port is None):
         raise ConfigurationError(
             "--num-nodes > 1 needs --main-address (node 0's address, reachable from every node) and --main-port."
         )
@@ -64,15 +93,38 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     elif args.node_rank == 0:
         _check_port_free(address, port)
     return [
-        f"--nproc-per-node={nproc}",
-        f"--nnodes={args.num_nodes}",
+        *common,
+        f"--nnodes={high}",
         f"--node-rank={args.node_rank}",
         f"--master-addr={address}",
         f"--master-port={port}",
-        "--max-restarts=0",
-        "--monitor-interval=0.1",
         str(script),
         *args.script_args,
+    ]
+
+
+def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int) -> list[str]:
+    """torchrun's options for an elastic rendezvous (c10d, etcd): the agents meet at the endpoint, node ranks
+    are assigned there, and each attempt may have another node count within MIN:MAX."""
+    from torchloom.launcher import _split_endpoint
+
+    endpoint = args.rdzv_endpoint
+    if endpoint is None:
+        if high > 1:
+            raise ConfigurationError(
+                f"--rdzv-backend {args.rdzv_backend} with up to {high} nodes needs --rdzv-endpoint HOST:PORT, the "
+                "same on every node (a port on one of them, reachable from all)."
+            )
+        endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
+    _split_endpoint(endpoint)
+    run_id = args.rdzv_id or ("torchloom" if high > 1 else f"torchloom-{os.getpid()}")
+    extra = [f"--rdzv-conf={args.rdzv_conf}"] if args.rdzv_conf else []
+    return [
+        f"--nnodes={low}:{high}",
+        f"--rdzv-backend={args.rdzv_backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        *extra,
     ]
 
 
@@ -88,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
         "devices": args.devices,
         "strategy": args.strategy,
         "precision": args.precision,
-        "num_nodes": str(args.num_nodes),
     }
+    low, high = _node_range(args)
+    if low == high:  # an elastic job's node count is the rendezvous' to decide, attempt by attempt
+        options["num_nodes"] = str(high)
     for name, value in options.items():
         if value is not None:
             os.environ[CLI_ENV[name]] = str(value)
