@@ -8,6 +8,7 @@ loom.launch()
 import logging as _logging
 
 from torchloom._describe import describe
+from torchloom.checkpointing.resume import latest_checkpoint, rotate_checkpoints
 from torchloom.errors import (
     CheckpointError,
     CollectiveMismatchError,
@@ -37,6 +38,8 @@ if not _log.handlers:
 __all__ = [
     "Loom",
     "Elastic",
+    "latest_checkpoint",
+    "rotate_checkpoints",
     "describe",
     "LoomModule",
     "LoomOptimizer",
