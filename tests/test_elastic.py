@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,12 +70,12 @@ loom.close()
 """
 
 
-def _reference(world_size: int) -> torch.Tensor:
+def _reference(world_size: int, steps: int = STEPS) -> torch.Tensor:
     """Plain torch, never interrupted: each step on the concatenated batches of all ranks."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(steps):
         x = torch.cat(
             [
                 torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + r))
@@ -339,3 +340,94 @@ def test_torchloom_launcher_restarts_a_failed_attempt(tmp_path, how):
         assert report["attempt"] == 1 and 1 <= report["resumed_at"] <= DIE_AT, report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert wait_no_strays(token) == [], "processes of the job survived it"
+
+
+# ---- preemption: a signal, a checkpoint at the next step boundary, and a restart ------------------------------
+PREEMPT_STEPS = 6
+PREEMPT_AT = 2  # rank 1 of the first run sends the signal at the start of this step
+PREEMPT_SCRIPT = """\
+import json, os, signal, sys, time
+import torch
+from torch import nn
+from torchloom import Loom, latest_checkpoint
+
+
+def say(line):
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
+ckpt_dir, steps, stop_at, target, signame = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+loom = Loom(accelerator="cpu")
+loom.on_preempt()
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = loom.setup(model, optimizer)
+state = {"model": model, "optimizer": optimizer, "step": 0}
+latest = latest_checkpoint(ckpt_dir)
+if latest is not None:
+    loom.load(latest, state)
+resumed_at = state["step"]
+for step in range(resumed_at, steps):
+    if resumed_at == 0 and step == stop_at and loom.global_rank == 1:
+        say(f"TORCHLOOM_FAULT {time.time()}")
+        os.kill(os.getpid() if target == "rank" else os.getppid(), getattr(signal, signame))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
+    loom.backward(model(x).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    state["step"] = step + 1
+    if step == resumed_at and resumed_at > 0:
+        say(f"TORCHLOOM_FIRST_STEP {time.time()}")
+    time.sleep(0.1)  # a step long enough for a forwarded signal to land inside it
+    if loom.should_stop():
+        loom.save(os.path.join(ckpt_dir, f"step-{step + 1:04d}"), state)
+        say(f"TORCHLOOM_PREEMPTED {loom.global_rank} {step + 1}")
+        loom.exit_for_restart()
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+report = {"rank": loom.global_rank, "world_size": loom.world_size, "resumed_at": resumed_at, "params": params.tolist()}
+say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+loom.close()
+"""
+
+
+def _tagged(output: str, tag: str) -> list[list[str]]:
+    return [line.split()[1:] for line in output.splitlines() if line.startswith(tag + " ")]
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
+@pytest.mark.parametrize(
+    ("target", "signame"), [("rank", "SIGUSR1"), ("agent", "SIGUSR2"), ("agent", "SIGTERM")]
+)
+def test_preempted_job_saves_at_one_step_and_resumes(tmp_path, target, signame):
+    """SLURM's warning (SIGUSR1/SIGUSR2, `--signal=USR1@N`) reaches one rank, or the agent that passes it on;
+    SIGTERM reaches the agent, which stops the ranks. Every rank checkpoints at the same step boundary and
+    exits; the restart (the agent's, with --max-restarts 1, or a relaunch after SIGTERM ended the agent)
+    resumes from `latest_checkpoint` and ends with the uninterrupted run's parameters."""
+    script = tmp_path / "train.py"
+    script.write_text(PREEMPT_SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+           str(script), str(ckpts), str(PREEMPT_STEPS), str(PREEMPT_AT), target, signame]  # fmt: skip
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT, env={"TORCHLOOM_SHUTDOWN_TIMEOUT": "20"})
+    output = proc.stdout
+    assert wait_no_strays(token) == [], "processes of the job survived it"
+    if signame == "SIGTERM":
+        # torch's agent ends on SIGTERM (no restart): the job is started again, as SLURM's requeue would.
+        assert proc.returncode == 128 + signal.SIGTERM, output
+        proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+        output += proc.stdout
+    assert proc.returncode == 0, output
+    preempted = _tagged(output, "TORCHLOOM_PREEMPTED")
+    assert sorted(rank for rank, _ in preempted) == ["0", "1"], output
+    stopped_at = {int(step) for _, step in preempted}
+    assert len(stopped_at) == 1 and PREEMPT_AT < stopped_at.pop() + 1 <= PREEMPT_STEPS, output
+    reports = _reports(output)
+    assert [r["rank"] for r in reports] == [0, 1], output
+    expected = _reference(2, PREEMPT_STEPS)
+    for report in reports:
+        assert report["resumed_at"] == int(preempted[0][1]), report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{int(preempted[0][1]):04d}"]

@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -165,6 +166,57 @@ def _launch_config(
     )
 
 
+# Signals the agent passes on to its ranks instead of dying of them: SLURM's `--signal=USR1@SECONDS` warning
+# before the time limit reaches every process of the step, the agent included, and `kill -USR1 <agent>` (or
+# `sbatch --signal=B:USR1@...` to a batch script that execs the launcher) reaches only the agent. SIGTERM and
+# SIGINT stay torch's: its agent stops the ranks (SIGTERM, then SIGKILL after `shutdown_timeout()`).
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+# Helper processes multiprocessing starts beside the ranks: never signalled.
+_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
+
+@contextlib.contextmanager
+def forwarding_signals_to_ranks() -> Generator[None, None, None]:
+    """While the agent runs, SIGUSR1/SIGUSR2 sent to it go to its ranks (`loom.on_preempt()` catches them) and
+    do not kill it. Linux only (children are found in /proc); elsewhere the signals keep their default."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in _child_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _child_pids() -> list[int]:
+    """This process's children (the ranks), multiprocessing's helpers left out."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ")".
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if not any(helper in cmdline for helper in _HELPERS):
+            found.append(int(entry))
+    return found
+
+
 def script_command() -> list[str]:
     """The interpreter arguments that re-run this process's script, e.g. ["-u", "train.py", "--lr", "3"]."""
     if not sys.argv or sys.argv[0] in ("", "-c"):
@@ -196,7 +248,8 @@ def launch_script(
     if _BOOTS:
         command = ["-S", _BOOT, *command]
     try:
-        elastic_launch(config, sys.executable)(*command)
+        with forwarding_signals_to_ranks():
+            elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
         print(_describe_failure(error), file=sys.stderr, flush=True)
         raise SystemExit(_exit_status(error)) from None
@@ -249,7 +302,7 @@ def launch_function(
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     try:
-        with _spawned_ranks_boot():
+        with _spawned_ranks_boot(), forwarding_signals_to_ranks():
             results = elastic_launch(config, _run_function)(loom, fn, args)
     except ChildFailedError as error:
         rank, failure = _root_failure(error)

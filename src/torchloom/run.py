@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    from torchloom.launcher import _describe_failure, _exit_status
+    from torchloom.launcher import _describe_failure, _exit_status, forwarding_signals_to_ranks
 
     options = {
         "accelerator": args.accelerator,
@@ -154,10 +155,17 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout()))
     try:
-        torchrun(launch_args)
+        with forwarding_signals_to_ranks():
+            torchrun(launch_args)
     except ChildFailedError as error:
         print(_describe_failure(error), file=sys.stderr, flush=True)
         return _exit_status(error)
     except KeyboardInterrupt:
         return 130
+    except (
+        Exception
+    ) as error:  # torch's SignalException: SIGTERM (e.g. preemption) stopped the agent and ranks
+        if type(error).__name__ == "SignalException":
+            return 128 + int(getattr(error, "sigval", signal.SIGTERM))
+        raise
     return 0
