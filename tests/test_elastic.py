@@ -9,14 +9,18 @@ the uninterrupted run's.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from harness import PYTHON, free_port, run_job, wait_no_strays
+from harness import PYTHON, REPO, TOKEN_ENV, free_port, kill_token, run_job, wait_no_strays
 
 TESTS = Path(__file__).resolve().parent
 JOB_TIMEOUT = 150
@@ -431,3 +435,204 @@ def test_preempted_job_saves_at_one_step_and_resumes(tmp_path, target, signame):
         assert report["resumed_at"] == int(preempted[0][1]), report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{int(preempted[0][1]):04d}"]
+
+
+# ---- a changed world size: a node lost, a node joining ---------------------------------------------------------
+GLOBAL_BATCH = 8
+SAMPLES = 48  # 6 global batches an epoch
+WORLD_STEPS = 12  # two epochs
+# Small bounds for a fast test (see docs: resuming): a dead node is dropped after 3 missed 1-s heartbeats.
+RDZV_CONF = (
+    "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+)
+WORLD_SCRIPT = """\
+import json, sys, time
+started = time.time()
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchloom import Loom, latest_checkpoint, rotate_checkpoints, seed_everything
+
+
+def say(line):
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
+ckpt_dir, steps, global_batch, samples = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+delay, wait_for_peer_at = float(sys.argv[5]), int(sys.argv[6])
+loom = Loom(accelerator="cpu")  # world size and nodes: whatever this attempt's rendezvous gave
+seed_everything(42)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = loom.setup(model, optimizer)
+data = TensorDataset(torch.randn(samples, 4, generator=torch.Generator().manual_seed(7)))
+# The global batch is the job's; each rank reads its share of it.
+loader = loom.setup_dataloaders(DataLoader(data, batch_size=global_batch // loom.world_size, shuffle=True))
+state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+latest = latest_checkpoint(ckpt_dir)
+if latest is not None:
+    loom.load(latest, state)
+resumed_at = state["step"]
+while state["step"] < steps:
+    for (x,) in loader:
+        step = state["step"]
+        if step >= steps:
+            break
+        loom.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step + 1
+        if step == resumed_at and resumed_at > 0:
+            say(f"TORCHLOOM_FIRST_STEP {time.time()} {loom.world_size} {started}")
+        loom.save(f"{ckpt_dir}/step-{step + 1:04d}.pt", state, fsync=False)
+        if loom.is_global_zero:
+            rotate_checkpoints(ckpt_dir, keep_last=2)
+        say(f"TORCHLOOM_STEP {loom.global_rank} {loom.world_size} {step + 1}")
+        if loom.world_size == 1 and step + 1 == wait_for_peer_at:
+            time.sleep(120)  # alone until the second node joins: its agent then restarts this one
+        time.sleep(delay)
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+report = {"rank": loom.global_rank, "world_size": loom.world_size, "resumed_at": resumed_at, "params": params.tolist()}
+say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+loom.close()
+"""
+
+
+def _global_batches_reference() -> torch.Tensor:
+    """Plain torch on one process, never interrupted: the global batches of torchloom's loader (the order
+    DistributedSampler draws from seed + epoch), GLOBAL_BATCH samples each."""
+    torch.manual_seed(42)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = torch.randn(SAMPLES, 4, generator=torch.Generator().manual_seed(7))
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for step in range(WORLD_STEPS):
+        epoch, batch = divmod(step, per_epoch)
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(42 + epoch))
+        x = data[order[batch * GLOBAL_BATCH : (batch + 1) * GLOBAL_BATCH]]
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+class _Agent:
+    """One `torchloom run` agent standing for one node (its own session; output to a file)."""
+
+    def __init__(self, tmp_path: Path, name: str, port: int, ckpts: Path, script: Path, delay: float,
+                 wait_for_peer_at: int, host: bool) -> None:  # fmt: skip
+        self.log = tmp_path / f"{name}.log"
+        self.token = f"{name}-{uuid.uuid4().hex}"
+        cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "2",
+               "--rdzv-conf", RDZV_CONF + ("" if host else ",is_host=false"), str(script), str(ckpts),
+               str(WORLD_STEPS), str(GLOBAL_BATCH), str(SAMPLES), str(delay), str(wait_for_peer_at)]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")}  # fmt: skip
+        env.update({TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"})
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_token(self.token)
+            raise AssertionError(f"agent did not finish within {timeout}s:\n{self.output()}") from None
+
+    def stop(self) -> None:
+        kill_token(self.token)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _wait_for(condition, timeout: float, what: str, *agents: _Agent) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s:\n" + "\n".join(a.output() for a in agents))
+        time.sleep(0.05)
+
+
+def _steps_done(agent: _Agent, world_size: int) -> int:
+    done = [int(s) for _, w, s in _tagged(agent.output(), "TORCHLOOM_STEP") if int(w) == world_size]
+    return max(done, default=0)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_c_survivor_of_a_lost_node_continues_alone(tmp_path):
+    """Two agents of one rank each (c10d rendezvous on localhost, --nnodes 1:2); the one that does not hold the
+    rendezvous store is SIGKILLed mid-training (its rank dies with it). The survivor's agent restarts its rank,
+    the rendezvous closes with one node, and the rank continues alone from the newest checkpoint with the same
+    global batches (8 samples: 4 per rank before, 8 after), ending with the uninterrupted run's parameters."""
+    script = tmp_path / "train.py"
+    script.write_text(WORLD_SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    port = free_port()
+    survivor = _Agent(tmp_path, "survivor", port, ckpts, script, delay=0.3, wait_for_peer_at=0, host=True)
+    lost = _Agent(tmp_path, "lost", port, ckpts, script, delay=0.3, wait_for_peer_at=0, host=False)
+    try:
+        _wait_for(lambda: _steps_done(survivor, 2) >= 2, JOB_TIMEOUT, "2 steps on 2 nodes", survivor, lost)
+        lost.proc.kill()  # SIGKILL: the node is gone
+        fault = time.time()
+        assert survivor.wait(JOB_TIMEOUT) == 0, survivor.output()
+    finally:
+        lost.stop()
+        survivor.stop()
+    output = survivor.output()
+    assert wait_no_strays(lost.token) == [] and wait_no_strays(survivor.token) == []
+    (first_step,) = [(float(t), int(w), float(s)) for t, w, s in _tagged(output, "TORCHLOOM_FIRST_STEP")]
+    assert first_step[1] == 1, output
+    recovery = first_step[0] - fault
+    print(
+        f"node lost: {recovery:.1f} s from the SIGKILL to the first step on 1 node "
+        f"(the restarted rank's script began {first_step[2] - fault:.1f} s after the SIGKILL)"
+    )
+    assert recovery < 60, output
+    (report,) = _reports(output)
+    assert report["world_size"] == 1 and 2 <= report["resumed_at"] < WORLD_STEPS, report
+    expected = _global_batches_reference()
+    assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-5), (report, expected)
+    assert len(list(ckpts.iterdir())) == 2  # rotation kept the last 2
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_d_a_second_node_joins_a_running_job(tmp_path):
+    """One agent of an --nnodes 1:2 job trains alone; a second agent joins: torch's agent sees it waiting,
+    restarts its rank, and both resume from the newest checkpoint at world size 2 (4 samples per rank, the
+    same global batches), ending with the uninterrupted run's parameters."""
+    script = tmp_path / "train.py"
+    script.write_text(WORLD_SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    port = free_port()
+    first = _Agent(tmp_path, "first", port, ckpts, script, delay=0.0, wait_for_peer_at=3, host=True)
+    second = None
+    try:
+        _wait_for(lambda: _steps_done(first, 1) >= 3, JOB_TIMEOUT, "3 steps on 1 node", first)
+        second = _Agent(tmp_path, "second", port, ckpts, script, delay=0.0, wait_for_peer_at=3, host=False)
+        joined = time.time()
+        assert first.wait(JOB_TIMEOUT) == 0, first.output()
+        assert second.wait(JOB_TIMEOUT) == 0, second.output()
+    finally:
+        for agent in (first, second):
+            if agent is not None:
+                agent.stop()
+    outputs = first.output() + second.output()
+    reports = _reports(outputs)
+    assert [r["rank"] for r in reports] == [0, 1], outputs
+    expected = _global_batches_reference()
+    for report in reports:
+        assert report["world_size"] == 2 and report["resumed_at"] == 3, report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-5), (report, expected)
+    starts = [(float(t), float(s)) for t, w, s in _tagged(outputs, "TORCHLOOM_FIRST_STEP") if int(w) == 2]
+    print(
+        f"node joined: {min(starts)[0] - joined:.1f} s from starting its agent to the first step on 2 nodes "
+        f"(the ranks' scripts began {min(s for _, s in starts) - joined:.1f} s after it)"
+    )

@@ -217,6 +217,18 @@ def _child_pids() -> list[int]:
     return found
 
 
+def avoid_shared_rendezvous_store(rdzv_backend: str | None) -> None:
+    """Before an elastic rendezvous (c10d, etcd), have torch's agents give the ranks a store of their own each
+    attempt instead of sharing the rendezvous' TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless set).
+
+    With the shared store (torch 2.4 and later), a node joining a running job hangs: the agent that stays rank 0
+    reuses the store address it published in an earlier round and never publishes it in the new round, where
+    the joining agent waits for it (`DistStoreError: wait timeout ... MASTER_ADDR`, torch 2.13,
+    DynamicRendezvousHandler.next_rendezvous). The ranks then start on a fresh store on node 0 each attempt."""
+    if rdzv_backend not in (None, "static"):
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def script_command() -> list[str]:
     """The interpreter arguments that re-run this process's script, e.g. ["-u", "train.py", "--lr", "3"]."""
     if not sys.argv or sys.argv[0] in ("", "-c"):
@@ -243,6 +255,7 @@ def launch_script(
 
     command = script_command()
     config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
+    avoid_shared_rendezvous_store(config.rdzv_backend)
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     if _BOOTS:
@@ -298,6 +311,7 @@ def launch_function(
     from torch.distributed.launcher.api import elastic_launch
 
     config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
+    avoid_shared_rendezvous_store(config.rdzv_backend)
     previous = {key: os.environ.get(key) for key in (LAUNCHED_ENV, AGENT_PID_ENV)}
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())

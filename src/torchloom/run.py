@@ -134,7 +134,13 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    from torchloom.launcher import _describe_failure, _exit_status, forwarding_signals_to_ranks
+    from torchloom.launcher import (
+        LAUNCHED_ENV,
+        _describe_failure,
+        _exit_status,
+        avoid_shared_rendezvous_store,
+        forwarding_signals_to_ranks,
+    )
 
     options = {
         "accelerator": args.accelerator,
@@ -149,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             os.environ[CLI_ENV[name]] = str(value)
     os.environ[RUN_ENV] = "1"
+    # The ranks die with this agent (a node lost takes its ranks along, as a killed `loom.launch()` does).
+    os.environ[LAUNCHED_ENV] = "1"
+    avoid_shared_rendezvous_store(args.rdzv_backend)
     launch_args = get_args_parser().parse_args(torchrun_args(args))
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout
