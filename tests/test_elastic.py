@@ -184,37 +184,46 @@ for name, strategy in (("default", "auto"), ("hybrid", FSDP2Strategy(hybrid=True
 """
 
 
+NODE_RENDEZVOUS = {
+    # 2 agents x 1 rank on the static rendezvous; (e) 2 agents x 2 ranks meeting in torch's elastic one.
+    1: "--nnodes 2 --node-rank {node} --master-addr 127.0.0.1 --master-port {port}",
+    2: "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id nodes-test",
+}
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
-def test_two_torchrun_nodes_with_loom_defaults(tmp_path):
-    """Two torchrun agents (one per "node", static rendezvous, one process each): `Loom()` takes the node count
-    from torchrun (it refused the job before: devices='auto' became 1 process per node, checked against the 2
-    started), DDP trains as one process would on both batches, and hybrid FSDP2 replicates across the 2 nodes
-    and shards within each (mesh (2, 1), not (1, 2): sharding across nodes)."""
+@pytest.mark.parametrize("nproc", sorted(NODE_RENDEZVOUS))
+def test_two_torchrun_nodes_with_loom_defaults(tmp_path, nproc):
+    """Two torchrun agents ("nodes") of `nproc` processes each: `Loom()` takes the node count from torchrun (it
+    refused the job before: devices='auto' became the processes of one node, checked against all started), DDP
+    trains as one process would on every rank's batch, and hybrid FSDP2 replicates across the 2 nodes and shards
+    within each (mesh (2, nproc), not (1, 2 * nproc): sharding across nodes)."""
     script = tmp_path / "nodes.py"
     script.write_text(NODES_SCRIPT)
     port = str(free_port())
 
     def node(rank: int) -> tuple:
-        cmd = _torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", port, str(script), str(STEPS))  # fmt: skip
+        rendezvous = NODE_RENDEZVOUS[nproc].format(node=rank, port=port).split()
+        cmd = _torchrun(*rendezvous, "--nproc-per-node", str(nproc), str(script), str(STEPS))
         return run_job(cmd, timeout=JOB_TIMEOUT)
 
     with ThreadPoolExecutor(2) as pool:
         jobs = list(pool.map(node, range(2)))
-    expected = _reference(2)
+    world = 2 * nproc
+    expected = _reference(world)
     reports = []
     for proc, token in jobs:
         assert proc.returncode == 0, proc.stdout
         reports += _reports(proc.stdout)
         assert wait_no_strays(token) == [], "processes of the job survived it"
     assert sorted((r["case"], r["rank"], r["node_rank"]) for r in reports) == [
-        ("default", 0, 0), ("default", 1, 1), ("hybrid", 0, 0), ("hybrid", 1, 1)
-    ]  # fmt: skip
+        (case, rank, rank // nproc) for case in ("default", "hybrid") for rank in range(world)
+    ]
     for report in reports:
-        assert report["world_size"] == 2 and report["num_nodes"] == 2, report
+        assert report["world_size"] == world and report["num_nodes"] == 2, report
         assert report["strategy"] == ("ddp" if report["case"] == "default" else "fsdp2")
         if report["case"] == "hybrid":
-            assert report["mesh"] == [2, 1], report
+            assert report["mesh"] == [2, nproc], report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
 
 
