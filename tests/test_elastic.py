@@ -645,3 +645,39 @@ def test_d_a_second_node_joins_a_running_job(tmp_path):
         f"node joined: {min(starts)[0] - joined:.1f} s from starting its agent to the first step on 2 nodes "
         f"(the ranks' scripts began {min(s for _, s in starts) - joined:.1f} s after it)"
     )
+
+
+def test_exit_for_restart_requeues_the_slurm_job_when_asked(tmp_path, monkeypatch):
+    """`on_preempt(requeue=True)`: `exit_for_restart()` runs `scontrol requeue $SLURM_JOB_ID` (a stand-in
+    scontrol here) and exits 75; outside SLURM it refuses, naming the problem; without requeue it only exits."""
+    from torchloom import ConfigurationError, Loom
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    caught = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {sig: signal.getsignal(sig) for sig in caught}
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        loom = Loom(accelerator="cpu", devices=1)
+        loom.on_preempt(requeue=True)
+        assert all(signal.getsignal(sig) == loom._note_preemption for sig in caught)
+        with pytest.raises(SystemExit) as stopped:
+            loom.exit_for_restart()
+        assert stopped.value.code == 75 and calls.read_text() == "requeue 4242\n"
+        monkeypatch.delenv("SLURM_JOB_ID")
+        outside = Loom(accelerator="cpu", devices=1)
+        outside.on_preempt(requeue=True)
+        with pytest.raises(ConfigurationError, match="not a SLURM job"):
+            outside.exit_for_restart()
+        plain = Loom(accelerator="cpu", devices=1)
+        plain.on_preempt()
+        with pytest.raises(SystemExit):
+            plain.exit_for_restart()
+        assert calls.read_text() == "requeue 4242\n"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
