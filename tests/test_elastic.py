@@ -30,7 +30,7 @@ RESULT_TAG = "TORCHLOOM_ELASTIC_RESULT "
 DYING_TAG = "TORCHLOOM_ELASTIC_DYING "
 
 SCRIPT = """\
-import json, os, signal, sys
+import json, os, signal, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import torch
@@ -58,13 +58,15 @@ if saved:
 resumed_at = state["step"]
 for step in range(resumed_at, steps):
     if step == die_at and attempt == 0 and loom.global_rank == 1:
-        say(f"TORCHLOOM_ELASTIC_DYING {step}")
+        say(f"TORCHLOOM_ELASTIC_DYING {step} {time.time()}")
         os.kill(os.getpid(), signal.SIGKILL)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
     loom.backward(model(x).pow(2).mean())
     optimizer.step()
     optimizer.zero_grad()
     state["step"] = step + 1
+    if step == resumed_at and attempt > 0:
+        say(f"TORCHLOOM_FIRST_STEP {time.time()}")
     loom.save(ckpt_dir / f"step-{step + 1:04d}", state, fsync=False)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "resumed_at": resumed_at,
@@ -139,6 +141,15 @@ def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous):
         assert 1 <= report["resumed_at"] <= DIE_AT, report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert wait_no_strays(token) == [], "processes of the job survived it"
+    _print_recovery(proc.stdout, f"rank died ({rendezvous})")
+
+
+def _print_recovery(output: str, what: str) -> None:
+    """Seconds from the rank's death to the restarted attempt's first step (the first rank's to get there)."""
+    (died,) = [float(fields[1]) for fields in _tagged(output, "TORCHLOOM_ELASTIC_DYING")]
+    first = min(float(fields[0]) for fields in _tagged(output, "TORCHLOOM_FIRST_STEP"))
+    print(f"{what}: {first - died:.1f} s from the fault to the first step after resuming")
+    assert first - died < 60, output
 
 
 NODES_SCRIPT = """\
@@ -353,6 +364,7 @@ def test_torchloom_launcher_restarts_a_failed_attempt(tmp_path, how):
         assert report["attempt"] == 1 and 1 <= report["resumed_at"] <= DIE_AT, report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert wait_no_strays(token) == [], "processes of the job survived it"
+    _print_recovery(proc.stdout, f"rank died ({how})")
 
 
 # ---- preemption: a signal, a checkpoint at the next step boundary, and a restart ------------------------------
