@@ -423,19 +423,28 @@ def _tagged(output: str, tag: str) -> list[list[str]]:
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
 @pytest.mark.parametrize(
-    ("target", "signame"), [("rank", "SIGUSR1"), ("agent", "SIGUSR2"), ("agent", "SIGTERM")]
+    ("target", "signame"),
+    [("rank", "SIGUSR1"), ("agent", "SIGUSR2"), ("agent", "SIGTERM"), ("launch-agent", "SIGUSR1")],
 )
 def test_preempted_job_saves_at_one_step_and_resumes(tmp_path, target, signame):
-    """SLURM's warning (SIGUSR1/SIGUSR2, `--signal=USR1@N`) reaches one rank, or the agent that passes it on;
-    SIGTERM reaches the agent, which stops the ranks. Every rank checkpoints at the same step boundary and
-    exits; the restart (the agent's, with --max-restarts 1, or a relaunch after SIGTERM ended the agent)
-    resumes from `latest_checkpoint` and ends with the uninterrupted run's parameters."""
+    """SLURM's warning (SIGUSR1/SIGUSR2, `--signal=USR1@N`) reaches one rank, or the agent that passes it on
+    (`torchloom run`'s, or `loom.launch()`'s in `python train.py`); SIGTERM reaches the agent, which stops the
+    ranks. Every rank checkpoints at the same step boundary and exits; the restart (the agent's, with one
+    restart allowed, or a relaunch after SIGTERM ended the agent) resumes from `latest_checkpoint` and ends with
+    the uninterrupted run's parameters."""
     script = tmp_path / "train.py"
-    script.write_text(PREEMPT_SCRIPT)
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
-    cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
-           str(script), str(ckpts), str(PREEMPT_STEPS), str(PREEMPT_AT), target, signame]  # fmt: skip
+    job_args = [str(ckpts), str(PREEMPT_STEPS), str(PREEMPT_AT), target.removeprefix("launch-"), signame]
+    if target == "launch-agent":
+        launch = 'loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=1, rdzv_backend="c10d"))\n'
+        script.write_text(PREEMPT_SCRIPT.replace("from torchloom import Loom", "from torchloom import Elastic, Loom")
+                          .replace('loom = Loom(accelerator="cpu")\n', launch + "loom.launch()\n"))  # fmt: skip
+        cmd = [PYTHON, str(script), *job_args]
+    else:
+        script.write_text(PREEMPT_SCRIPT)
+        cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+               str(script), *job_args]  # fmt: skip
     proc, token = run_job(cmd, timeout=JOB_TIMEOUT, env={"TORCHLOOM_SHUTDOWN_TIMEOUT": "20"})
     output = proc.stdout
     assert wait_no_strays(token) == [], "processes of the job survived it"
