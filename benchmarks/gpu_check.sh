@@ -2,7 +2,8 @@
 # The GPU check: what a machine with a CUDA GPU runs, in under 10 minutes, to prove the GPU path.
 #
 #   1. the CUDA tests (pytest -m cuda tests: tests/gpu and the CUDA cases elsewhere): every strategy x precision
-#      on 1 and 2 GPUs, hand-made units, offload placement, the desync report under NCCL,
+#      on 1 and 2 GPUs, hand-made units, offload placement, the desync report under NCCL (its watchdog thread
+#      on its rank's GPU, tests/gpu/test_watchdog_device.py),
 #      meta init with and without cpu_offload, checkpoints with offload, the leftover sync under NCCL;
 #   2. benchmarks/step_overhead.py --device cuda: torchloom's step time against raw PyTorch, on 2 GPUs (1 where
 #      the machine has one: no communication then, but torchloom's own costs on the GPU);

@@ -9,12 +9,18 @@ the uninterrupted run's.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from harness import PYTHON, free_port, run_job, wait_no_strays
+from harness import PYTHON, REPO, TOKEN_ENV, free_port, kill_token, run_job, wait_no_strays
 
 TESTS = Path(__file__).resolve().parent
 JOB_TIMEOUT = 150
@@ -24,7 +30,7 @@ RESULT_TAG = "TORCHLOOM_ELASTIC_RESULT "
 DYING_TAG = "TORCHLOOM_ELASTIC_DYING "
 
 SCRIPT = """\
-import json, os, signal, sys
+import json, os, signal, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import torch
@@ -39,7 +45,7 @@ def say(line):
 
 
 ckpt_dir, steps, die_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", -1))  # -1: the launching process
 loom = Loom(accelerator="cpu")  # processes and nodes as the launcher started them
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
@@ -52,13 +58,15 @@ if saved:
 resumed_at = state["step"]
 for step in range(resumed_at, steps):
     if step == die_at and attempt == 0 and loom.global_rank == 1:
-        say(f"TORCHLOOM_ELASTIC_DYING {step}")
+        say(f"TORCHLOOM_ELASTIC_DYING {step} {time.time()}")
         os.kill(os.getpid(), signal.SIGKILL)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
     loom.backward(model(x).pow(2).mean())
     optimizer.step()
     optimizer.zero_grad()
     state["step"] = step + 1
+    if step == resumed_at and attempt > 0:
+        say(f"TORCHLOOM_FIRST_STEP {time.time()}")
     loom.save(ckpt_dir / f"step-{step + 1:04d}", state, fsync=False)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "resumed_at": resumed_at,
@@ -68,12 +76,12 @@ loom.close()
 """
 
 
-def _reference(world_size: int) -> torch.Tensor:
+def _reference(world_size: int, steps: int = STEPS) -> torch.Tensor:
     """Plain torch, never interrupted: each step on the concatenated batches of all ranks."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(steps):
         x = torch.cat(
             [
                 torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + r))
@@ -133,6 +141,15 @@ def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous):
         assert 1 <= report["resumed_at"] <= DIE_AT, report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert wait_no_strays(token) == [], "processes of the job survived it"
+    _print_recovery(proc.stdout, f"rank died ({rendezvous})")
+
+
+def _print_recovery(output: str, what: str) -> None:
+    """Seconds from the rank's death to the restarted attempt's first step (the first rank's to get there)."""
+    (died,) = [float(fields[1]) for fields in _tagged(output, "TORCHLOOM_ELASTIC_DYING")]
+    first = min(float(fields[0]) for fields in _tagged(output, "TORCHLOOM_FIRST_STEP"))
+    print(f"{what}: {first - died:.1f} s from the fault to the first step after resuming")
+    assert first - died < 60, output
 
 
 NODES_SCRIPT = """\
@@ -178,35 +195,510 @@ for name, strategy in (("default", "auto"), ("hybrid", FSDP2Strategy(hybrid=True
 """
 
 
+NODE_RENDEZVOUS = {
+    # 2 agents x 1 rank on the static rendezvous; (e) 2 agents x 2 ranks meeting in torch's elastic one.
+    1: "--nnodes 2 --node-rank {node} --master-addr 127.0.0.1 --master-port {port}",
+    2: "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id nodes-test",
+}
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
-def test_two_torchrun_nodes_with_loom_defaults(tmp_path):
-    """Two torchrun agents (one per "node", static rendezvous, one process each): `Loom()` takes the node count
-    from torchrun (it refused the job before: devices='auto' became 1 process per node, checked against the 2
-    started), DDP trains as one process would on both batches, and hybrid FSDP2 replicates across the 2 nodes
-    and shards within each (mesh (2, 1), not (1, 2): sharding across nodes)."""
+@pytest.mark.parametrize("nproc", sorted(NODE_RENDEZVOUS))
+def test_two_torchrun_nodes_with_loom_defaults(tmp_path, nproc):
+    """Two torchrun agents ("nodes") of `nproc` processes each: `Loom()` takes the node count from torchrun (it
+    refused the job before: devices='auto' became the processes of one node, checked against all started), DDP
+    trains as one process would on every rank's batch, and hybrid FSDP2 replicates across the 2 nodes and shards
+    within each (mesh (2, nproc), not (1, 2 * nproc): sharding across nodes)."""
     script = tmp_path / "nodes.py"
     script.write_text(NODES_SCRIPT)
     port = str(free_port())
 
     def node(rank: int) -> tuple:
-        cmd = _torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", port, str(script), str(STEPS))  # fmt: skip
+        rendezvous = NODE_RENDEZVOUS[nproc].format(node=rank, port=port).split()
+        cmd = _torchrun(*rendezvous, "--nproc-per-node", str(nproc), str(script), str(STEPS))
         return run_job(cmd, timeout=JOB_TIMEOUT)
 
     with ThreadPoolExecutor(2) as pool:
         jobs = list(pool.map(node, range(2)))
-    expected = _reference(2)
+    world = 2 * nproc
+    expected = _reference(world)
     reports = []
     for proc, token in jobs:
         assert proc.returncode == 0, proc.stdout
         reports += _reports(proc.stdout)
         assert wait_no_strays(token) == [], "processes of the job survived it"
     assert sorted((r["case"], r["rank"], r["node_rank"]) for r in reports) == [
-        ("default", 0, 0), ("default", 1, 1), ("hybrid", 0, 0), ("hybrid", 1, 1)
-    ]  # fmt: skip
+        (case, rank, rank // nproc) for case in ("default", "hybrid") for rank in range(world)
+    ]
     for report in reports:
-        assert report["world_size"] == 2 and report["num_nodes"] == 2, report
+        assert report["world_size"] == world and report["num_nodes"] == 2, report
         assert report["strategy"] == ("ddp" if report["case"] == "default" else "fsdp2")
         if report["case"] == "hybrid":
-            assert report["mesh"] == [2, 1], report
+            assert report["mesh"] == [2, nproc], report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+
+
+# ---- launching with torchrun's elastic options ----------------------------------------------------------------
+def _torchrun_config(argv: list[str], script: Path):
+    """The LaunchConfig torch's own torchrun makes of the command line `torchloom run ARGV SCRIPT` produces."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from torchloom.cli import _parser, split_run_args
+    from torchloom.run import torchrun_args
+
+    ours, _ = split_run_args([*argv, str(script)])
+    torchrun_argv = torchrun_args(_parser().parse_args(["run", *ours]))
+    config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_argv))
+    return config
+
+
+def test_torchloom_run_passes_elastic_options_to_torchrun(tmp_path):
+    """`torchloom run`'s elastic options end up in the LaunchConfig torchrun builds (it pinned max_restarts=0 and
+    the static rendezvous before); the fixed-size defaults are unchanged."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = _torchrun_config(
+        ["--devices", "1", "--max-restarts", "3", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", "127.0.0.1:29999", "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=7,last_call_timeout=2",
+         "--monitor-interval", "0.5"],
+        script,
+    )  # fmt: skip
+    assert (config.min_nodes, config.max_nodes, config.max_restarts) == (1, 2, 3)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "127.0.0.1:29999", "job7")
+    assert config.rdzv_configs["join_timeout"] == "7" and config.rdzv_configs["last_call_timeout"] == "2"
+    assert config.monitor_interval == 0.5
+    plain = _torchrun_config(["--devices", "1", "--max_restarts=2"], script)
+    assert (plain.min_nodes, plain.max_nodes, plain.max_restarts, plain.rdzv_backend) == (1, 1, 2, "static")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "1:2"], "--rdzv-backend c10d"),  # a range on the static rendezvous
+        (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint"),
+        (["--nnodes", "2:1", "--rdzv-backend", "c10d"], "MIN:MAX"),
+        (["--nnodes", "2", "--num-nodes", "3"], "disagree"),
+        (["--max-restarts", "-1"], "--max-restarts -1"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "nohost"], "HOST:PORT"),
+    ],
+)
+def test_torchloom_run_refuses_bad_elastic_options(tmp_path, argv, message):
+    from torchloom.errors import ConfigurationError
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        _torchrun_config(["--devices", "1", *argv], script)
+
+
+def test_launch_passes_elastic_options_to_the_agent():
+    """`Loom(elastic=Elastic(...)).launch()` hands torchrun's options to torch's LaunchConfig."""
+    from torchloom import Elastic
+    from torchloom.launcher import _launch_config
+
+    elastic = Elastic(max_restarts=2, nnodes="1:3", rdzv_backend="c10d", rdzv_endpoint="10.0.0.1:29400",
+                      rdzv_id="job", rdzv_configs={"join_timeout": 5}, monitor_interval=0.2)  # fmt: skip
+    config = _launch_config(2, 1, 0, "127.0.0.1", 1234, elastic)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (1, 3, 2, 2)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "10.0.0.1:29400", "job")
+    assert config.rdzv_configs["join_timeout"] == 5 and config.monitor_interval == 0.2
+    default = _launch_config(2, 1, 0, "127.0.0.1", 1234)
+    assert (default.max_restarts, default.rdzv_backend, default.rdzv_endpoint) == (
+        0,
+        "static",
+        "127.0.0.1:1234",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"nnodes": "1:2"}, "static rendezvous cannot"),
+        ({"nnodes": "0:2", "rdzv_backend": "c10d"}, "MIN:MAX"),
+        ({"rdzv_backend": "zeus"}, "rendezvous backends"),
+        ({"rdzv_backend": "c10d", "rdzv_endpoint": "29400"}, "HOST:PORT"),
+    ],
+)
+def test_elastic_refuses_bad_options(kwargs, message):
+    from torchloom import Elastic
+    from torchloom.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        Elastic(**kwargs)
+
+
+LAUNCH_LINE = 'loom = Loom(accelerator="cpu")'
+LAUNCHERS = {
+    # `torchloom run` starts torchrun's agent with these options.
+    "torchloom-run": "run --devices 2 --max-restarts 1 --rdzv-backend c10d --monitor-interval 0.1",
+    # The script starts the agent itself: `python train.py` with `Loom(elastic=...).launch()`.
+    "launch": 'loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=1, rdzv_backend="c10d")); loom.launch()',
+}
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+@pytest.mark.parametrize("how", sorted(LAUNCHERS))
+def test_torchloom_launcher_restarts_a_failed_attempt(tmp_path, how):
+    """A job torchloom launches with one restart allowed: rank 1 dies once, the agent restarts both ranks, the
+    second attempt resumes from the newest checkpoint and ends with the uninterrupted run's parameters (before,
+    max_restarts was pinned to 0 and the job failed)."""
+    script = tmp_path / "train.py"
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    job_args = [str(ckpts), str(STEPS), str(DIE_AT)]
+    if how == "launch":
+        script.write_text(SCRIPT.replace("from torchloom import Loom", "from torchloom import Elastic, Loom")
+                          .replace(LAUNCH_LINE, LAUNCHERS[how]))  # fmt: skip
+        cmd = [PYTHON, str(script), *job_args]
+    else:
+        script.write_text(SCRIPT)
+        cmd = [PYTHON, "-m", "torchloom", *LAUNCHERS[how].split(), str(script), *job_args]
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
+    reports = _reports(proc.stdout)
+    assert [r["rank"] for r in reports] == [0, 1], proc.stdout
+    expected = _reference(2)
+    for report in reports:
+        assert report["attempt"] == 1 and 1 <= report["resumed_at"] <= DIE_AT, report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+    assert wait_no_strays(token) == [], "processes of the job survived it"
+    _print_recovery(proc.stdout, f"rank died ({how})")
+
+
+# ---- preemption: a signal, a checkpoint at the next step boundary, and a restart ------------------------------
+PREEMPT_STEPS = 6
+PREEMPT_AT = 2  # rank 1 of the first run sends the signal at the start of this step
+PREEMPT_SCRIPT = """\
+import json, os, signal, sys, time
+import torch
+from torch import nn
+from torchloom import Loom, latest_checkpoint
+
+
+def say(line):
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
+ckpt_dir, steps, stop_at, target, signame = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+loom = Loom(accelerator="cpu")
+loom.on_preempt()
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = loom.setup(model, optimizer)
+state = {"model": model, "optimizer": optimizer, "step": 0}
+latest = latest_checkpoint(ckpt_dir)
+if latest is not None:
+    loom.load(latest, state)
+resumed_at = state["step"]
+for step in range(resumed_at, steps):
+    if resumed_at == 0 and step == stop_at and loom.global_rank == 1:
+        say(f"TORCHLOOM_FAULT {time.time()}")
+        os.kill(os.getpid() if target == "rank" else os.getppid(), getattr(signal, signame))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
+    loom.backward(model(x).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    state["step"] = step + 1
+    if step == resumed_at and resumed_at > 0:
+        say(f"TORCHLOOM_FIRST_STEP {time.time()}")
+    time.sleep(0.1)  # a step long enough for a forwarded signal to land inside it
+    if loom.should_stop():
+        loom.save(os.path.join(ckpt_dir, f"step-{step + 1:04d}"), state)
+        say(f"TORCHLOOM_PREEMPTED {loom.global_rank} {step + 1}")
+        loom.exit_for_restart()
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+report = {"rank": loom.global_rank, "world_size": loom.world_size, "resumed_at": resumed_at, "params": params.tolist()}
+say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+loom.close()
+"""
+
+
+def _tagged(output: str, tag: str) -> list[list[str]]:
+    return [line.split()[1:] for line in output.splitlines() if line.startswith(tag + " ")]
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
+@pytest.mark.parametrize(
+    ("target", "signame"),
+    [("rank", "SIGUSR1"), ("agent", "SIGUSR2"), ("agent", "SIGTERM"), ("launch-agent", "SIGUSR1")],
+)
+def test_preempted_job_saves_at_one_step_and_resumes(tmp_path, target, signame):
+    """SLURM's warning (SIGUSR1/SIGUSR2, `--signal=USR1@N`) reaches one rank, or the agent that passes it on
+    (`torchloom run`'s, or `loom.launch()`'s in `python train.py`); SIGTERM reaches the agent, which stops the
+    ranks. Every rank checkpoints at the same step boundary and exits; the restart (the agent's, with one
+    restart allowed, or a relaunch after SIGTERM ended the agent) resumes from `latest_checkpoint` and ends with
+    the uninterrupted run's parameters."""
+    script = tmp_path / "train.py"
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    job_args = [str(ckpts), str(PREEMPT_STEPS), str(PREEMPT_AT), target.removeprefix("launch-"), signame]
+    if target == "launch-agent":
+        launch = 'loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=1, rdzv_backend="c10d"))\n'
+        script.write_text(PREEMPT_SCRIPT.replace("from torchloom import Loom", "from torchloom import Elastic, Loom")
+                          .replace('loom = Loom(accelerator="cpu")\n', launch + "loom.launch()\n"))  # fmt: skip
+        cmd = [PYTHON, str(script), *job_args]
+    else:
+        script.write_text(PREEMPT_SCRIPT)
+        cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+               str(script), *job_args]  # fmt: skip
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT, env={"TORCHLOOM_SHUTDOWN_TIMEOUT": "20"})
+    output = proc.stdout
+    assert wait_no_strays(token) == [], "processes of the job survived it"
+    if signame == "SIGTERM":
+        # torch's agent ends on SIGTERM (no restart): the job is started again, as SLURM's requeue would.
+        assert proc.returncode == 128 + signal.SIGTERM, output
+        proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+        output += proc.stdout
+    assert proc.returncode == 0, output
+    preempted = _tagged(output, "TORCHLOOM_PREEMPTED")
+    assert sorted(rank for rank, _ in preempted) == ["0", "1"], output
+    stopped_at = {int(step) for _, step in preempted}
+    assert len(stopped_at) == 1 and PREEMPT_AT < stopped_at.pop() + 1 <= PREEMPT_STEPS, output
+    reports = _reports(output)
+    assert [r["rank"] for r in reports] == [0, 1], output
+    expected = _reference(2, PREEMPT_STEPS)
+    for report in reports:
+        assert report["resumed_at"] == int(preempted[0][1]), report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{int(preempted[0][1]):04d}"]
+
+
+# ---- a changed world size: a node lost, a node joining ---------------------------------------------------------
+GLOBAL_BATCH = 8
+SAMPLES = 48  # 6 global batches an epoch
+WORLD_STEPS = 12  # two epochs
+# Small bounds for a fast test (see docs: resuming): a dead node is dropped after 3 missed 1-s heartbeats.
+RDZV_CONF = (
+    "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+)
+WORLD_SCRIPT = """\
+import json, sys, time
+started = time.time()
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchloom import Loom, latest_checkpoint, rotate_checkpoints, seed_everything
+
+
+def say(line):
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
+ckpt_dir, steps, global_batch, samples = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+delay, wait_for_peer_at = float(sys.argv[5]), int(sys.argv[6])
+loom = Loom(accelerator="cpu")  # world size and nodes: whatever this attempt's rendezvous gave
+seed_everything(42)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = loom.setup(model, optimizer)
+data = TensorDataset(torch.randn(samples, 4, generator=torch.Generator().manual_seed(7)))
+# The global batch is the job's; each rank reads its share of it.
+loader = loom.setup_dataloaders(DataLoader(data, batch_size=global_batch // loom.world_size, shuffle=True))
+state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+latest = latest_checkpoint(ckpt_dir)
+if latest is not None:
+    loom.load(latest, state)
+resumed_at = state["step"]
+while state["step"] < steps:
+    for (x,) in loader:
+        step = state["step"]
+        if step >= steps:
+            break
+        loom.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step + 1
+        if step == resumed_at and resumed_at > 0:
+            say(f"TORCHLOOM_FIRST_STEP {time.time()} {loom.world_size} {started}")
+        loom.save(f"{ckpt_dir}/step-{step + 1:04d}.pt", state, fsync=False)
+        if loom.is_global_zero:
+            rotate_checkpoints(ckpt_dir, keep_last=2)
+        say(f"TORCHLOOM_STEP {loom.global_rank} {loom.world_size} {step + 1}")
+        if loom.world_size == 1 and step + 1 == wait_for_peer_at:
+            time.sleep(120)  # alone until the second node joins: its agent then restarts this one
+        time.sleep(delay)
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+report = {"rank": loom.global_rank, "world_size": loom.world_size, "resumed_at": resumed_at, "params": params.tolist()}
+say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+loom.close()
+"""
+
+
+def _global_batches_reference() -> torch.Tensor:
+    """Plain torch on one process, never interrupted: the global batches of torchloom's loader (the order
+    DistributedSampler draws from seed + epoch), GLOBAL_BATCH samples each."""
+    torch.manual_seed(42)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = torch.randn(SAMPLES, 4, generator=torch.Generator().manual_seed(7))
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for step in range(WORLD_STEPS):
+        epoch, batch = divmod(step, per_epoch)
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(42 + epoch))
+        x = data[order[batch * GLOBAL_BATCH : (batch + 1) * GLOBAL_BATCH]]
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+class _Agent:
+    """One `torchloom run` agent standing for one node (its own session; output to a file)."""
+
+    def __init__(self, tmp_path: Path, name: str, port: int, ckpts: Path, script: Path, delay: float,
+                 wait_for_peer_at: int, host: bool) -> None:  # fmt: skip
+        self.log = tmp_path / f"{name}.log"
+        self.token = f"{name}-{uuid.uuid4().hex}"
+        cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "2",
+               "--rdzv-conf", RDZV_CONF + ("" if host else ",is_host=false"), str(script), str(ckpts),
+               str(WORLD_STEPS), str(GLOBAL_BATCH), str(SAMPLES), str(delay), str(wait_for_peer_at)]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")}  # fmt: skip
+        env.update({TOKEN_ENV: self.token, "PYTHONUNBUFFERED": "1"})
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_token(self.token)
+            raise AssertionError(f"agent did not finish within {timeout}s:\n{self.output()}") from None
+
+    def stop(self) -> None:
+        kill_token(self.token)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _wait_for(condition, timeout: float, what: str, *agents: _Agent) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s:\n" + "\n".join(a.output() for a in agents))
+        time.sleep(0.05)
+
+
+def _steps_done(agent: _Agent, world_size: int) -> int:
+    done = [int(s) for _, w, s in _tagged(agent.output(), "TORCHLOOM_STEP") if int(w) == world_size]
+    return max(done, default=0)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_c_survivor_of_a_lost_node_continues_alone(tmp_path):
+    """Two agents of one rank each (c10d rendezvous on localhost, --nnodes 1:2); the one that does not hold the
+    rendezvous store is SIGKILLed mid-training (its rank dies with it). The survivor's agent restarts its rank,
+    the rendezvous closes with one node, and the rank continues alone from the newest checkpoint with the same
+    global batches (8 samples: 4 per rank before, 8 after), ending with the uninterrupted run's parameters."""
+    script = tmp_path / "train.py"
+    script.write_text(WORLD_SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    port = free_port()
+    survivor = _Agent(tmp_path, "survivor", port, ckpts, script, delay=0.3, wait_for_peer_at=0, host=True)
+    lost = _Agent(tmp_path, "lost", port, ckpts, script, delay=0.3, wait_for_peer_at=0, host=False)
+    try:
+        _wait_for(lambda: _steps_done(survivor, 2) >= 2, JOB_TIMEOUT, "2 steps on 2 nodes", survivor, lost)
+        lost.proc.kill()  # SIGKILL: the node is gone
+        fault = time.time()
+        assert survivor.wait(JOB_TIMEOUT) == 0, survivor.output()
+    finally:
+        lost.stop()
+        survivor.stop()
+    output = survivor.output()
+    assert wait_no_strays(lost.token) == [] and wait_no_strays(survivor.token) == []
+    (first_step,) = [(float(t), int(w), float(s)) for t, w, s in _tagged(output, "TORCHLOOM_FIRST_STEP")]
+    assert first_step[1] == 1, output
+    recovery = first_step[0] - fault
+    print(
+        f"node lost: {recovery:.1f} s from the SIGKILL to the first step on 1 node "
+        f"(the restarted rank's script began {first_step[2] - fault:.1f} s after the SIGKILL)"
+    )
+    assert recovery < 60, output
+    (report,) = _reports(output)
+    assert report["world_size"] == 1 and 2 <= report["resumed_at"] < WORLD_STEPS, report
+    expected = _global_batches_reference()
+    assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-5), (report, expected)
+    assert len(list(ckpts.iterdir())) == 2  # rotation kept the last 2
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_d_a_second_node_joins_a_running_job(tmp_path):
+    """One agent of an --nnodes 1:2 job trains alone; a second agent joins: torch's agent sees it waiting,
+    restarts its rank, and both resume from the newest checkpoint at world size 2 (4 samples per rank, the
+    same global batches), ending with the uninterrupted run's parameters."""
+    script = tmp_path / "train.py"
+    script.write_text(WORLD_SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    port = free_port()
+    first = _Agent(tmp_path, "first", port, ckpts, script, delay=0.0, wait_for_peer_at=3, host=True)
+    second = None
+    try:
+        _wait_for(lambda: _steps_done(first, 1) >= 3, JOB_TIMEOUT, "3 steps on 1 node", first)
+        second = _Agent(tmp_path, "second", port, ckpts, script, delay=0.0, wait_for_peer_at=3, host=False)
+        joined = time.time()
+        assert first.wait(JOB_TIMEOUT) == 0, first.output()
+        assert second.wait(JOB_TIMEOUT) == 0, second.output()
+    finally:
+        for agent in (first, second):
+            if agent is not None:
+                agent.stop()
+    outputs = first.output() + second.output()
+    reports = _reports(outputs)
+    assert [r["rank"] for r in reports] == [0, 1], outputs
+    expected = _global_batches_reference()
+    for report in reports:
+        assert report["world_size"] == 2 and report["resumed_at"] == 3, report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-5), (report, expected)
+    starts = [(float(t), float(s)) for t, w, s in _tagged(outputs, "TORCHLOOM_FIRST_STEP") if int(w) == 2]
+    print(
+        f"node joined: {min(starts)[0] - joined:.1f} s from starting its agent to the first step on 2 nodes "
+        f"(the ranks' scripts began {min(s for _, s in starts) - joined:.1f} s after it)"
+    )
+
+
+def test_exit_for_restart_requeues_the_slurm_job_when_asked(tmp_path, monkeypatch):
+    """`on_preempt(requeue=True)`: `exit_for_restart()` runs `scontrol requeue $SLURM_JOB_ID` (a stand-in
+    scontrol here) and exits 75; outside SLURM it refuses, naming the problem; without requeue it only exits."""
+    from torchloom import ConfigurationError, Loom
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    caught = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {sig: signal.getsignal(sig) for sig in caught}
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        loom = Loom(accelerator="cpu", devices=1)
+        loom.on_preempt(requeue=True)
+        assert all(signal.getsignal(sig) == loom._note_preemption for sig in caught)
+        with pytest.raises(SystemExit) as stopped:
+            loom.exit_for_restart()
+        assert stopped.value.code == 75 and calls.read_text() == "requeue 4242\n"
+        monkeypatch.delenv("SLURM_JOB_ID")
+        outside = Loom(accelerator="cpu", devices=1)
+        outside.on_preempt(requeue=True)
+        with pytest.raises(ConfigurationError, match="not a SLURM job"):
+            outside.exit_for_restart()
+        plain = Loom(accelerator="cpu", devices=1)
+        plain.on_preempt()
+        with pytest.raises(SystemExit):
+            plain.exit_for_restart()
+        assert calls.read_text() == "requeue 4242\n"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

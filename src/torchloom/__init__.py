@@ -8,6 +8,7 @@ loom.launch()
 import logging as _logging
 
 from torchloom._describe import describe
+from torchloom.checkpointing.resume import latest_checkpoint, rotate_checkpoints
 from torchloom.errors import (
     CheckpointError,
     CollectiveMismatchError,
@@ -17,6 +18,7 @@ from torchloom.errors import (
     MisuseError,
     TorchloomError,
 )
+from torchloom.launcher import Elastic
 from torchloom.loom import Loom
 from torchloom.seed import seed_everything
 from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, is_wrapped, unwrap
@@ -35,6 +37,9 @@ if not _log.handlers:
 
 __all__ = [
     "Loom",
+    "Elastic",
+    "latest_checkpoint",
+    "rotate_checkpoints",
     "describe",
     "LoomModule",
     "LoomOptimizer",

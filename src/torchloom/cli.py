@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="free port on node 0 (default: any free port)",
     )
+    _add_elastic_options(run)
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -86,6 +87,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_elastic_options(run: argparse.ArgumentParser) -> None:
+    """torchrun's elastic options, passed on to it unchanged (see docs: resuming)."""
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restarts of all ranks after one fails (default 0)",
+    )
+    run.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (a range needs --rdzv-backend c10d)")
+    run.add_argument("--rdzv-backend", "--rdzv_backend", default=None, help="static (default) or c10d")
+    run.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of the rendezvous store"
+    )
+    run.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's id, the same on every node")
+    run.add_argument("--rdzv-conf", "--rdzv_conf", default=None, help="KEY=VALUE,... e.g. join_timeout=60")
+    run.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=0.1,
+        help="seconds between the agent's checks of its ranks",
+    )
+
+
 _ALLOW_PICKLE = (
     "also unpickle objects that are not plain data (tensors, numbers, strings, lists, dicts); unpickling can run "
     "any code the file's author chose: only for checkpoints you trust"
@@ -106,6 +132,20 @@ RUN_OPTIONS = frozenset(
         "--main_address",
         "--main-port",
         "--main_port",
+        # torchrun's elastic options
+        "--max-restarts",
+        "--max_restarts",
+        "--nnodes",
+        "--rdzv-backend",
+        "--rdzv_backend",
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        "--rdzv-id",
+        "--rdzv_id",
+        "--rdzv-conf",
+        "--rdzv_conf",
+        "--monitor-interval",
+        "--monitor_interval",
     )
 )
 

@@ -211,15 +211,22 @@ class _Watchdog(threading.Thread):
     With `report_after` (NCCL), it also starts the report itself when this rank's current collective has waited
     that long: there no exception reaches Python before the process group's watchdog aborts the process."""
 
-    def __init__(self, main_thread_id: int, report_after: float | None) -> None:
+    def __init__(self, main_thread_id: int, report_after: float | None, device: Any = None) -> None:
         super().__init__(name="torchloom-desync-watchdog", daemon=True)
         self._main = main_thread_id
+        self._device = device
         self._report_after = report_after
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         import torch.distributed as dist
 
+        if self._device is not None and self._device.type == "cuda":
+            import torch
+
+            # The current CUDA device is per thread: querying the collectives' events from device 0 would make
+            # every rank of a node create a context on GPU 0.
+            torch.cuda.set_device(self._device)
         store = RECORD.store
         request, answer = _key("requests"), _key(f"answer/{RECORD.rank}")
         while not self._stop_event.wait(_POLL_SECONDS):
@@ -251,7 +258,13 @@ class _Watchdog(threading.Thread):
             self.join(timeout=2 * _POLL_SECONDS)
 
 
-def start(rank: int, world_size: int, namespace: str | None, report_after: timedelta | None = None) -> None:
+def start(
+    rank: int,
+    world_size: int,
+    namespace: str | None,
+    report_after: timedelta | None = None,
+    device: Any = None,
+) -> None:
     """Connect this rank to the job's store and start its watchdog (once per process). Its keys go under
     `namespace`, the process group's own; without one there is no report, as an earlier group's keys could
     answer it. With `report_after`, the watchdog starts the desync report when a collective has waited that long
@@ -267,7 +280,7 @@ def start(rank: int, world_size: int, namespace: str | None, report_after: timed
     # Tests set this to take, on gloo, the path NCCL takes: the report started by the watchdog, not by an error.
     forced = os.environ.get("TORCHLOOM_DESYNC_REPORT_AFTER")
     seconds = float(forced) if forced else report_after.total_seconds() if report_after else None
-    _watchdog = _Watchdog(threading.main_thread().ident or 0, seconds)
+    _watchdog = _Watchdog(threading.main_thread().ident or 0, seconds, device)
     _watchdog.start()
     # Registered after the process group's own exit hook, so it runs first: the watchdog stops polling a store
     # before the group (and, on rank 0, the store's server) goes away.

@@ -15,15 +15,17 @@ import shlex
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torchloom import _torch_compat
-from torchloom.errors import LaunchError, MisuseError
+from torchloom.errors import ConfigurationError, LaunchError, MisuseError
 
 # Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
 LAUNCHED_ENV = "TORCHLOOM_LAUNCHED"
@@ -41,20 +43,190 @@ def shutdown_timeout() -> int:
     return int(os.environ.get("TORCHLOOM_SHUTDOWN_TIMEOUT", "5"))
 
 
-def _launch_config(num_processes: int, num_nodes: int, node_rank: int, address: str, port: int) -> Any:
+# Rendezvous backends of torch's elastic agent. Static: fixed node count, node 0's agent holds the store. The
+# others let nodes join and leave between attempts.
+_RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """torchrun's elastic options for a job that torchloom's own launcher starts (`loom.launch()`), as
+    `torchloom run` takes them on its command line. Pass it as `Loom(..., elastic=Elastic(...))`.
+
+    Args:
+        max_restarts: how often the agent restarts all local ranks after one fails (torchrun `--max-restarts`).
+            Each restart is a new attempt: the script runs again from its start, so it must resume from its
+            newest checkpoint (`torchloom.latest_checkpoint`).
+        nnodes: the node count, `N` or `"MIN:MAX"` (torchrun `--nnodes`). A range needs a rendezvous other than
+            "static"; the job then starts with MIN to MAX nodes and restarts at the new count when one is lost or
+            joins. Default: `Loom(num_nodes=...)`.
+        rdzv_backend: "static" (torchrun's default without `--rdzv-backend`) or "c10d" (torch's elastic
+            rendezvous, whose store the agent at `rdzv_endpoint` holds), or etcd's.
+        rdzv_endpoint: `HOST:PORT` of the rendezvous store. Default: the job's main address and port
+            (MASTER_ADDR, MASTER_PORT, or 127.0.0.1 and a free port on one node).
+        rdzv_id: the job's id, the same on every node (torchrun `--rdzv-id`). Default: a fresh one on one node,
+            "torchloom" with several.
+        rdzv_configs: the rendezvous' settings (torchrun `--rdzv-conf`), e.g. for c10d `join_timeout` (seconds
+            every attempt waits for MIN nodes, default 600), `last_call_timeout` (how long it waits for more nodes
+            once MIN are there, default 30), `close_timeout` (default 30).
+        monitor_interval: seconds between the agent's checks of its ranks (torchrun `--monitor-interval`): the
+            delay before a failed rank is noticed.
+    """
+
+    max_restarts: int = 0
+    nnodes: int | str | None = None
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_configs: dict[str, Any] | None = None
+    monitor_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.max_restarts, int)
+            or isinstance(self.max_restarts, bool)
+            or self.max_restarts < 0
+        ):
+            raise ConfigurationError(
+                f"Elastic(max_restarts={self.max_restarts!r}) is not valid: pass a whole number >= 0."
+            )
+        if self.rdzv_backend not in _RDZV_BACKENDS:
+            raise ConfigurationError(
+                f"Elastic(rdzv_backend={self.rdzv_backend!r}) is not one of torch's rendezvous backends "
+                f"{_RDZV_BACKENDS}. Use 'c10d' for an elastic job, 'static' for a fixed one."
+            )
+        if self.nnodes is not None:
+            low, high = node_range(self.nnodes)
+            if low != high and self.rdzv_backend == "static":
+                raise ConfigurationError(
+                    f"Elastic(nnodes={self.nnodes!r}) is a range, which the static rendezvous cannot do (its node "
+                    "count is fixed). Pass rdzv_backend='c10d' with an rdzv_endpoint every node reaches."
+                )
+        if self.rdzv_endpoint is not None:
+            _split_endpoint(self.rdzv_endpoint)
+        if not self.monitor_interval > 0:
+            raise ConfigurationError(
+                f"Elastic(monitor_interval={self.monitor_interval!r}) is not valid: pass seconds > 0."
+            )
+
+
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """(MIN, MAX) of torchrun's `--nnodes` value: `N` or `"MIN:MAX"`, 1 <= MIN <= MAX."""
+    text = str(nnodes)
+    parts = text.split(":")
+    if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
+        low, high = int(parts[0]), int(parts[-1])
+        if 1 <= low <= high:
+            return low, high
+    raise ConfigurationError(
+        f"nnodes={nnodes!r} is not a node count: pass N or 'MIN:MAX' with 1 <= MIN <= MAX (e.g. '1:4')."
+    )
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigurationError(
+            f"rdzv_endpoint={endpoint!r} is not HOST:PORT (e.g. 'node0:29400'): the address of the rendezvous "
+            "store, reachable from every node."
+        )
+    return host, int(port)
+
+
+def _launch_config(
+    num_processes: int,
+    num_nodes: int,
+    node_rank: int,
+    address: str,
+    port: int,
+    elastic: Elastic | None = None,
+) -> Any:
+    elastic = elastic or Elastic()
+    min_nodes, max_nodes = (
+        node_range(elastic.nnodes) if elastic.nnodes is not None else (num_nodes, num_nodes)
+    )
+    run_id = elastic.rdzv_id or (f"torchloom-{uuid.uuid4().hex[:8]}" if max_nodes == 1 else "torchloom")
+    if elastic.rdzv_backend == "static":
+        configs: dict[str, Any] = {"rank": node_rank, "timeout": 900}
+    else:
+        configs = {}
+    configs.update(elastic.rdzv_configs or {})
     return _torch_compat.launch_config(
-        min_nodes=num_nodes,
-        max_nodes=num_nodes,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
         nproc_per_node=num_processes,
-        run_id=f"torchloom-{uuid.uuid4().hex[:8]}" if num_nodes == 1 else "torchloom",
-        rdzv_backend="static",
-        rdzv_endpoint=f"{address}:{port}",
-        rdzv_configs={"rank": node_rank, "timeout": 900},
-        max_restarts=0,
-        monitor_interval=0.1,
+        run_id=run_id,
+        rdzv_backend=elastic.rdzv_backend,
+        rdzv_endpoint=elastic.rdzv_endpoint or f"{address}:{port}",
+        rdzv_configs=configs,
+        max_restarts=elastic.max_restarts,
+        monitor_interval=elastic.monitor_interval,
         start_method="spawn",
         shutdown_timeout=shutdown_timeout(),
     )
+
+
+# Signals the agent passes on to its ranks instead of dying of them: SLURM's `--signal=USR1@SECONDS` warning
+# before the time limit reaches every process of the step, the agent included, and `kill -USR1 <agent>` (or
+# `sbatch --signal=B:USR1@...` to a batch script that execs the launcher) reaches only the agent. SIGTERM and
+# SIGINT stay torch's: its agent stops the ranks (SIGTERM, then SIGKILL after `shutdown_timeout()`).
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+# Helper processes multiprocessing starts beside the ranks: never signalled.
+_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
+
+@contextlib.contextmanager
+def forwarding_signals_to_ranks() -> Generator[None, None, None]:
+    """While the agent runs, SIGUSR1/SIGUSR2 sent to it go to its ranks (`loom.on_preempt()` catches them) and
+    do not kill it. Linux only (children are found in /proc); elsewhere the signals keep their default."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in _child_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _child_pids() -> list[int]:
+    """This process's children (the ranks), multiprocessing's helpers left out."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ")".
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if not any(helper in cmdline for helper in _HELPERS):
+            found.append(int(entry))
+    return found
+
+
+def avoid_shared_rendezvous_store(rdzv_backend: str | None) -> None:
+    """Before an elastic rendezvous (c10d, etcd), have torch's agents give the ranks a store of their own each
+    attempt instead of sharing the rendezvous' TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless set).
+
+    With the shared store (torch 2.4 and later), a node joining a running job hangs: the agent that stays rank 0
+    reuses the store address it published in an earlier round and never publishes it in the new round, where
+    the joining agent waits for it (`DistStoreError: wait timeout ... MASTER_ADDR`, torch 2.13,
+    DynamicRendezvousHandler.next_rendezvous). The ranks then start on a fresh store on node 0 each attempt."""
+    if rdzv_backend not in (None, "static"):
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def script_command() -> list[str]:
@@ -69,19 +241,28 @@ def script_command() -> list[str]:
     return list(sys.orig_argv[1:])
 
 
-def launch_script(num_processes: int, num_nodes: int, node_rank: int, address: str, port: int) -> None:
+def launch_script(
+    num_processes: int,
+    num_nodes: int,
+    node_rank: int,
+    address: str,
+    port: int,
+    elastic: Elastic | None = None,
+) -> None:
     """Run this script once per local rank and exit with the job's status; never returns."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     command = script_command()
-    config = _launch_config(num_processes, num_nodes, node_rank, address, port)
+    config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
+    avoid_shared_rendezvous_store(config.rdzv_backend)
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     if _BOOTS:
         command = ["-S", _BOOT, *command]
     try:
-        elastic_launch(config, sys.executable)(*command)
+        with forwarding_signals_to_ranks():
+            elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
         print(_describe_failure(error), file=sys.stderr, flush=True)
         raise SystemExit(_exit_status(error)) from None
@@ -123,17 +304,19 @@ def launch_function(
     node_rank: int,
     address: str,
     port: int,
+    elastic: Elastic | None = None,
 ) -> Any:
     """Run `fn(loom, *args)` on every local rank; return rank 0's result or raise `LaunchError`."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = _launch_config(num_processes, num_nodes, node_rank, address, port)
+    config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
+    avoid_shared_rendezvous_store(config.rdzv_backend)
     previous = {key: os.environ.get(key) for key in (LAUNCHED_ENV, AGENT_PID_ENV)}
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     try:
-        with _spawned_ranks_boot():
+        with _spawned_ranks_boot(), forwarding_signals_to_ranks():
             results = elastic_launch(config, _run_function)(loom, fn, args)
     except ChildFailedError as error:
         rank, failure = _root_failure(error)

@@ -48,6 +48,27 @@ from torchloom.wrappers import (
     move_to_device as move_data_to_device,
 )
 
+#: The exit status of `loom.exit_for_restart()`: EX_TEMPFAIL, "try again later".
+PREEMPTED_EXIT_CODE = 75
+
+
+def _requeue_slurm_job() -> None:
+    import subprocess
+
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        raise ConfigurationError(
+            "on_preempt(requeue=True) requeues a SLURM job, but SLURM_JOB_ID is not set: this is not a SLURM job. "
+            "Leave requeue out; under torchrun, --max-restarts restarts the ranks."
+        )
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        raise ConfigurationError(
+            f"`scontrol requeue {job}` failed: {detail}. The job must be requeueable (sbatch --requeue)."
+        ) from None
+
 
 class Loom:
     """Runs a hand-written training loop on one process, many processes, GPUs or nodes.
@@ -66,6 +87,8 @@ class Loom:
         loggers: metric loggers (`torchloom.loggers.CSVLogger`, `TensorBoardLogger`) for `log`/`log_dict`.
         callbacks: objects whose methods `loom.call(hook_name, ...)` calls.
         plugins: refused (Fabric's precision and environment plugins): see the error for what to use.
+        elastic: `torchloom.Elastic(...)`, torchrun's elastic options (restarts, a node range, the c10d rendezvous)
+            for the agent `launch()` starts; ignored where the processes exist already (torchrun, SLURM).
 
     Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
     here win, with a warning when they disagree with the command line.
@@ -82,12 +105,18 @@ class Loom:
         loggers: Logger | list[Logger] | None = None,
         callbacks: Any = None,
         plugins: Any = None,
+        elastic: launcher.Elastic | None = None,
     ) -> None:
         if plugins:
             raise ConfigurationError(
                 "plugins= is not supported. Choose the precision with precision=... (e.g. 'bf16-mixed'); the cluster "
                 "environment (torchrun, SLURM, local) is detected; pass a torchloom.strategies Strategy instance as "
                 "strategy= for anything else."
+            )
+        if elastic is not None and not isinstance(elastic, launcher.Elastic):
+            raise ConfigurationError(
+                f"elastic= takes torchloom.Elastic(...), got {type(elastic).__name__}: e.g. "
+                "Loom(elastic=torchloom.Elastic(max_restarts=2, nnodes='1:2', rdzv_backend='c10d', ...))."
             )
         if precision is None:
             precision = "32-true"  # Fabric's None: the default (or the command line's)
@@ -111,6 +140,8 @@ class Loom:
         self._closed = False
         self._rank_ready = False  # this process is a rank that has joined the process group
         self._preempted = False
+        self._requeue = False
+        self._elastic = elastic
         self._modules: list[LoomModule] = []
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
@@ -194,17 +225,21 @@ class Loom:
             )
         self._launched = True
         env = self._strategy.cluster_environment
-        if self._rank_ready or env.creates_processes_externally or env.world_size() == 1:
+        # With elastic options the rendezvous decides the world, so even one local process gets an agent.
+        alone = env.world_size() == 1 and self._elastic is None
+        if self._rank_ready or env.creates_processes_externally or alone:
             if not self._rank_ready:
                 self._setup_rank()
             return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
         if fn is None:
-            launcher.launch_script(*where)  # never returns: this process waits for the ranks, then exits
+            launcher.launch_script(
+                *where, self._elastic
+            )  # never returns: this process waits for the ranks, then exits
         if kwargs:
             fn = functools.partial(fn, **kwargs)  # picklable when fn is
-        return launcher.launch_function(self, fn, args, *where)
+        return launcher.launch_function(self, fn, args, *where, self._elastic)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Fabric's subclass entry point. Override `run` in a subclass of Loom and call `loom.run(...)`: the
@@ -713,21 +748,45 @@ class Loom:
         return [m.forward_module for m in self._modules]
 
     # ---- preemption ------------------------------------------------------------------------------------------
-    def on_preempt(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
-        """Catch these signals (default SIGTERM, what clusters send before preempting a job) instead of dying, so
-        the training loop can write a final checkpoint. Check `loom.should_stop()` once per step:
+    def on_preempt(
+        self,
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2),
+        requeue: bool = False,
+    ) -> None:
+        """Catch these signals instead of dying, so the training loop can write a final checkpoint and stop at a
+        step boundary. The defaults cover clusters' preemption (SIGTERM) and SLURM's warning before the time
+        limit (`sbatch --signal=USR1@120`, or USR2). Check `loom.should_stop()` once per step:
 
             loom.on_preempt()
             for step in ...:
                 train_step()
                 if loom.should_stop():
                     loom.save(path, state)
-                    break
+                    loom.exit_for_restart()  # or `break` to end the job as finished
 
-        The launcher gives the ranks TORCHLOOM_SHUTDOWN_TIMEOUT seconds (default 5) after SIGTERM before it
-        kills them; raise it if a final checkpoint takes longer."""
+        A signal reaches every rank, or any one of them (`should_stop` tells all), or torchloom's launcher
+        (`torchloom run`, `loom.launch()`), which passes SIGUSR1/SIGUSR2 on to its ranks. On SIGTERM torch's
+        agent stops the ranks itself: it gives them TORCHLOOM_SHUTDOWN_TIMEOUT seconds (default 5) before
+        SIGKILL; raise it if a final checkpoint takes longer.
+
+        `requeue=True`: under SLURM, `exit_for_restart()` also puts the job back in SLURM's queue (rank 0 runs
+        `scontrol requeue $SLURM_JOB_ID`; the job must be requeueable, `sbatch --requeue`), so it starts again
+        and resumes from its newest checkpoint (`torchloom.latest_checkpoint`)."""
+        self._requeue = bool(requeue)
         for sig in signals:
             signal.signal(sig, self._note_preemption)
+
+    def exit_for_restart(self) -> None:
+        """End this attempt after its preemption checkpoint, so that the job is restarted: wait for the pending
+        asynchronous save and end together with the other ranks (`close`), requeue the job under SLURM when
+        `on_preempt(requeue=True)` asked for it (rank 0), then exit with status 75 (EX_TEMPFAIL). A non-zero
+        status makes torch's agent restart the ranks when it has restarts left (`--max-restarts`), and shows a
+        job that stopped before its end as not finished. Every rank must call it."""
+        requeue = self._requeue and self.is_global_zero
+        self.close()
+        if requeue:
+            _requeue_slurm_job()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _note_preemption(self, signum: int, frame: Any) -> None:
         self._preempted = True

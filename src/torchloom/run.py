@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -43,17 +44,46 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def _node_range(args: argparse.Namespace) -> tuple[int, int]:
+    """(MIN, MAX) nodes: --nnodes (torchrun's spelling, a range for an elastic job) or --num-nodes."""
+    from torchloom.launcher import node_range
+
+    if args.nnodes is None:
+        if args.num_nodes < 1:
+            raise ConfigurationError(f"--num-nodes {args.num_nodes} is not valid: pass a number >= 1.")
+        return args.num_nodes, args.num_nodes
+    low, high = node_range(args.nnodes)
+    if args.num_nodes != 1 and (low, high) != (args.num_nodes, args.num_nodes):
+        raise ConfigurationError(
+            f"--num-nodes {args.num_nodes} and --nnodes {args.nnodes} disagree. Give one of them."
+        )
+    if low != high and (args.rdzv_backend or "static") == "static":
+        raise ConfigurationError(
+            f"--nnodes {args.nnodes} is a range, which the static rendezvous cannot do (its node count is fixed). "
+            "Add --rdzv-backend c10d --rdzv-endpoint HOST:PORT (a port on one node every node reaches)."
+        )
+    return low, high
+
+
 def torchrun_args(args: argparse.Namespace) -> list[str]:
     """The `torch.distributed.run` command line for these options (checked first)."""
     script = Path(args.script)
     if not script.is_file():
         raise ConfigurationError(f"The script {args.script!r} does not exist (looked in {os.getcwd()}).")
-    if args.num_nodes < 1 or not 0 <= args.node_rank < args.num_nodes:
-        raise ConfigurationError(
-            f"--node-rank {args.node_rank} must be in 0..{args.num_nodes - 1} for --num-nodes {args.num_nodes}."
-        )
+    low, high = _node_range(args)
     nproc = _processes_per_node(args.accelerator, args.devices)
-    if args.num_nodes > 1 and (args.main_address is None or args.main_port is None):
+    if args.max_restarts < 0:
+        raise ConfigurationError(f"--max-restarts {args.max_restarts} is not valid: pass a number >= 0.")
+    common = [
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={args.max_restarts}",
+        f"--monitor-interval={args.monitor_interval}",
+    ]
+    if (args.rdzv_backend or "static") != "static":
+        return [*common, *_elastic_rendezvous(args, low, high), str(script), *args.script_args]
+    if not 0 <= args.node_rank < high:
+        raise ConfigurationError(f"--node-rank {args.node_rank} must be in 0..{high - 1} for {high} nodes.")
+    if high > 1 and (args.main_address is None or args.main_port is None):
         raise ConfigurationError(
             "--num-nodes > 1 needs --main-address (node 0's address, reachable from every node) and --main-port."
         )
@@ -64,15 +94,38 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     elif args.node_rank == 0:
         _check_port_free(address, port)
     return [
-        f"--nproc-per-node={nproc}",
-        f"--nnodes={args.num_nodes}",
+        *common,
+        f"--nnodes={high}",
         f"--node-rank={args.node_rank}",
         f"--master-addr={address}",
         f"--master-port={port}",
-        "--max-restarts=0",
-        "--monitor-interval=0.1",
         str(script),
         *args.script_args,
+    ]
+
+
+def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int) -> list[str]:
+    """torchrun's options for an elastic rendezvous (c10d, etcd): the agents meet at the endpoint, node ranks
+    are assigned there, and each attempt may have another node count within MIN:MAX."""
+    from torchloom.launcher import _split_endpoint
+
+    endpoint = args.rdzv_endpoint
+    if endpoint is None:
+        if high > 1:
+            raise ConfigurationError(
+                f"--rdzv-backend {args.rdzv_backend} with up to {high} nodes needs --rdzv-endpoint HOST:PORT, the "
+                "same on every node (a port on one of them, reachable from all)."
+            )
+        endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
+    _split_endpoint(endpoint)
+    run_id = args.rdzv_id or ("torchloom" if high > 1 else f"torchloom-{os.getpid()}")
+    extra = [f"--rdzv-conf={args.rdzv_conf}"] if args.rdzv_conf else []
+    return [
+        f"--nnodes={low}:{high}",
+        f"--rdzv-backend={args.rdzv_backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        *extra,
     ]
 
 
@@ -81,29 +134,47 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    from torchloom.launcher import _describe_failure, _exit_status
+    from torchloom.launcher import (
+        LAUNCHED_ENV,
+        _describe_failure,
+        _exit_status,
+        avoid_shared_rendezvous_store,
+        forwarding_signals_to_ranks,
+    )
 
     options = {
         "accelerator": args.accelerator,
         "devices": args.devices,
         "strategy": args.strategy,
         "precision": args.precision,
-        "num_nodes": str(args.num_nodes),
     }
+    low, high = _node_range(args)
+    if low == high:  # an elastic job's node count is the rendezvous' to decide, attempt by attempt
+        options["num_nodes"] = str(high)
     for name, value in options.items():
         if value is not None:
             os.environ[CLI_ENV[name]] = str(value)
     os.environ[RUN_ENV] = "1"
+    # The ranks die with this agent (a node lost takes its ranks along, as a killed `loom.launch()` does).
+    os.environ[LAUNCHED_ENV] = "1"
+    avoid_shared_rendezvous_store(args.rdzv_backend)
     launch_args = get_args_parser().parse_args(torchrun_args(args))
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout
 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout()))
     try:
-        torchrun(launch_args)
+        with forwarding_signals_to_ranks():
+            torchrun(launch_args)
     except ChildFailedError as error:
         print(_describe_failure(error), file=sys.stderr, flush=True)
         return _exit_status(error)
     except KeyboardInterrupt:
         return 130
+    except (
+        Exception
+    ) as error:  # torch's SignalException: SIGTERM (e.g. preemption) stopped the agent and ranks
+        if type(error).__name__ == "SignalException":
+            return 128 + int(getattr(error, "sigval", signal.SIGTERM))
+        raise
     return 0

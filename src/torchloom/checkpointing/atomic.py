@@ -138,6 +138,15 @@ def _exchange(a: Path, b: Path) -> bool:
 _CHECKPOINT_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp|torchloom\.json|extra\.pt")
 
 
+def is_checkpoint_file(path: Path) -> bool:
+    """`path` is a regular file (not a link) with the name of one of a sharded checkpoint's files."""
+    try:
+        regular = stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+    return regular and _CHECKPOINT_FILE.fullmatch(path.name) is not None
+
+
 def check_replaceable(path: Path, directory: bool) -> None:
     """Raise `CheckpointError` unless a new checkpoint (`directory`: a sharded one) may take `path`'s place.
 

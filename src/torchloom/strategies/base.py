@@ -130,8 +130,10 @@ class Strategy:
 
     @cluster_environment.setter
     def cluster_environment(self, environment: ClusterEnvironment) -> None:
-        # A rank started by an elastic agent replaces the environment it inherited from the launching process.
-        self._binding = replace(self._bound, cluster_environment=environment)
+        # A rank started by an elastic agent replaces the environment it inherited from the launching process,
+        # and learns the node count of its attempt (an elastic rendezvous decides it only now).
+        nodes = environment.num_nodes() or self._bound.num_nodes
+        self._binding = replace(self._bound, cluster_environment=environment, num_nodes=nodes)
 
     @property
     def parallel_devices(self) -> list[torch.device]:

@@ -203,7 +203,13 @@ class ParallelStrategy(Strategy):
             # thread when one is still pending after the timeout (no Python exception would come before the
             # abort).
             diagnostics.RECORD.device_event = _recorded_cuda_event
-            diagnostics.start(self.global_rank, self.world_size, _NAMESPACE, report_after=self.timeout)
+            diagnostics.start(
+                self.global_rank,
+                self.world_size,
+                _NAMESPACE,
+                report_after=self.timeout,
+                device=self.root_device,
+            )
         else:
             diagnostics.start(self.global_rank, self.world_size, _NAMESPACE)
 
