@@ -714,8 +714,63 @@ def test_fabric_strategy_names():
     with pytest.raises(ConfigurationError, match="cpu_offload=True moves sharded parameters"):
         Loom(accelerator="cpu", devices=1, strategy="fsdp_cpu_offload")  # the feature exists, not on CPU
     for name in ("ddp_fork", "ddp_notebook"):
-        with pytest.raises(ConfigurationError, match=f"strategy='{name}'.*Use strategy='ddp'"):
-            Loom(accelerator="cpu", devices=1, strategy=name)
+        strategy = Loom(accelerator="cpu", devices=1, strategy=name).strategy
+        assert isinstance(strategy, DDPStrategy) and strategy.start_method == "fork"
+    with pytest.raises(ConfigurationError, match=r"start_method='popen'\) is not valid"):
+        DDPStrategy(start_method="popen")
+
+
+@pytest.mark.timeout(300)
+def test_ddp_notebook_forks_ranks_that_run_a_function_defined_anywhere():
+    """As in a notebook cell: the function is a closure (spawn could not pickle it); 2 forked ranks train with
+    DDP to what one process gets on the global batch, and every rank ends with the same parameters."""
+    torch.manual_seed(0)
+    start = nn.Linear(3, 1)
+    inputs = torch.randn(4, 3)
+
+    def train(loom: Loom) -> tuple[list[torch.Tensor], bool]:
+        model = copy.deepcopy(start)
+        model, optimizer = loom.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        mine = inputs[loom.global_rank * 2 : loom.global_rank * 2 + 2]
+        for _ in range(3):
+            loom.backward(model(mine).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        params = [p.detach().clone() for p in model.parameters()]
+        gathered = loom.all_gather(torch.cat([p.flatten() for p in params]))
+        return params, bool((gathered == gathered[0]).all())
+
+    params, same_everywhere = Loom(accelerator="cpu", devices=2, strategy="ddp_notebook").launch(train)
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        reference(inputs).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert same_everywhere
+    for ours, theirs in zip(params, reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=1e-6)
+
+
+def test_ddp_notebook_refuses_what_fork_cannot_do(monkeypatch):
+    from torchloom.strategies import DDPStrategy
+
+    with pytest.raises(MisuseError, match=r"forks ranks that run a function: call loom.launch\(train\)"):
+        Loom(accelerator="cpu", devices=2, strategy="ddp_notebook").launch()
+    earlier = Loom(accelerator="cpu", devices=1, strategy="ddp")
+    earlier.launch()
+    earlier.setup_module(nn.Linear(2, 2))  # holds a process group, never closed
+    with pytest.raises(MisuseError, match="still holds a process group.*close\\(\\)"):
+        Loom(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork")).launch(_world_size_of)
+    earlier.close()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(MisuseError, match="CUDA was initialised in this process"):
+        Loom(accelerator="cpu", devices=2, strategy="ddp_notebook").launch(_world_size_of)
+
+
+def _world_size_of(loom: Loom) -> int:
+    return loom.world_size
 
 
 def test_gpu_means_cuda():

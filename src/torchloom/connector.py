@@ -33,13 +33,11 @@ FABRIC_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "ddp_find_unused_parameters_true": ("ddp", {"find_unused_parameters": True}),
     "ddp_find_unused_parameters_false": ("ddp", {}),
     "fsdp_cpu_offload": ("fsdp", {"cpu_offload": True}),
+    # launch(fn) forks the ranks, so fn may be defined in a notebook cell (refused once CUDA is initialised).
+    "ddp_fork": ("ddp", {"start_method": "fork"}),
+    "ddp_notebook": ("ddp", {"start_method": "fork"}),
 }
 REFUSED_STRATEGIES = {
-    "ddp_fork": "torchloom does not fork ranks. Use strategy='ddp': launch() re-runs the script once per rank, "
-    "and launch(fn) spawns ranks that run a function defined at module level.",
-    "ddp_notebook": "torchloom does not fork ranks, which is what running DDP inside a notebook needs. Use "
-    "strategy='ddp' from a script (`torchloom run train.py --devices N`), or launch(fn) with fn defined in an "
-    "importable module.",
     "dp": "DataParallel is not supported. Use strategy='ddp'.",
 }
 

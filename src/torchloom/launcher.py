@@ -140,6 +140,7 @@ def _launch_config(
     address: str,
     port: int,
     elastic: Elastic | None = None,
+    start_method: str = "spawn",
 ) -> Any:
     elastic = elastic or Elastic()
     min_nodes, max_nodes = (
@@ -161,7 +162,7 @@ def _launch_config(
         rdzv_configs=configs,
         max_restarts=elastic.max_restarts,
         monitor_interval=elastic.monitor_interval,
-        start_method="spawn",
+        start_method=start_method,
         shutdown_timeout=shutdown_timeout(),
     )
 
@@ -280,8 +281,50 @@ def launch_script(
 _PEER_FAILURE_GRACE = 3.0
 
 
+def check_fork_is_safe(fn: Callable[..., Any] | None) -> None:
+    """Refuse a forked launch (strategy "ddp_fork" / "ddp_notebook") where the ranks could not work: without a
+    function to run, after CUDA was initialised in this process (a forked child cannot use it, as torch
+    documents), or while this process holds a process group (each rank would inherit a copy of it)."""
+    import torch
+    import torch.distributed as dist
+
+    if fn is None:
+        raise MisuseError(
+            "strategy='ddp_notebook' (or 'ddp_fork') forks ranks that run a function: call loom.launch(train) "
+            "with train(loom, ...) defined anywhere, even in a notebook cell."
+        )
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise MisuseError(
+            "CUDA was initialised in this process before loom.launch(), so forked ranks cannot use it (a CUDA "
+            "context does not survive fork). Restart the kernel and call loom.launch(fn) before anything touches "
+            "the GPU, or run a script with strategy='ddp'."
+        )
+    if dist.is_available() and dist.is_initialized():
+        raise MisuseError(
+            "This process still holds a process group (an earlier Loom or init_process_group), which forked ranks "
+            "would inherit. Call close() on the earlier Loom (or destroy_process_group()) before loom.launch(fn)."
+        )
+
+
+def _die_with_agent() -> None:
+    """A forked rank starts without `_rank_boot`: ask here to be killed when the agent (its parent) dies."""
+    if not _BOOTS:
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    agent = os.environ.get(AGENT_PID_ENV)
+    if agent and os.getppid() != int(agent):
+        os._exit(1)  # the agent died before the request above took effect
+
+
 def _run_function(loom: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    # Runs in each spawned rank: the pickled Loom learns its rank from the agent's environment.
+    # Runs in each rank (spawned, or forked for "ddp_notebook"): the Loom learns its rank from the agent's
+    # environment.
+    _die_with_agent()
     loom._setup_rank()
     try:
         result = fn(loom, *args)
@@ -305,12 +348,14 @@ def launch_function(
     address: str,
     port: int,
     elastic: Elastic | None = None,
+    start_method: str = "spawn",
 ) -> Any:
-    """Run `fn(loom, *args)` on every local rank; return rank 0's result or raise `LaunchError`."""
+    """Run `fn(loom, *args)` on every local rank, started with `start_method` ("spawn", or "fork" for
+    notebooks); return rank 0's result or raise `LaunchError`."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
+    config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic, start_method)
     avoid_shared_rendezvous_store(config.rdzv_backend)
     previous = {key: os.environ.get(key) for key in (LAUNCHED_ENV, AGENT_PID_ENV)}
     os.environ[LAUNCHED_ENV] = "1"

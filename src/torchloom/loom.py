@@ -233,13 +233,16 @@ class Loom:
             return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
+        start_method = getattr(self._strategy, "start_method", "spawn")
+        if start_method == "fork":
+            launcher.check_fork_is_safe(fn)
         if fn is None:
             launcher.launch_script(
                 *where, self._elastic
             )  # never returns: this process waits for the ranks, then exits
         if kwargs:
             fn = functools.partial(fn, **kwargs)  # picklable when fn is
-        return launcher.launch_function(self, fn, args, *where, self._elastic)
+        return launcher.launch_function(self, fn, args, *where, self._elastic, start_method=start_method)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Fabric's subclass entry point. Override `run` in a subclass of Loom and call `loom.run(...)`: the

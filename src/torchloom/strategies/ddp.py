@@ -10,19 +10,33 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from torchloom.errors import ConfigurationError
 from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
 
 class DDPStrategy(ParallelStrategy):
     """PyTorch's `DistributedDataParallel`. Extra keyword arguments (e.g. `find_unused_parameters`,
-    `static_graph`, `bucket_cap_mb`, `gradient_as_bucket_view`) go to `DistributedDataParallel` unchanged."""
+    `static_graph`, `bucket_cap_mb`, `gradient_as_bucket_view`) go to `DistributedDataParallel` unchanged.
+    `start_method="fork"` makes `launch(fn)` fork its ranks (Fabric's "ddp_notebook"), so `fn` may be defined in a
+    notebook cell."""
 
     name = "ddp"
 
     def __init__(
-        self, timeout: timedelta | None = None, process_group_backend: str | None = None, **ddp_kwargs: Any
+        self,
+        timeout: timedelta | None = None,
+        process_group_backend: str | None = None,
+        start_method: str = "spawn",
+        **ddp_kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        if start_method not in ("spawn", "fork"):
+            raise ConfigurationError(
+                f"DDPStrategy(start_method={start_method!r}) is not valid: 'spawn' (the default: launch(fn) needs "
+                "an importable fn) or 'fork' (fn may live in a notebook; what strategy='ddp_notebook' picks)."
+            )
+        #: How `launch(fn)` starts the ranks.
+        self.start_method = start_method
         refuse_options(
             type(self).__name__, ddp_kwargs, {"device_ids": "set by torchloom to each rank's device"}
         )
