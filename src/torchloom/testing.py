@@ -67,6 +67,8 @@ def _rank_main(
     results: Any,
     environ: dict[str, str],
 ) -> None:
+    import multiprocessing
+
     import torch
 
     # A forkserver child inherits the server's environment, not the caller's: take the caller's as it is now
@@ -75,6 +77,10 @@ def _rank_main(
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(rank_environment(rank, world_size, port))
+    # multiprocessing makes the method that started this rank its default; a rank that torchrun starts has the
+    # platform's, with which its DataLoader workers start: fork on Linux, not a fork server of the rank's own or
+    # an interpreter each (seconds per worker).
+    multiprocessing.set_start_method(None, force=True)
     torch.set_num_threads(1)  # the ranks share the machine's cores: more threads per rank only add contention
     failed = True
     try:
@@ -127,7 +133,8 @@ def run_ranks(
     By default the ranks start from a fork server that imported torch and torchloom once (where the platform
     has one; spawn elsewhere): a rank starts in a fraction of a second instead of importing torch again, and
     since the server never runs a torch op nor touches CUDA, the ranks may use CUDA whatever the caller did.
-    Each rank gets the caller's environment as it is at the call. `start_method="spawn"` gives a completely
+    Each rank gets the caller's environment as it is at the call and, as under torchrun, the platform's default
+    start method for the processes it starts itself (DataLoader workers). `start_method="spawn"` gives a completely
     fresh interpreter; `"fork"` starts ranks from the caller itself, where the caller never touched CUDA."""
     import torch
     import torch.multiprocessing as mp
