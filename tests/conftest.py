@@ -37,6 +37,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# The model classes the Hugging Face tests' rank bodies use: their modules take seconds to import in each rank.
+_HF_MODULES = ("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the collected tests import transformers, the fork server that starts `run_ranks`'s ranks imports
+    its model modules once (it starts at the first `run_ranks`, after collection)."""
+    if "transformers" in sys.modules:
+        from torchloom import testing
+
+        testing.preload(*_HF_MODULES)
+
+
 _GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 

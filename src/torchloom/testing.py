@@ -59,12 +59,28 @@ class RanksFailed(AssertionError):
 
 
 def _rank_main(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], results: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: Any,
+    environ: dict[str, str],
 ) -> None:
+    import multiprocessing
+
     import torch
 
-    # The environment torchrun gives a rank, so `Loom(...).launch()` inside `fn` joins this job's process group.
+    # A forkserver child inherits the server's environment, not the caller's: take the caller's as it is now
+    # (what a spawned child would see), then add the environment torchrun gives a rank, so `Loom(...).launch()`
+    # inside `fn` joins this job's process group.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(rank_environment(rank, world_size, port))
+    # multiprocessing makes the method that started this rank its default; a rank that torchrun starts has the
+    # platform's, with which its DataLoader workers start: fork on Linux, not a fork server of the rank's own or
+    # an interpreter each (seconds per worker).
+    multiprocessing.set_start_method(None, force=True)
     torch.set_num_threads(1)  # the ranks share the machine's cores: more threads per rank only add contention
     failed = True
     try:
@@ -79,25 +95,59 @@ def _rank_main(
         end_rank(world_size, failed)
 
 
+#: What the fork server imports once, so that a rank started from it has them already. torch imports dynamo
+#: lazily on a rank's first optimizer and DTensor on its first FSDP call: seconds per rank on a busy machine.
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torchloom",
+]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server that starts `run_ranks`'s ranks import `modules` too (e.g. the model library the
+    ranks' code imports), so no rank imports them again. Call it before the first `run_ranks` of the process:
+    the server reads the list when it starts. A module that cannot be imported is skipped there."""
+    _FORKSERVER_PRELOAD.extend(m for m in modules if m not in _FORKSERVER_PRELOAD)
+
+
+def _default_start_method(mp: Any) -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
 def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
     world_size: int = 2,
     timeout: float = 120.0,
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh local processes (a process group's environment
     set, one thread each) and return their results in rank order. A rank that raises (its traceback is in the
     message), dies without reporting, or a job past `timeout` seconds stops every rank and raises `RanksFailed`.
-    `start_method="fork"` starts ranks without importing torch again, where the caller never touched CUDA."""
+
+    By default the ranks start from a fork server that imported torch and torchloom once (where the platform
+    has one; spawn elsewhere): a rank starts in a fraction of a second instead of importing torch again, and
+    since the server never runs a torch op nor touches CUDA, the ranks may use CUDA whatever the caller did.
+    Each rank gets the caller's environment as it is at the call and, as under torchrun, the platform's default
+    start method for the processes it starts itself (DataLoader workers). `start_method="spawn"` gives a completely
+    fresh interpreter; `"fork"` starts ranks from the caller itself, where the caller never touched CUDA."""
     import torch
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context(start_method or _default_start_method(mp))
+    if ctx.get_start_method() == "forkserver":
+        # Read when the server starts (once per caller process); later calls change nothing.
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
     results = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results))
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, environ))
         for r in range(world_size)
     ]
     for p in procs:
