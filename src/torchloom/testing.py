@@ -116,7 +116,17 @@ def preload(*modules: str) -> None:
 
 
 def _default_start_method(mp: Any) -> str:
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    """`TORCHLOOM_TEST_START_METHOD` if set; else the fork server, except where this process sees a GPU: there
+    ranks are spawned fresh, since whether the server's imports leave CUDA usable in forked ranks has been
+    checked on CPU-only machines only."""
+    import torch
+
+    chosen = os.environ.get("TORCHLOOM_TEST_START_METHOD")
+    if chosen:
+        return chosen
+    if torch.cuda.is_available() or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    return "forkserver"
 
 
 def run_ranks(
@@ -131,7 +141,7 @@ def run_ranks(
     message), dies without reporting, or a job past `timeout` seconds stops every rank and raises `RanksFailed`.
 
     By default the ranks start from a fork server that imported torch and torchloom once (where the platform
-    has one; spawn elsewhere): a rank starts in a fraction of a second instead of importing torch again, and
+    has one and no GPU is visible; spawn elsewhere, or as `TORCHLOOM_TEST_START_METHOD` says): a rank starts in a fraction of a second instead of importing torch again, and
     since the server never runs a torch op nor touches CUDA, the ranks may use CUDA whatever the caller did.
     Each rank gets the caller's environment as it is at the call and, as under torchrun, the platform's default
     start method for the processes it starts itself (DataLoader workers). `start_method="spawn"` gives a completely
