@@ -142,6 +142,26 @@ def fsdp2_replaced_by_fully_shard(param: torch.Tensor) -> bool | None:
     return hasattr(param, "_fsdp_orig_uid")
 
 
+def fsdp2_unit_originals(unit: Any) -> list[tuple[Any, str, int]] | None:
+    """(module, parameter name, id of the original parameter) for each parameter an FSDP2 unit shards: FSDP2
+    gives each original parameter one id (`_fsdp_orig_uid`), the same in every unit that shards it. None where
+    this torch's FSDP2 keeps no such id (2.9), so the caller knows it cannot tell."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _missing("FSDPModule._get_fsdp_state")
+    group = get_state()._fsdp_param_group
+    if group is None:
+        return []
+    out = []
+    for fsdp_param in group.fsdp_params:
+        uid = getattr(fsdp_param, "_orig_param_uid", None)
+        if uid is None:
+            return None
+        info = fsdp_param._module_info
+        out.append((info.module, info.param_name, uid))
+    return out
+
+
 #: The first torch with `torch.distributed.fsdp.share_comm_ctx` (pytorch/pytorch#165024).
 SHARE_COMM_CTX_TORCH = "2.10"
 
