@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint gpu-check install-check
+.PHONY: demo test scenarios lint gpu-check install-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ demo: $(VENV)/.installed-test
 # With CUDA, this includes the GPU suite (tests/gpu, marked `cuda`); without, those tests are skipped and say why.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
+
+# The scenario engine's long run (tests/scenarios): a seeded random sample of user choices (strategy, layout,
+# world size, optimizer, precision, accumulation, clipping, loop, checkpoint and resume), each judged against
+# plain torch or the uninterrupted run; a markdown report (and .json beside it) goes to SCENARIO_REPORT.
+SCENARIO_COUNT ?= 300
+SCENARIO_SEED ?= 1
+SCENARIO_REPORT ?= scenario-report.md
+scenarios: $(VENV)/.installed-test
+	$(PY) tests/scenarios/run_many.py --count $(SCENARIO_COUNT) --seed $(SCENARIO_SEED) --report $(SCENARIO_REPORT)
 
 # On a machine with a GPU (under 10 minutes): the CUDA tests, the step-overhead and memory benchmarks on CUDA, and
 # a summary. It uses $(VENV) as it is, or creates it with TORCH_SPEC; without a GPU it stops with the reason.

@@ -137,7 +137,9 @@ def _fsdp2_ties_across_units(module: nn.Module, layout: Layout) -> None:
     and `fully_shard` of the second sharded the original again, so each unit trains a copy of its own (found by
     the scenario engine: tied input and output projections, each made a unit by hand). FSDP2 gives every
     original parameter it shards one id, so two units sharding one id are a broken tie."""
-    names = {id(m): clean_name(n + ".")[:-1] if n else "" for n, m in module.named_modules(remove_duplicate=False)}
+    names = {
+        id(m): clean_name(n + ".")[:-1] if n else "" for n, m in module.named_modules(remove_duplicate=False)
+    }
     first: dict[int, tuple[int, str]] = {}  # original's id -> (its first unit's module id, the name there)
     for unit in layout.units:
         if unit.flavour != "fsdp2":

@@ -55,7 +55,9 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     if get("checkpoint") == "sharded" and strategy in ("single", "ddp"):
         return True
     # Without a checkpoint, when and where it would load means nothing: pin them.
-    if get("checkpoint") == "none" and (get("save_step") not in (None, 1) or get("load_world_size") not in (None, 1)):
+    if get("checkpoint") == "none" and (
+        get("save_step") not in (None, 1) or get("load_world_size") not in (None, 1)
+    ):
         return True
     return False
 
@@ -96,10 +98,20 @@ class Scenario:
     def id(self) -> str:
         """A short readable name, unique per scenario (used as the pytest id and in reports)."""
         v = self.as_dict()
-        layout = "" if v["strategy"] in ("single", "ddp") else f"-{v['units']}{'+lo' if v['leftovers'] else ''}"
-        opt = f"{v['optimizer']}.{v['impl']}" + ("x2" if v["n_opt"] == 2 else "") + ("g2" if v["groups"] == 2 else "")
+        layout = (
+            "" if v["strategy"] in ("single", "ddp") else f"-{v['units']}{'+lo' if v['leftovers'] else ''}"
+        )
+        opt = (
+            f"{v['optimizer']}.{v['impl']}"
+            + ("x2" if v["n_opt"] == 2 else "")
+            + ("g2" if v["groups"] == 2 else "")
+        )
         opt += ".sched" if v["scheduler"] else ""
-        ckpt = "" if v["checkpoint"] == "none" else f"-{v['checkpoint']}@{v['save_step']}>w{v['load_world_size']}"
+        ckpt = (
+            ""
+            if v["checkpoint"] == "none"
+            else f"-{v['checkpoint']}@{v['save_step']}>w{v['load_world_size']}"
+        )
         return (
             f"{v['strategy']}.w{v['world_size']}{layout}{'-tied' if v['tied'] else ''}-{opt}-{v['precision']}"
             f"-acc.{v['accum']}-{'none' if v['set_to_none'] else 'zeros'}-clip.{v['clip']}-{v['loop']}{ckpt}"

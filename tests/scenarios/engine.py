@@ -77,8 +77,14 @@ def run_phase(
                 break
             culprit = pending[done]
             results[culprit.id] = [
-                {"ok": False, "group_died": True, "error_type": "RanksFailed", "error_mro": ["RanksFailed"],
-                 "error": error or "the group ended without its result", "traceback": error or ""}
+                {
+                    "ok": False,
+                    "group_died": True,
+                    "error_type": "RanksFailed",
+                    "error_mro": ["RanksFailed"],
+                    "error": error or "the group ended without its result",
+                    "traceback": error or "",
+                }
             ]
             log(f"{phase} w{world_size}: the group died in {culprit.id}; the rest go on in a new group")
             pending = pending[done + 1 :]
@@ -99,7 +105,9 @@ def run_scenarios(scenarios: list[Scenario], workdir: str, log=print) -> list[Ou
     outcomes = []
     for s in scenarios:
         metrics = {
-            "seconds": sum(r.get("seconds", 0.0) for phase in (trained, resumed) for r in phase.get(s.id, [])[:1])
+            "seconds": sum(
+                r.get("seconds", 0.0) for phase in (trained, resumed) for r in phase.get(s.id, [])[:1]
+            )
         }
         problems, refused = judge(s, trained[s.id], resumed.get(s.id), metrics)
         outcomes.append(Outcome(s, problems, refused, metrics))

@@ -105,7 +105,10 @@ def split_params(named: list[tuple[str, torch.Tensor]], n_opt: int) -> list[list
     """One optimizer: everything. Two: the blocks' parameters, and the rest."""
     if n_opt == 1:
         return [named]
-    return [[(n, p) for n, p in named if ".blocks." in f".{n}"], [(n, p) for n, p in named if ".blocks." not in f".{n}"]]
+    return [
+        [(n, p) for n, p in named if ".blocks." in f".{n}"],
+        [(n, p) for n, p in named if ".blocks." not in f".{n}"],
+    ]
 
 
 OPTIMIZERS = {
@@ -128,7 +131,11 @@ def make_optimizers(scenario, named: list[tuple[str, torch.Tensor]]) -> list[tor
         else:
             groups = [
                 {"params": [p for n, p in part if not n.endswith("bias")]},
-                {"params": [p for n, p in part if n.endswith("bias")], "lr": options["lr"] / 2, "weight_decay": 0.0},
+                {
+                    "params": [p for n, p in part if n.endswith("bias")],
+                    "lr": options["lr"] / 2,
+                    "weight_decay": 0.0,
+                },
             ]
         out.append(cls(groups, **options, **IMPL[scenario.impl]))
     return out

@@ -15,7 +15,10 @@ FP32_TOLERANCE = 1e-5
 # bf16/fp16 parity tests of tests/strategies do, but over the whole update rather than its largest element:
 # Adam turns rounding noise in a near-zero gradient into a step of size lr in either direction, so one
 # element's error can be as large as its movement while the update as a whole is right.
-# The allowed relative error ||(run - initial) - (reference - initial)|| / ||reference - initial||:
+# The allowed relative error ||(run - initial) - (reference - initial)|| / ||reference - initial|| is the
+# larger of a floor per precision and the precision's own noise in this scenario: how far the same reference
+# trained in fp32 lands from the low-precision one (bf16-true SGD loses most small updates to rounding, so
+# there the noise is of the order of the movement itself, and the comparison says little; the report shows it).
 UPDATE_ERROR = {"bf16-mixed": 0.05, "16-mixed": 0.02, "bf16-true": 0.2}
 
 
@@ -34,7 +37,11 @@ def _optim_diff(a: dict, b: dict) -> tuple[float, str]:
         if a[name].keys() != b[name].keys():
             return float("inf"), f"{name}: entries {sorted(a[name])} vs {sorted(b[name])}"
         for key in a[name]:
-            d = (a[name][key].float() - b[name][key].float()).abs().max().item() if a[name][key].numel() else 0.0
+            d = (
+                (a[name][key].float() - b[name][key].float()).abs().max().item()
+                if a[name][key].numel()
+                else 0.0
+            )
             if d > worst:
                 worst, where = d, f"{name}.{key}"
     return worst, where
@@ -53,15 +60,26 @@ def _error(scenario: Scenario, got: dict, expected: dict, initial: dict) -> floa
     return _update_error(got, expected, initial)
 
 
-def _params_problem(scenario: Scenario, got: dict, expected: dict, initial: dict, what: str) -> str | None:
+def _params_problem(
+    scenario: Scenario, got: dict, expected: dict, initial: dict, what: str, allowed: float
+) -> str | None:
     """The comparison of one parameter set with what it should be, in the scenario's precision's terms."""
     if got.keys() != expected.keys():
         return f"{what}: different parameter names: {sorted(set(got) ^ set(expected))}"
     if scenario.precision == "32-true":
         d = _max_diff(got, expected)
         return None if d <= FP32_TOLERANCE else f"{what} by {d:.3g} (fp32 allows {FP32_TOLERANCE})"
-    err, allowed = _update_error(got, expected, initial), UPDATE_ERROR[scenario.precision]
-    return None if err <= allowed else f"{what}: relative update error {err:.3g} (allowed {allowed})"
+    err = _update_error(got, expected, initial)
+    return None if err <= allowed else f"{what}: relative update error {err:.3g} (allowed {allowed:.3g})"
+
+
+def _allowed_update_error(scenario: Scenario, reference: dict, initial: dict, metrics: dict) -> float:
+    if scenario.precision == "32-true":
+        return 0.0
+    fp32 = Scenario.of(**{**scenario.as_dict(), "precision": "32-true"})
+    noise = _update_error(reference["params"], train_reference(fp32, initial)["params"], initial)
+    metrics["precision_noise"] = noise
+    return max(UPDATE_ERROR[scenario.precision], noise)
 
 
 def _global(rank_results: list[dict], key: str = "seen") -> list[list[int]]:
@@ -85,15 +103,30 @@ def _check_refusal(scenario: Scenario, phase: str, results: list[dict]) -> tuple
     refusal = declared(scenario, phase)
     errors = _errors(results)
     if refusal is None:
-        return ([f"{phase}: raised, and no refusal is declared:\n" + errors[0]] if errors else []), None, not errors
+        return (
+            ([f"{phase}: raised, and no refusal is declared:\n" + errors[0]] if errors else []),
+            None,
+            not errors,
+        )
     if len(errors) != len(results):
-        return [f"{phase}: must be refused ({refusal.name}: {refusal.reason}) on every rank, but ran"], None, False
+        return (
+            [f"{phase}: must be refused ({refusal.name}: {refusal.reason}) on every rank, but ran"],
+            None,
+            False,
+        )
     bad = [
-        e for e, res in zip(errors, results, strict=True)
+        e
+        for e, res in zip(errors, results, strict=True)
         if refusal.error not in res["error_mro"] or refusal.fragment not in res["error"]
     ]
     if bad:
-        return [f"{phase}: refused, but not with {refusal.error} '{refusal.fragment}' ({refusal.name}):\n{bad[0]}"], None, False
+        return (
+            [
+                f"{phase}: refused, but not with {refusal.error} '{refusal.fragment}' ({refusal.name}):\n{bad[0]}"
+            ],
+            None,
+            False,
+        )
     return [], refusal.name, False
 
 
@@ -109,23 +142,37 @@ def judge(
     initial = trained[0]["initial"]
     reference = train_reference(scenario, initial)
     metrics["train_error"] = _error(scenario, trained[0]["params"], reference["params"], initial)
+    allowed = _allowed_update_error(scenario, reference, initial, metrics)
     metrics["clipped_steps"] = reference["clipped"]
     if scenario.precision != "32-true" and _max_diff(reference["params"], initial) < 1e-3:
         problems.append("the reference hardly moved: the low-precision tolerance has no teeth")
     # (a) every rank's gathered parameters and optimizer state against one process on the global batch.
     if _global(trained) != reference["batches"]:
-        problems.append(f"train: global batches differ from the sampler's order:\n{_global(trained)}\nvs\n{reference['batches']}")
+        problems.append(
+            f"train: global batches differ from the sampler's order:\n{_global(trained)}\nvs\n{reference['batches']}"
+        )
     for rank, res in enumerate(trained):
         if rank and _max_diff(res["params"], trained[0]["params"]) != 0:
             problems.append(f"train: rank {rank}'s parameters differ from rank 0's (replicas diverged)")
-        if problem := _params_problem(scenario, res["params"], reference["params"], initial, f"train: rank {rank} off the reference"):
+        if problem := _params_problem(
+            scenario,
+            res["params"],
+            reference["params"],
+            initial,
+            f"train: rank {rank} off the reference",
+            allowed,
+        ):
             problems.append(problem)
         if scenario.precision == "32-true":
             od, where = _optim_diff(res["optim"], reference["optim"])
             if not od <= FP32_TOLERANCE:
-                problems.append(f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}")
+                problems.append(
+                    f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}"
+                )
     if scenario.precision == "16-mixed" and trained[0].get("scale") != reference["scale"]:
-        problems.append(f"train: loss scale {trained[0].get('scale')} vs the reference's {reference['scale']}")
+        problems.append(
+            f"train: loss scale {trained[0].get('scale')} vs the reference's {reference['scale']}"
+        )
     if not scenario.saves:
         return problems, refused
     # (b) the resumed run against the uninterrupted one: same batches after the save, same end.
@@ -147,11 +194,20 @@ def judge(
     uninterrupted = trained[0]
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)
     for rank, res in enumerate(resumed):
-        if problem := _params_problem(scenario, res["params"], uninterrupted["params"], initial, f"resume: rank {rank} off the uninterrupted run"):
+        if problem := _params_problem(
+            scenario,
+            res["params"],
+            uninterrupted["params"],
+            initial,
+            f"resume: rank {rank} off the uninterrupted run",
+            allowed,
+        ):
             problems.append(problem)
         od, where = _optim_diff(res["optim"], uninterrupted["optim"])
         if scenario.precision == "32-true" and not od <= FP32_TOLERANCE:
-            problems.append(f"resume: rank {rank} optimizer state off the uninterrupted run by {od:.3g} at {where}")
+            problems.append(
+                f"resume: rank {rank} optimizer state off the uninterrupted run by {od:.3g} at {where}"
+            )
         elif od == float("inf"):
             problems.append(f"resume: rank {rank} optimizer state differs in shape: {where}")
     assert STEPS > scenario.save_step

@@ -89,4 +89,3 @@ def train_reference(scenario, initial: dict[str, torch.Tensor]) -> dict:
         "clipped": clipped,
         "scale": scaler.get_scale() if scaler else None,
     }
-

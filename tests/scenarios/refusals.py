@@ -36,7 +36,9 @@ def declared(scenario: Scenario, phase: str) -> Refusal | None:
 REFUSALS.append(
     Refusal(
         name="tie across units",
-        applies=lambda s: s.strategy in ("fsdp", "fsdp2") and s.tied and s.units == "hand" and not s.leftovers,
+        applies=lambda s: (
+            s.strategy in ("fsdp", "fsdp2") and s.tied and s.units == "hand" and not s.leftovers
+        ),
         error="MisuseError",
         fragment="sit in two different FSDP units",
         reason="the tied input and output projections are each made a unit: each unit would shard its own copy "
@@ -77,16 +79,26 @@ KNOWN_FAILURES: list[KnownFailure] = [
     ),
     KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
-        applies=lambda s: s.strategy == "fsdp"
-        and s.tied
-        and s.precision in ("bf16-mixed", "16-mixed")
-        and s.accum == "no_backward_sync"
-        and not (s.units == "hand" and s.leftovers)  # then the tied weight is a replicated leftover: fine
-        and (s.world_size == 1 or (s.saves and s.load_world_size == 1)),
+        applies=lambda s: (
+            s.strategy == "fsdp"
+            and s.tied
+            and s.precision in ("bf16-mixed", "16-mixed")
+            and s.accum == "no_backward_sync"
+            and not (s.units == "hand" and s.leftovers)  # then the tied weight is a replicated leftover: fine
+            and (s.world_size == 1 or (s.saves and s.load_world_size == 1))
+        ),
         reason="under strategy='fsdp' on one process (FSDP1 runs its units NO_SHARD), a weight tied inside a "
         "unit, mixed precision and no_backward_sync: the forward after an accumulated backward raises torch's "
         "'attempting to assign a gradient with dtype Half/BFloat16 to a tensor with grad_dtype Float' "
         "(FSDP1's _use_sharded_flat_param); 2 ranks pass",
+    ),
+    KnownFailure(
+        name="16-mixed two optimizers clipped: second unscaled twice",
+        applies=lambda s: s.precision == "16-mixed" and s.n_opt == 2 and s.clip != "none",
+        reason="precision.optimizer_step calls scaler.update() after every optimizer's step; update() forgets "
+        "that the second optimizer's gradients were already unscaled by clip_gradients, so its scaler.step "
+        "unscales them again (divided by the scale twice): silently wrong updates. Fix: defer update() while "
+        "another optimizer is unscaled and not yet stepped (torchloom/precision.py)",
     ),
 ]
 

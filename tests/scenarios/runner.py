@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from .axes import Scenario
@@ -37,7 +41,9 @@ from .model import (
     micro_loss,
 )
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a scenario that desynchronises the ranks fails instead of hanging
+COLLECTIVE_TIMEOUT = timedelta(
+    seconds=60
+)  # a scenario that desynchronises the ranks fails instead of hanging
 
 
 def checkpoint_path(workdir: str, scenario: Scenario) -> str:
@@ -51,7 +57,9 @@ def _strategy(scenario: Scenario, world_size: int):
 
     name = scenario.strategy
     if name == "single":
-        return SingleDeviceStrategy() if world_size == 1 else DDPStrategy()  # a one-process run resumed on more
+        return (
+            SingleDeviceStrategy() if world_size == 1 else DDPStrategy()
+        )  # a one-process run resumed on more
     if name == "ddp":
         return DDPStrategy()
     cls = FSDPStrategy if name == "fsdp" else FSDP2Strategy
@@ -125,12 +133,13 @@ def _stream(scenario: Scenario, loaders: list, state: dict):
             state["in_epoch"] = 0
             state["epoch"] += 1
     else:  # two loaders, each cycled on its own
+
         def cycle(loader):
             while True:
                 yield from loader
 
-        for a, b in zip(cycle(loaders[0]), cycle(loaders[1])):
-            yield tuple(torch.cat([ta, tb]) for ta, tb in zip(a, b))
+        for a, b in zip(cycle(loaders[0]), cycle(loaders[1]), strict=False):  # both endless
+            yield tuple(torch.cat([ta, tb]) for ta, tb in zip(a, b, strict=True))
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
@@ -148,7 +157,10 @@ def _full_optim(model, optimizers) -> dict[str, dict[str, torch.Tensor]]:
         )
         for name, state in osd["state"].items():
             out[name] = {
-                k: (v.full_tensor() if hasattr(v, "full_tensor") else torch.as_tensor(v)).detach().float().clone()
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else torch.as_tensor(v))
+                .detach()
+                .float()
+                .clone()
                 for k, v in state.items()
             }
     return out
