@@ -1,5 +1,5 @@
 """The scenario engine's seeded pairwise set: every pair of axis values (tests/scenarios/axes.py) in at least
-one scenario, each scenario its own test, judged against plain torch on the global batch, the uninterrupted run
+one scenario, plus one plain baseline per strategy and world size; each scenario its own test, judged against plain torch on the global batch, the uninterrupted run
 (checkpoint scenarios) or a declared refusal. All of them run in a few launched rank groups (one per world
 size and phase), started by the first test; the rest read their results. The long random sample:
 `make scenarios` or `python tests/scenarios/run_many.py --count N --seed S --report PATH`."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from scenarios.axes import AXES
 from scenarios.engine import run_scenarios
-from scenarios.generator import feasible_pairs, pairs_of, pairwise
+from scenarios.generator import feasible_pairs, make_test_set, pairs_of
 from scenarios.refusals import known_failure
 
-SCENARIOS = pairwise(seed=0)
+SCENARIOS = make_test_set(seed=0)
 
 
 @pytest.fixture(scope="module")

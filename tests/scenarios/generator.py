@@ -89,3 +89,43 @@ def random_sample(count: int, seed: int) -> list[Scenario]:
         scenario = Scenario.of(**values)
         seen.setdefault(scenario.id, scenario)
     return list(seen.values())
+
+
+def baselines() -> list[Scenario]:
+    """For each strategy and world size, its plainest and most sensitive run: fp32 SGD (whose step scales with
+    the gradient, where Adam's does not), no clipping (which hides a gradient's scale), no accumulation, layers
+    outside the units (replicated) where there are units. Pairs alone do not hold this triple together."""
+    plain = {
+        "units": "none",
+        "leftovers": False,
+        "tied": False,
+        "optimizer": "sgd",
+        "impl": "foreach",
+        "n_opt": 1,
+        "groups": 1,
+        "scheduler": False,
+        "precision": "32-true",
+        "accum": "none",
+        "set_to_none": True,
+        "clip": "none",
+        "loop": "epoch",
+        "checkpoint": "none",
+        "save_step": 1,
+        "load_world_size": 1,
+    }
+    out = []
+    for strategy in AXES["strategy"]:
+        for world_size in AXES["world_size"]:
+            values = {**plain, "strategy": strategy, "world_size": world_size}
+            if strategy in ("fsdp", "fsdp2"):
+                values.update(units="hand", leftovers=True)
+            if not conflicts(values):
+                out.append(Scenario.of(**values))
+    return out
+
+
+def make_test_set(seed: int = 0) -> list[Scenario]:
+    """What `make test` runs: the pairwise set and the baselines."""
+    chosen = pairwise(seed)
+    ids = {s.id for s in chosen}
+    return chosen + [s for s in baselines() if s.id not in ids]

@@ -169,6 +169,18 @@ def judge(
                 problems.append(
                     f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}"
                 )
+    # The norms clip_gradients returned (before clipping): clipping to a norm hides how large the gradients
+    # were from the parameters, not from these.
+    if len(trained[0]["norms"]) != len(reference["norms"]):
+        problems.append(
+            f"train: {len(trained[0]['norms'])} clip norms, the reference has {len(reference['norms'])}"
+        )
+    else:
+        rel = FP32_TOLERANCE if scenario.precision == "32-true" else allowed
+        for i, (a, b) in enumerate(zip(trained[0]["norms"], reference["norms"], strict=True)):
+            if not abs(a - b) <= rel * abs(b) + 1e-7:
+                problems.append(f"train: clip norm {i} is {a:.6g}, the reference's {b:.6g}")
+                break
     if scenario.precision == "16-mixed" and trained[0].get("scale") != reference["scale"]:
         problems.append(
             f"train: loss scale {trained[0].get('scale')} vs the reference's {reference['scale']}"

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, so `scenarios` imports as a package
 
 from scenarios.engine import run_scenarios  # noqa: E402
-from scenarios.generator import pairwise, random_sample  # noqa: E402
+from scenarios.generator import make_test_set, random_sample  # noqa: E402
 from scenarios.refusals import known_failure  # noqa: E402
 
 
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--count", type=int, default=200, help="scenarios in the random sample")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pairwise", action="store_true", help="run the pairwise set of `make test` instead")
+    parser.add_argument(
+        "--pairwise", action="store_true", help="run the set of `make test` (pairwise + baselines) instead"
+    )
     parser.add_argument(
         "--report", required=True, help="where to write the markdown report (.json beside it)"
     )
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    scenarios = pairwise(args.seed) if args.pairwise else random_sample(args.count, args.seed)
+    scenarios = make_test_set(args.seed) if args.pairwise else random_sample(args.count, args.seed)
     skipped = [s for s in scenarios if (k := known_failure(s)) is not None and not k.runs]
     runnable = [s for s in scenarios if s not in skipped]
     started = time.monotonic()

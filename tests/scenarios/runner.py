@@ -185,11 +185,12 @@ def _checkpoint_state(model, optimizers, schedulers, loaders, counters: dict) ->
 
 
 def _train(loom, scenario, model, optimizers, schedulers, loaders, counters, save_to: str | None) -> list:
-    """Train from `counters["step"]` to STEPS; returns this rank's sample indices of every micro-batch."""
+    """Train from `counters["step"]` to STEPS; returns this rank's sample indices of every micro-batch, and the
+    gradient norms `clip_gradients` returned."""
     accum = accumulation(scenario)
     clip = clip_arguments(scenario)
     stream = _stream(scenario, loaders, counters)
-    seen = []
+    seen, norms = [], []
     per_rank_a = GLOBAL_BATCH // loom.world_size
     while counters["step"] < STEPS:
         for micro in range(accum):
@@ -201,7 +202,9 @@ def _train(loom, scenario, model, optimizers, schedulers, loaders, counters, sav
                 loom.backward(micro_loss(scenario, model(x), y, per_rank_a))
         if clip:
             for opt in optimizers:
-                loom.clip_gradients(model, opt, **clip)
+                norm = loom.clip_gradients(model, opt, **clip)
+                if norm is not None:
+                    norms.append(float(norm))
         for opt in optimizers:
             opt.step()
         for sched in schedulers:
@@ -212,7 +215,7 @@ def _train(loom, scenario, model, optimizers, schedulers, loaders, counters, sav
         if save_to is not None and counters["step"] == scenario.save_step:
             state = _checkpoint_state(model, optimizers, schedulers, loaders, counters)
             loom.save(save_to, state, async_save=scenario.checkpoint == "async")
-    return seen
+    return seen, norms
 
 
 def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
@@ -240,7 +243,9 @@ def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
             counters = {k: state[k] for k in counters}
             out["loaded_step"] = counters["step"]
             save_to = None
-        out["seen"] = _train(loom, scenario, model, optimizers, schedulers, loaders, counters, save_to)
+        out["seen"], out["norms"] = _train(
+            loom, scenario, model, optimizers, schedulers, loaders, counters, save_to
+        )
         out["params"] = _full_params(model)
         out["optim"] = _full_optim(model, optimizers)
         scaler = getattr(loom.strategy.precision, "scaler", None)
