@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test scenarios lint gpu-check install-check
+.PHONY: demo test lint gpu-check install-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,7 @@ test: $(VENV)/.installed-test
 SCENARIO_COUNT ?= 300
 SCENARIO_SEED ?= 1
 SCENARIO_REPORT ?= scenario-report.md
+.PHONY: scenarios
 scenarios: $(VENV)/.installed-test
 	$(PY) tests/scenarios/run_many.py --count $(SCENARIO_COUNT) --seed $(SCENARIO_SEED) --report $(SCENARIO_REPORT)
 
