@@ -16,8 +16,8 @@ FP32_TOLERANCE = 1e-5
 # Adam turns rounding noise in a near-zero gradient into a step of size lr in either direction, so one
 # element's error can be as large as its movement while the update as a whole is right.
 # The allowed relative error ||(run - initial) - (reference - initial)|| / ||reference - initial|| is the
-# larger of a floor per precision and the precision's own noise in this scenario: how far the same reference
-# trained in fp32 lands from the low-precision one (bf16-true SGD loses most small updates to rounding, so
+# larger of a floor per precision and twice the precision's own noise in this scenario (how far the same
+# reference trained in fp32 lands from the low-precision one) (bf16-true SGD loses most small updates to rounding, so
 # there the noise is of the order of the movement itself, and the comparison says little; the report shows it).
 UPDATE_ERROR = {"bf16-mixed": 0.05, "16-mixed": 0.02, "bf16-true": 0.2}
 
@@ -79,7 +79,8 @@ def _allowed_update_error(scenario: Scenario, reference: dict, initial: dict, me
     fp32 = Scenario.of(**{**scenario.as_dict(), "precision": "32-true"})
     noise = _update_error(reference["params"], train_reference(fp32, initial)["params"], initial)
     metrics["precision_noise"] = noise
-    return max(UPDATE_ERROR[scenario.precision], noise)
+    # Two runs, each within the noise of the fp32 trajectory, can be twice the noise apart.
+    return max(UPDATE_ERROR[scenario.precision], 2 * noise)
 
 
 def _global(rank_results: list[dict], key: str = "seen") -> list[list[int]]:

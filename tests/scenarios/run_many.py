@@ -2,6 +2,7 @@
 
     python tests/scenarios/run_many.py --count 300 --seed 1 --report report.md
     python tests/scenarios/run_many.py --pairwise --report pairwise.md
+    python tests/scenarios/run_many.py --rerun report.json --report again.md   # its unexpected results again
 
 The report (markdown, and JSON beside it with the same name and .json) lists every scenario with its result,
 the measured errors and seconds, and each failure with its problems. Exit status 1 if a scenario failed that is
@@ -19,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, so `scenarios` imports as a package
 
+from scenarios.axes import Scenario  # noqa: E402
 from scenarios.engine import run_scenarios  # noqa: E402
 from scenarios.generator import make_test_set, random_sample  # noqa: E402
 from scenarios.refusals import known_failure  # noqa: E402
@@ -46,11 +48,23 @@ def main(argv: list[str] | None = None) -> int:
         "--report", required=True, help="where to write the markdown report (.json beside it)"
     )
     parser.add_argument(
+        "--rerun",
+        default=None,
+        help="run again the unexpected results of this earlier report's .json instead",
+    )
+    parser.add_argument(
         "--workdir", default=None, help="keep results and checkpoints here (default: a temp dir)"
     )
     args = parser.parse_args(argv)
 
-    scenarios = make_test_set(args.seed) if args.pairwise else random_sample(args.count, args.seed)
+    if args.rerun:
+        rows = json.loads(Path(args.rerun).read_text())["scenarios"]
+        again = [r for r in rows if r["status"] == "FAILED" or r["status"].endswith("(passed now!)")]
+        scenarios = [Scenario.of(**r["scenario"]) for r in again]
+    elif args.pairwise:
+        scenarios = make_test_set(args.seed)
+    else:
+        scenarios = random_sample(args.count, args.seed)
     skipped = [s for s in scenarios if (k := known_failure(s)) is not None and not k.runs]
     runnable = [s for s in scenarios if s not in skipped]
     started = time.monotonic()
@@ -83,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         key = r["status"].split(" (")[0]
         counts[key] = counts.get(key, 0) + 1
-    title = "pairwise set" if args.pairwise else f"random sample of {args.count}"
+    title = (
+        f"rerun of {args.rerun}"
+        if args.rerun
+        else "pairwise set"
+        if args.pairwise
+        else f"random sample of {args.count}"
+    )
     lines = [
         f"# Scenario engine report: {title}, seed {args.seed}",
         "",
