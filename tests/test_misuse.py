@@ -861,6 +861,20 @@ def fused_sgd_on_dtensors(tmp: Path) -> None:
     loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
 
 
+@mistake(
+    MisuseError,
+    "holds 2 of the 6 trainable parameters of FSDP unit 'the root'",
+    "Give each optimizer whole units",
+    ranks=True,
+)
+def fsdp1_unit_split_between_optimizers(tmp: Path) -> None:
+    # Found by the scenario engine: saving such an optimizer failed inside torch on some ranks only ("inp.weight
+    # is not in the optimizer state. The FSDPParamInfo has the param keys ..."), leaving the others waiting.
+    loom = launched(devices=2, strategy="fsdp")  # no policy: the root is the one unit
+    model = loom.setup_module(Tiny())
+    loom.setup_optimizers(torch.optim.SGD(model.module.out.parameters(), lr=0.1))
+
+
 @mistake(CheckpointError, "Cannot save entry 'stream'", "Store a picklable value there", ranks=True)
 def save_unpicklable_sharded(tmp: Path) -> None:
     loom, model = _sharded_loom_and_model()

@@ -130,6 +130,19 @@ def fsdp1_flat_param_numels(unit: Any) -> list[int] | None:
     return [int(n) for n in numels]
 
 
+def fsdp1_flat_param_originals(unit: Any) -> list[Any]:
+    """The original parameters an FSDP1 unit (`use_orig_params=True`) flattened into its one flat parameter."""
+    if not hasattr(unit, "_flat_param"):
+        raise _missing("FullyShardedDataParallel._flat_param")
+    flat = unit._flat_param
+    if flat is None:
+        return []
+    params = getattr(flat, "_params", None)
+    if params is None:
+        raise _missing("FlatParameter._params (use_orig_params=True)")
+    return list(params)
+
+
 def fsdp2_replaced_by_fully_shard(param: torch.Tensor) -> bool | None:
     """Whether `fully_shard` took `param` into a unit (and gave the unit a sharded copy of it): FSDP2 marks each
     original parameter it shards with `_fsdp_orig_uid`. A model that still holds a marked parameter outside

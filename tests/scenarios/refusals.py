@@ -55,6 +55,17 @@ REFUSALS.append(
         reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have one",
     )
 )
+REFUSALS.append(
+    Refusal(
+        name="FSDP1 unit split between optimizers",
+        # "none": the root is the one unit, holding the blocks (first optimizer) and the rest (second).
+        applies=lambda s: s.strategy == "fsdp" and s.n_opt == 2 and s.units == "none",
+        error="MisuseError",
+        fragment="Under strategy='fsdp' each unit's parameters are one flattened tensor",
+        reason="FSDP1 flattens a unit's parameters into one tensor; torch cannot give the state of an optimizer "
+        "that holds part of it, so saving failed on some ranks and left the others waiting",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -91,17 +102,6 @@ KNOWN_FAILURES: list[KnownFailure] = [
         "unit, mixed precision and no_backward_sync: the forward after an accumulated backward raises torch's "
         "'attempting to assign a gradient with dtype Half/BFloat16 to a tensor with grad_dtype Float' "
         "(FSDP1's _use_sharded_flat_param); 2 ranks pass",
-    ),
-    KnownFailure(
-        name="FSDP1 unit split between two optimizers",
-        applies=lambda s: s.strategy == "fsdp" and s.n_opt == 2 and s.units == "none",
-        reason="under strategy='fsdp', one unit (here the root, holding every parameter) whose parameters two "
-        "optimizers share: training runs, but loom.save (and torch's get_optimizer_state_dict) raises torch's "
-        "'inp.weight is not in the optimizer state. The FSDPParamInfo has the param keys [...]' (FSDP1 keeps "
-        "one flat parameter per unit), on some ranks only, so the others wait in a collective until the "
-        "timeout. setup_optimizers should refuse it (an optimizer must hold all or none of an FSDP1 unit's "
-        "parameters)",
-        runs=False,
     ),
     KnownFailure(
         name="16-mixed two optimizers clipped: second unscaled twice",
