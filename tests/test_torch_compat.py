@@ -231,12 +231,15 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
     out["numels"] = _torch_compat.fsdp1_flat_param_numels(
         FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
     )
+    flat_unit = FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
+    out["originals1"] = [tuple(p.shape) for p in _torch_compat.fsdp1_flat_param_originals(flat_unit)]
     out["no_params"] = _torch_compat.fsdp1_flat_param_numels(
         FSDP(torch.nn.ReLU(), device_id=cpu, use_orig_params=True)
     )
     for name, fn in (
         ("fsdp2_missing", _torch_compat.fsdp2_auto_reshard_after_forward),
         ("fsdp1_missing", _torch_compat.fsdp1_flat_param_numels),
+        ("fsdp1_originals_missing", _torch_compat.fsdp1_flat_param_originals),
         ("fsdp2_originals_missing", _torch_compat.fsdp2_unit_originals),
     ):
         try:
@@ -260,6 +263,7 @@ def test_fsdp_private_state():
     assert "_auto_reshard_after_forward" in got["fsdp2_missing"]
     assert "_flat_param" in got["fsdp1_missing"]
     assert "_get_fsdp_state" in got["fsdp2_originals_missing"]
+    assert got["originals1"] == [(4, 3), (4,)] and "_flat_param" in got["fsdp1_originals_missing"]
     if marks:  # the ids that tell a tie across units (weight: one id in both; bias: each its own)
         assert got["originals"] == [[(True, "weight"), (True, "bias")]] * 2
         assert got["same_uid"] == [True, False]
