@@ -29,6 +29,16 @@ demo: $(VENV)/.installed-test
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
 
+# The scenario engine's long run (tests/scenarios): a seeded random sample of user choices (strategy, layout,
+# world size, optimizer, precision, accumulation, clipping, loop, checkpoint and resume), each judged against
+# plain torch or the uninterrupted run; a markdown report (and .json beside it) goes to SCENARIO_REPORT.
+SCENARIO_COUNT ?= 300
+SCENARIO_SEED ?= 1
+SCENARIO_REPORT ?= scenario-report.md
+.PHONY: scenarios
+scenarios: $(VENV)/.installed-test
+	$(PY) tests/scenarios/run_many.py --count $(SCENARIO_COUNT) --seed $(SCENARIO_SEED) --report $(SCENARIO_REPORT)
+
 # On a machine with a GPU (under 10 minutes): the CUDA tests, the step-overhead and memory benchmarks on CUDA, and
 # a summary. It uses $(VENV) as it is, or creates it with TORCH_SPEC; without a GPU it stops with the reason.
 gpu-check:

@@ -832,6 +832,52 @@ def unsharded_params_error_with_leftovers(tmp: Path) -> None:
     launched(devices=2, strategy=FSDP2Strategy(unsharded_params="error")).setup_module(_hand_sharded())
 
 
+@mistake(
+    MisuseError,
+    "Parameters 'inp.weight' and 'block.weight' are tied (the same tensor) but sit in two different FSDP units",
+    "Keep every module that uses it in one unit",
+    ranks=True,
+)
+def tie_across_two_fsdp2_units(tmp: Path) -> None:
+    # Found by the scenario engine (tests/scenarios): each fully_shard sharded its own copy of the shared
+    # weight, and the two copies trained apart silently (0.07 off one process after 4 steps).
+    from torch.distributed.fsdp import fully_shard
+
+    loom = launched(devices=2, strategy="fsdp2")
+    model = Tiny(4)
+    model.block.weight = model.inp.weight  # both (4, 4)
+    fully_shard(model.inp)
+    fully_shard(model.block)
+    loom.setup_module(model)
+
+
+@mistake(
+    MisuseError,
+    "torch.optim.SGD(fused=True) cannot update sharded parameters (DTensors)",
+    "Use SGD(foreach=True)",
+    ranks=True,
+)
+def fused_sgd_on_dtensors(tmp: Path) -> None:
+    # Found by the scenario engine: the first step failed inside torch ("aten._fused_sgd_.default does not
+    # have a sharding strategy registered").
+    loom, model = _sharded_loom_and_model()
+    loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+
+
+@mistake(
+    MisuseError,
+    "holds 2 of the 6 trainable parameters of FSDP unit 'the root'",
+    "Give each optimizer whole units",
+    ranks=True,
+)
+def fsdp1_unit_split_between_optimizers(tmp: Path) -> None:
+    # Found by the scenario engine: saving such an optimizer failed inside torch on some ranks only ("inp.weight
+    # is not in the optimizer state. The FSDPParamInfo has the param keys ..."), leaving the others waiting.
+    loom = launched(devices=2, strategy="fsdp")  # no policy: the root is the one unit
+    model = loom.setup_module(Tiny())
+    loom.setup_optimizers(torch.optim.SGD(model.module.out.parameters(), lr=0.1))
+
+
 @mistake(CheckpointError, "Cannot save entry 'stream'", "Store a picklable value there", ranks=True)
 def save_unpicklable_sharded(tmp: Path) -> None:
     loom, model = _sharded_loom_and_model()

@@ -218,15 +218,29 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
         _torch_compat.fsdp2_replaced_by_fully_shard(original),
         _torch_compat.fsdp2_replaced_by_fully_shard(torch.nn.Parameter(torch.ones(2))),
     ]
+    # One original parameter sharded by two units (a tie across units): both units report its one id.
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    second.weight = first.weight
+    fully_shard(first)
+    fully_shard(second)
+    originals = [_torch_compat.fsdp2_unit_originals(u) for u in (first, second)]
+    out["originals"] = [
+        [(m is u, name) for m, name, _ in got] for u, got in zip((first, second), originals, strict=True)
+    ]
+    out["same_uid"] = [originals[0][0][2] == originals[1][0][2], originals[0][1][2] == originals[1][1][2]]
     out["numels"] = _torch_compat.fsdp1_flat_param_numels(
         FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
     )
+    flat_unit = FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
+    out["originals1"] = [tuple(p.shape) for p in _torch_compat.fsdp1_flat_param_originals(flat_unit)]
     out["no_params"] = _torch_compat.fsdp1_flat_param_numels(
         FSDP(torch.nn.ReLU(), device_id=cpu, use_orig_params=True)
     )
     for name, fn in (
         ("fsdp2_missing", _torch_compat.fsdp2_auto_reshard_after_forward),
         ("fsdp1_missing", _torch_compat.fsdp1_flat_param_numels),
+        ("fsdp1_originals_missing", _torch_compat.fsdp1_flat_param_originals),
+        ("fsdp2_originals_missing", _torch_compat.fsdp2_unit_originals),
     ):
         try:
             fn(torch.nn.Linear(1, 1))
@@ -248,6 +262,11 @@ def test_fsdp_private_state():
     assert got["marked"] == ([True, False] if marks else [None, None])
     assert "_auto_reshard_after_forward" in got["fsdp2_missing"]
     assert "_flat_param" in got["fsdp1_missing"]
+    assert "_get_fsdp_state" in got["fsdp2_originals_missing"]
+    assert got["originals1"] == [(4, 3), (4,)] and "_flat_param" in got["fsdp1_originals_missing"]
+    if marks:  # the ids that tell a tie across units (weight: one id in both; bias: each its own)
+        assert got["originals"] == [[(True, "weight"), (True, "bias")]] * 2
+        assert got["same_uid"] == [True, False]
 
 
 def _local_shape_and_offset_body(rank: int, world_size: int) -> list:

@@ -62,6 +62,8 @@ class Layout:
     #: Tied parameters split by a unit boundary: (name outside every unit, name inside a unit, or None where
     #: FSDP2 already replaced the unit's copy and only its mark is left). Nothing can train these correctly.
     split_ties: list[tuple[str, str | None]] = field(default_factory=list)
+    #: Tied parameters held by two different units (names in each): nothing can train these correctly either.
+    ties_across_units: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def flavours(self) -> set[str]:
@@ -88,23 +90,26 @@ def analyze(module: nn.Module) -> Layout:
 
     visit(module, "", None)
     layout.root_is_unit = unit_flavour(module) is not None
-    seen: dict[int, tuple[str, bool]] = {}  # id -> (first name, whether inside a unit)
+    seen: dict[int, tuple[str, bool, Unit | None]] = {}  # id -> (first name, inside a unit, nearest unit)
     owner_unit = {id(u.module): u for u in layout.units}
     fsdp2_units = any(u.flavour == "fsdp2" for u in layout.units)
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for p_name, param in mod.named_parameters(recurse=False):
             full = clean_name(f"{mod_name}.{p_name}" if mod_name else p_name)
+            unit = _nearest_unit(module, mod_name, owner_unit) if id(mod) in inside else None
             if id(param) in seen:
                 # One parameter used by a module inside a unit and by one outside (tied embeddings with only
                 # the embedding in an FSDP1 unit): the unit flattens it into its shard, and the outside module
                 # would compute with the shard.
-                first, first_inside = seen[id(param)]
+                first, first_inside, first_unit = seen[id(param)]
                 if first_inside != (id(mod) in inside):
                     layout.split_ties.append((first, full) if not first_inside else (full, first))
+                elif first_unit is not None and unit is not None and first_unit is not unit:
+                    # Two units each flatten it into their own shard (FSDP1): the ranks crash in a collective.
+                    layout.ties_across_units.append((first, full))
                 continue
-            seen[id(param)] = (full, id(mod) in inside)
+            seen[id(param)] = (full, id(mod) in inside, unit)
             if id(mod) in inside:
-                unit = _nearest_unit(module, mod_name, owner_unit)
                 if unit is not None:
                     unit.num_params += 1
                     unit.numel += _global_numel(param)
@@ -122,7 +127,29 @@ def analyze(module: nn.Module) -> Layout:
     for unit in layout.units:
         if unit.flavour == "fsdp":
             _fsdp1_unit_size(unit)
+    if fsdp2_units:
+        _fsdp2_ties_across_units(module, layout)
     return layout
+
+
+def _fsdp2_ties_across_units(module: nn.Module, layout: Layout) -> None:
+    """A parameter tied between two FSDP2 units: `fully_shard` of the first replaced it in its own modules only,
+    and `fully_shard` of the second sharded the original again, so each unit trains a copy of its own (found by
+    the scenario engine: tied input and output projections, each made a unit by hand). FSDP2 gives every
+    original parameter it shards one id, so two units sharding one id are a broken tie."""
+    names = {
+        id(m): clean_name(n + ".")[:-1] if n else "" for n, m in module.named_modules(remove_duplicate=False)
+    }
+    first: dict[int, tuple[int, str]] = {}  # original's id -> (its first unit's module id, the name there)
+    for unit in layout.units:
+        if unit.flavour != "fsdp2":
+            continue
+        for owner, p_name, uid in _torch_compat.fsdp2_unit_originals(unit.module) or []:
+            owner_name = names.get(id(owner), "")
+            full = f"{owner_name}.{p_name}" if owner_name else p_name
+            if uid in first and first[uid][0] != id(unit.module):
+                layout.ties_across_units.append((first[uid][1], full))
+            first.setdefault(uid, (id(unit.module), full))
 
 
 def _nearest_unit(root: nn.Module, mod_name: str, owner_unit: dict[int, Unit]) -> Unit | None:

@@ -130,6 +130,19 @@ def fsdp1_flat_param_numels(unit: Any) -> list[int] | None:
     return [int(n) for n in numels]
 
 
+def fsdp1_flat_param_originals(unit: Any) -> list[Any]:
+    """The original parameters an FSDP1 unit (`use_orig_params=True`) flattened into its one flat parameter."""
+    if not hasattr(unit, "_flat_param"):
+        raise _missing("FullyShardedDataParallel._flat_param")
+    flat = unit._flat_param
+    if flat is None:
+        return []
+    params = getattr(flat, "_params", None)
+    if params is None:
+        raise _missing("FlatParameter._params (use_orig_params=True)")
+    return list(params)
+
+
 def fsdp2_replaced_by_fully_shard(param: torch.Tensor) -> bool | None:
     """Whether `fully_shard` took `param` into a unit (and gave the unit a sharded copy of it): FSDP2 marks each
     original parameter it shards with `_fsdp_orig_uid`. A model that still holds a marked parameter outside
@@ -140,6 +153,26 @@ def fsdp2_replaced_by_fully_shard(param: torch.Tensor) -> bool | None:
     if not hasattr(_fsdp_param, "_get_orig_param_uid"):
         return None
     return hasattr(param, "_fsdp_orig_uid")
+
+
+def fsdp2_unit_originals(unit: Any) -> list[tuple[Any, str, int]] | None:
+    """(module, parameter name, id of the original parameter) for each parameter an FSDP2 unit shards: FSDP2
+    gives each original parameter one id (`_fsdp_orig_uid`), the same in every unit that shards it. None where
+    this torch's FSDP2 keeps no such id (2.9), so the caller knows it cannot tell."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _missing("FSDPModule._get_fsdp_state")
+    group = get_state()._fsdp_param_group
+    if group is None:
+        return []
+    out = []
+    for fsdp_param in group.fsdp_params:
+        uid = getattr(fsdp_param, "_orig_param_uid", None)
+        if uid is None:
+            return None
+        info = fsdp_param._module_info
+        out.append((info.module, info.param_name, uid))
+    return out
 
 
 #: The first torch with `torch.distributed.fsdp.share_comm_ctx` (pytorch/pytorch#165024).

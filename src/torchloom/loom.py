@@ -438,6 +438,7 @@ class Loom:
                 )
             optimizer = self._strategy.setup_optimizer(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
+            _check_fused_kernel(optimizer, params)
             stray = sum(id(p) not in known for p in params)
             if stray and self._strategy.replaces_parameters:
                 raise MisuseError(
@@ -916,6 +917,21 @@ def _not_an_op(group: Any, reduce_op: Any) -> Any:
             f"operation by name: all_reduce(data, reduce_op={group!r})."
         )
     return reduce_op
+
+
+def _check_fused_kernel(optimizer: Optimizer, params: list[torch.Tensor]) -> None:
+    """torch has no DTensor version of fused SGD's kernel: its first step would fail deep inside torch
+    ("aten._fused_sgd_.default does not have a sharding strategy registered"; found by the scenario engine with
+    "fsdp2", whose sharded parameters are DTensors). Fused Adam and AdamW have one."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    if not any(group.get("fused") for group in optimizer.param_groups):
+        return
+    if any(type(p).__name__ == "DTensor" for p in params):
+        raise MisuseError(
+            "torch.optim.SGD(fused=True) cannot update sharded parameters (DTensors): torch has no DTensor "
+            "version of its fused kernel. Use SGD(foreach=True) (or the default) with this strategy."
+        )
 
 
 def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:

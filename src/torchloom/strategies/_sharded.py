@@ -525,7 +525,17 @@ class ShardedStrategy(ParallelStrategy):
 
     def _check_split_ties(self, layout: Layout) -> None:
         """Refuse a tied parameter that a unit boundary splits (`tests/test_hf_models.py` found it with GPT-2's
-        tied embeddings and head): FSDP2 silently trains two copies, FSDP1 crashes with a shape error."""
+        tied embeddings and head): FSDP2 silently trains two copies, FSDP1 crashes with a shape error. Also
+        one held by two units (the scenario engine found it): FSDP2 trains two copies, FSDP1 aborts the ranks."""
+        if layout.ties_across_units:
+            first, second = layout.ties_across_units[0]
+            raise MisuseError(
+                f"Parameters '{first}' and '{second}' are tied (the same tensor) but sit in two different FSDP "
+                "units, e.g. tied input and output projections each made a unit. Each unit shards its own copy, "
+                "so the tie would be broken: the copies would train apart (fully_shard) or the ranks would crash "
+                "(FullyShardedDataParallel). Keep every module that uses it in one unit (e.g. the root: "
+                "unsharded_params='shard'), or make no unit of the shared modules (they stay replicated)."
+            )
         if not layout.split_ties:
             return
         outside, inside = layout.split_ties[0]
@@ -775,6 +785,19 @@ class ShardedStrategy(ParallelStrategy):
             for (device, dtype), tensors in by_kind.items():
                 torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
         return total
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
+        """Clamp every gradient element to [-clip_val, clip_val]: elementwise, so each rank clamps its own local
+        pieces. torch's `clip_grad_value_` hands sharded (DTensor) and replicated (plain) gradients to one
+        foreach kernel, which refuses the mix (found by the scenario engine: FSDP2 units plus replicated
+        leftovers in one optimizer)."""
+        self.precision.unscale_gradients(optimizer)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        local.clamp_(min=-clip_val, max=clip_val)
 
     def _total_norm(self, module: nn.Module, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
         """The norm of all gradients as if the model were not sharded: each sharded gradient's local pieces are

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 
+from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit, analyze
-from torchloom.errors import ConfigurationError
+from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies._sharded import (
     ShardedStrategy,
@@ -218,6 +220,33 @@ class FSDPStrategy(ShardedStrategy):
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
         for unit in units:
             stack.enter_context(unit.module.no_sync())
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Refuse an optimizer that holds some but not all of one unit's parameters: FSDP1 flattens a unit's
+        parameters into one tensor, and torch's optimizer state dict of such an optimizer fails, on some ranks
+        only ("... is not in the optimizer state. The FSDPParamInfo has the param keys ..."), so `loom.save`
+        would raise there and leave the other ranks waiting (found by the scenario engine: one root unit, and
+        one optimizer for the blocks and one for the rest)."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for layout in self._layouts.values():
+            for unit in layout.units:
+                # Frozen parameters have no optimizer state: an optimizer of the trainable ones (adapters
+                # beside frozen weights in one unit) is whole.
+                originals = [
+                    p for p in _torch_compat.fsdp1_flat_param_originals(unit.module) if p.requires_grad
+                ]
+                inside = sum(id(p) in held for p in originals)
+                if 0 < inside < len(originals):
+                    name = unit.path or "the root"
+                    raise MisuseError(
+                        f"The optimizer {type(optimizer).__name__} holds {inside} of the {len(originals)} "
+                        f"trainable parameters of FSDP unit {name!r}. Under strategy='fsdp' each unit's parameters are "
+                        "one flattened tensor, whose optimizer state cannot be split between optimizers (saving "
+                        "it fails). Give each optimizer whole units: make the modules of each optimizer units of "
+                        "their own (a policy or wrap()), or use one optimizer with param groups, or "
+                        "strategy='fsdp2'."
+                    )
+        return super().setup_optimizer(optimizer)
 
     def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -1,0 +1,166 @@
+"""The model, the data and the data order that every scenario shares, in plain torch.
+
+The data order is written down here from `DistributedSampler`'s definition (a permutation drawn from
+`seed + epoch`, rank r reading every world_size-th sample), not taken from torchloom: the oracle and the loop
+under test must agree on it independently.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D = 8
+N_BLOCKS = 2
+GLOBAL_BATCH = 6  # divisible by every world size (1, 2, 3)
+N_A, N_B = 36, 24  # samples of the main loader (6 batches an epoch) and the second one (4 batches)
+STEPS = 4  # optimizer steps of every scenario
+BREAK_AT = 4  # the "break" loop leaves each epoch after this many batches
+SEED = 7
+B_OFFSET = 1000  # the second loader's sample indices, shifted so both loaders' indices can be told apart
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, 2 * D)
+        self.fc2 = nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """An input projection, blocks, an output projection; `tied` shares the projections' weight."""
+
+    def __init__(self, tied: bool = False, wrap_fn=None) -> None:
+        super().__init__()
+        unit = wrap_fn or (lambda m, edge: m)
+        inp, out = nn.Linear(D, D), nn.Linear(D, D)
+        if tied:  # tied before any unit is made, as a model's own __init__ does
+            out.weight = inp.weight
+        self.inp = unit(inp, True)
+        self.blocks = nn.ModuleList(unit(Block(), False) for _ in range(N_BLOCKS))
+        self.out = unit(out, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def dataset(which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, sample indices) of loader "a" or "b"."""
+    n, seed, offset = (N_A, 11, 0) if which == "a" else (N_B, 12, B_OFFSET)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g)
+    y = torch.tanh(x @ torch.randn(D, D, generator=g)) + 0.1 * torch.randn(n, D, generator=g)
+    return x, y, torch.arange(n) + offset
+
+
+def accumulation(scenario) -> int:
+    return 1 if scenario.accum == "none" else 2
+
+
+def loss_factor(scenario) -> float:
+    # fp16's loss scale starts at 2**16: keep scaled gradients far from fp16's overflow, so the run and the
+    # reference take every step (an overflow would be agreed by both, but a step near the edge could differ).
+    return 1e-2 if scenario.precision == "16-mixed" else 1.0
+
+
+def global_batches(scenario, micro_batches: int) -> list[list[int]]:
+    """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one)."""
+    bs = GLOBAL_BATCH
+
+    def epoch_a(epoch: int) -> list[list[int]]:
+        order = torch.randperm(N_A, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+        return [sorted(order[i : i + bs]) for i in range(0, N_A, bs)]
+
+    def stream_a():
+        epoch = 0
+        while True:
+            batches = epoch_a(epoch)
+            if scenario.loop == "break":
+                batches = batches[:BREAK_AT]
+            yield from batches
+            epoch += 1
+
+    def stream_b():
+        while True:  # not shuffled: the same order every epoch
+            for i in range(0, N_B, bs):
+                yield list(range(B_OFFSET + i, B_OFFSET + i + bs))
+
+    a, b = stream_a(), stream_b()
+    out = []
+    for _ in range(micro_batches):
+        batch = next(a)
+        if scenario.loop == "two_loaders":
+            batch = batch + next(b)
+        out.append(batch)
+    return out
+
+
+def split_params(named: list[tuple[str, torch.Tensor]], n_opt: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """One optimizer: everything. Two: the blocks' parameters, and the rest."""
+    if n_opt == 1:
+        return [named]
+    return [
+        [(n, p) for n, p in named if ".blocks." in f".{n}"],
+        [(n, p) for n, p in named if ".blocks." not in f".{n}"],
+    ]
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+}
+IMPL = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def make_optimizers(scenario, named: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
+    """The scenario's optimizers over `named` parameters (weights and biases in two groups when asked)."""
+    cls, options = OPTIMIZERS[scenario.optimizer]
+    if scenario.optimizer == "sgd":  # SGD's step scales with the loss: undo the fp16 loss factor
+        options = {**options, "lr": options["lr"] / loss_factor(scenario)}
+    out = []
+    for part in split_params(named, scenario.n_opt):
+        if scenario.groups == 1:
+            groups = [{"params": [p for _, p in part]}]
+        else:
+            groups = [
+                {"params": [p for n, p in part if not n.endswith("bias")]},
+                {
+                    "params": [p for n, p in part if n.endswith("bias")],
+                    "lr": options["lr"] / 2,
+                    "weight_decay": 0.0,
+                },
+            ]
+        out.append(cls(groups, **options, **IMPL[scenario.impl]))
+    return out
+
+
+def make_schedulers(scenario, optimizers) -> list:
+    if not scenario.scheduler:
+        return []
+    return [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8) for opt in optimizers]
+
+
+def clip_arguments(scenario) -> dict[str, float]:
+    """Thresholds that bite on most steps (the reference reports how often they did)."""
+    f = loss_factor(scenario)
+    if scenario.clip == "norm":
+        return {"max_norm": 0.3 * f}
+    if scenario.clip == "value":
+        return {"clip_val": 0.05 * f}
+    return {}
+
+
+def micro_loss(scenario, out: torch.Tensor, y: torch.Tensor, n_a: int) -> torch.Tensor:
+    """Each rank's (or the reference's) loss for one micro-batch: the mean over its own samples, per loader."""
+    out = out.float()
+    loss = nn.functional.mse_loss(out[:n_a], y[:n_a])
+    if scenario.loop == "two_loaders":
+        loss = loss + nn.functional.mse_loss(out[n_a:], y[n_a:])
+    return loss * loss_factor(scenario) / accumulation(scenario)
