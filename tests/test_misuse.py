@@ -179,12 +179,60 @@ def precision_bf16_underscore(tmp: Path) -> None:
 
 
 @mistake(
-    ConfigurationError,
-    "Unknown precision 'fp16'",
-    "Valid precisions: '32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true'.",
+    ConfigurationError, "Unknown precision 'fp16'", "Did you mean '16-mixed' (fp16 autocast with loss scaling"
 )
 def precision_fp16(tmp: Path) -> None:
     cpu(precision="fp16")
+
+
+@mistake(ConfigurationError, "Unknown precision 'fp32'", "Did you mean '32-true'?")
+def precision_fp32(tmp: Path) -> None:
+    cpu(precision="fp32")
+
+
+@mistake(ConfigurationError, "Unknown precision 'amp'", "Did you mean '16-mixed' (fp16 autocast")
+def precision_amp(tmp: Path) -> None:
+    cpu(precision="amp")
+
+
+def _step_after_plain_backward(loom: Loom, model: nn.Module, clip: bool = False) -> None:
+    """The mistake: `loss.backward()` where 16-mixed needs `loom.backward(loss)` (which scales the loss)."""
+    optimizer = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loom.backward(model(torch.randn(4, 4)).sum())  # a correct first step: the scaler has its scale now
+    optimizer.step()
+    optimizer.zero_grad()
+    model(torch.randn(4, 4)).sum().backward()
+    if clip:
+        loom.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+
+
+LOSS_NOT_SCALED = (
+    "did not come from loom.backward(loss)",
+    "replace loss.backward() with loom.backward(loss)",
+)
+
+
+@mistake(MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1])
+def loss_backward_under_16_mixed(tmp: Path) -> None:
+    loom = launched(precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()))
+
+
+@mistake(MisuseError, "clip_gradients found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1])
+def loss_backward_under_16_mixed_then_clip(tmp: Path) -> None:
+    loom = launched(precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()), clip=True)
+
+
+@mistake(MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1])
+def loss_backward_under_16_mixed_first_step(tmp: Path) -> None:
+    # On the first step torch's scaler has no scale yet ("Attempted step but _scale is None" without the check).
+    loom = launched(precision="16-mixed")
+    model = loom.setup_module(Tiny())
+    optimizer = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(4, 4)).sum().backward()
+    optimizer.step()
 
 
 @mistake(ConfigurationError, "devices=0 is not valid on CPU", "pass a positive int (e.g. devices=2)")
@@ -689,6 +737,22 @@ def test_cuda_on_a_cpu_only_machine() -> None:
     check_message(info.value, CUDA_MISSING)
 
 
+GPU_MISSING = Case(
+    "gpu_on_a_cpu_only_machine", print, ConfigurationError,
+    "accelerator='gpu' was requested but is not available on this machine",
+    "Use accelerator='cpu' or 'auto'",
+)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(), reason="this machine has a GPU"
+)
+def test_gpu_on_a_cpu_only_machine_is_named_as_written() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Loom(accelerator="gpu")
+    check_message(info.value, GPU_MISSING)
+
+
 MORE_GPUS = Case(
     "more_gpus_than_exist",
     print,
@@ -827,6 +891,30 @@ def fsdp1_units_under_strategy_fsdp2(tmp: Path) -> None:
 )
 def unsharded_params_error_with_leftovers(tmp: Path) -> None:
     launched(devices=2, strategy=FSDP2Strategy(unsharded_params="error")).setup_module(_hand_sharded())
+
+
+@mistake(
+    MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1], ranks=True
+)
+def loss_backward_under_16_mixed_ddp(tmp: Path) -> None:
+    loom = launched(devices=2, strategy="ddp", precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()))
+
+
+@mistake(
+    MisuseError, "clip_gradients found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1], ranks=True
+)
+def loss_backward_under_16_mixed_fsdp2(tmp: Path) -> None:
+    loom = launched(devices=2, strategy="fsdp2", precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(_hand_sharded()), clip=True)
+
+
+@mistake(
+    MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1], ranks=True
+)
+def loss_backward_under_16_mixed_fsdp(tmp: Path) -> None:
+    loom = launched(devices=2, strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}), precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()))
 
 
 @mistake(CheckpointError, "Cannot save entry 'stream'", "Store a picklable value there", ranks=True)
@@ -1044,7 +1132,7 @@ def test_cli_mistake(case: Case, cli_outputs: dict[str, str]) -> None:
 
 
 def test_the_catalogue_is_large_and_every_error_is_torchloom_or_value_error() -> None:
-    cases = [*IN_PROCESS, *RANKS, *CLI, CUDA_MISSING, MORE_GPUS, SAVE_ON_RANK_ZERO_ONLY]
+    cases = [*IN_PROCESS, *RANKS, *CLI, CUDA_MISSING, GPU_MISSING, MORE_GPUS, SAVE_ON_RANK_ZERO_ONLY]
     assert len({c.id for c in cases}) == len(cases) >= 35
     for case in cases:
         assert issubclass(case.error, (TorchloomError, ValueError)), case.id

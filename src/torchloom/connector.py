@@ -8,6 +8,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
+from torchloom._text import count
 from torchloom.accelerators import CPUAccelerator, select_accelerator
 from torchloom.environments import ClusterEnvironment, detect_environment, warn_if_srun_was_forgotten
 from torchloom.errors import ConfigurationError
@@ -159,7 +160,7 @@ def _select_strategy(strategy: Any, world_size: int) -> Strategy:
         )
     if world_size > 1 and not instance.is_distributed:
         raise ConfigurationError(
-            f"strategy {instance.name!r} runs one process, but this job has {world_size} processes. "
+            f"strategy {instance.name!r} runs one process, but this job has {count(world_size, 'process')}. "
             "Use strategy='ddp', 'fsdp' or 'fsdp2' (or 'auto'), or devices=1."
         )
     return instance
@@ -174,7 +175,7 @@ def _nodes_of_launch(env: ClusterEnvironment, num_nodes: int | None) -> int | No
         return num_nodes if launched is None else launched
     if num_nodes != launched:
         raise ConfigurationError(
-            f"Loom(num_nodes={num_nodes}), but {env!r} started this job on {launched} nodes. Leave num_nodes out "
+            f"Loom(num_nodes={num_nodes}), but {env!r} started this job on {count(launched, 'node')}. Leave num_nodes out "
             f"to follow the launcher, or make them agree (e.g. torchrun --nnodes {num_nodes})."
         )
     return num_nodes

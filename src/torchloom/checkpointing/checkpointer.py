@@ -121,7 +121,7 @@ class Checkpointer:
             record.restore_run_state(self._io, self._scaler, self._counters, run_state)
         elif run_state and self._io.global_rank == 0:
             log.info(
-                "torchloom: %s loaded without the saved run's random generators, loss scaler and counters "
+                "%s loaded without the saved run's random generators, loss scaler and counters "
                 "(`state` names no optimizer or data loader); pass restore_run_state=True to restore them.",
                 path,
             )
