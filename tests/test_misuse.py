@@ -1072,6 +1072,13 @@ CLI = [
         ConfigurationError, "--num-nodes > 1 needs --main-address", "and --main-port",
     ),
     Case(
+        # An example script's own --devices given after it, where it is still torchloom run's option.
+        "run_option_given_twice",
+        lambda tmp, port: ["run", "--devices", "2", str(tmp / "train.py"), "--devices", "1"],
+        ConfigurationError, "--devices is given twice, --devices 2 before the script and --devices 1 after the script",
+        "put it after `--`: `torchloom run --devices 2 " ,
+    ),
+    Case(
         "consolidate_a_file", lambda tmp, port: ["consolidate", str(tmp / "model.pt"), str(tmp / "out.pt")],
         CheckpointError, "is not a sharded checkpoint directory", "a full checkpoint is already one file",
     ),
