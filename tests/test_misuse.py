@@ -1054,6 +1054,61 @@ def test_save_on_rank_zero_only_fails_after_the_timeout_naming_save(tmp_path: Pa
     assert seconds < 8, f"rank 0 waited {seconds:.1f}s; Loom(timeout=3s) should have stopped it"
 
 
+def _save_on_rank_zero_while_the_others_train(
+    rank: int, world_size: int, strategy_name: str, tmp: Path
+) -> Any:
+    """The README's mistake in a training loop: `if loom.is_global_zero: loom.save(...)`, while the other ranks
+    go on to the next step's collectives (FSDP's all-gather in forward, DDP's in forward or backward)."""
+    strategies: dict[str, Any] = {
+        "ddp": "ddp",
+        "fsdp": FSDPStrategy(auto_wrap_policy={nn.Linear}),
+        "fsdp2": FSDP2Strategy(shard_policy={nn.Linear}),
+        "fsdp-full": FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full"),
+        "fsdp2-full": FSDP2Strategy(shard_policy={nn.Linear}, state_dict_type="full"),
+    }
+    loom = launched(devices=world_size, strategy=strategies[strategy_name], timeout=timedelta(seconds=8))
+    model = loom.setup_module(Tiny(16))
+    optimizer = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            loom.backward(model(torch.randn(4, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            start = time.monotonic()
+            if loom.is_global_zero:
+                loom.save(tmp / f"{strategy_name}.ckpt", {"model": model, "optimizer": optimizer})
+        outcome: Any = (None, "no error")
+    except Exception as error:  # noqa: BLE001 - every outcome goes back to the test process
+        loom.strategy.failed = True  # the group is wedged: end without waiting for the peers
+        outcome = (type(error), str(error))
+    return (*outcome, time.monotonic() - start)
+
+
+SAVE_WHILE_OTHERS_TRAIN = Case(
+    "save_on_rank_zero_while_the_others_train", _save_on_rank_zero_while_the_others_train, MisuseError,
+    "loom.save() on rank 0 waits for the other ranks, but they did not call it: rank 1 is in ",
+    "Call loom.save on every rank at the same point: it is a collective that writes the checkpoint once for all "
+    "ranks (drop any `if loom.is_global_zero:` around it)",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy_name", ["ddp", "fsdp", "fsdp2", "fsdp-full", "fsdp2-full"])
+def test_save_on_rank_zero_while_the_others_train_names_save_at_once(
+    tmp_path: Path, strategy_name: str
+) -> None:
+    # It used to end in gloo's `EnforceNotMet ... vs ...` abort (SIGABRT) under FSDP, with nothing naming save.
+    # run_ranks raises if any rank dies of a signal; here both report back.
+    (error, text, seconds), (peer_error, peer_text, _) = run_ranks(
+        _save_on_rank_zero_while_the_others_train, 2, strategy_name, tmp_path, timeout=80
+    )
+    assert error is SAVE_WHILE_OTHERS_TRAIN.error, text
+    check_message(text, SAVE_WHILE_OTHERS_TRAIN)
+    assert seconds < 6, f"rank 0 took {seconds:.1f}s to see that rank 1 is elsewhere (timeout 8s)"
+    # Rank 1 waited in the next step's collective: it ends with an exception (a timeout, or rank 0 gone), alive.
+    assert peer_error is not None and issubclass(peer_error, Exception), peer_text
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 CLI = [
     Case(
@@ -1139,7 +1194,16 @@ def test_cli_mistake(case: Case, cli_outputs: dict[str, str]) -> None:
 
 
 def test_the_catalogue_is_large_and_every_error_is_torchloom_or_value_error() -> None:
-    cases = [*IN_PROCESS, *RANKS, *CLI, CUDA_MISSING, GPU_MISSING, MORE_GPUS, SAVE_ON_RANK_ZERO_ONLY]
+    cases = [
+        *IN_PROCESS,
+        *RANKS,
+        *CLI,
+        CUDA_MISSING,
+        GPU_MISSING,
+        MORE_GPUS,
+        SAVE_ON_RANK_ZERO_ONLY,
+        SAVE_WHILE_OTHERS_TRAIN,
+    ]
     assert len({c.id for c in cases}) == len(cases) >= 35
     for case in cases:
         assert issubclass(case.error, (TorchloomError, ValueError)), case.id

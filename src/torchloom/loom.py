@@ -432,7 +432,17 @@ class Loom:
         self, tensor: torch.Tensor, *args: Any, model: LoomModule | None = None, **kwargs: Any
     ) -> None:
         """`tensor.backward()` through the precision (loss scaling) and strategy."""
-        self._strategy.backward(tensor, model.forward_module if model is not None else None, *args, **kwargs)
+        # Whether this backward waits for the other ranks (DDP's gradient all-reduce runs inside it, in C++): what
+        # a rank waiting in `loom.save` learns when it asks where this one is (see `diagnostics.meet`).
+        _record.backward_syncs = any(
+            getattr(m, "require_backward_grad_sync", False) for m in self._forward_modules()
+        )
+        try:
+            self._strategy.backward(
+                tensor, model.forward_module if model is not None else None, *args, **kwargs
+            )
+        finally:
+            _record.backward_syncs = False
 
     def clip_gradients(
         self,
@@ -566,16 +576,43 @@ class Loom:
         self._require_launch("save")
         try:
             with _record("save"):
+                self._meet("save")
                 self._checkpointer.save(
                     Path(path), state, self._forward_modules(), filter, async_save=async_save, fsync=fsync
                 )
         except CollectiveTimeoutError as error:
+            if str(error).startswith("loom.save()"):
+                raise  # from `_meet`: it names the call already
             # The collective that timed out is one inside save; what the user must change is the call to save.
             raise CollectiveTimeoutError(
                 f"loom.save() on rank {self.global_rank} timed out waiting for the other ranks. Every rank "
                 "must call loom.save at the same point (not only rank 0: drop any `if loom.is_global_zero:` "
                 f"around it; rank 0 alone writes the file). {error}"
             ) from error
+
+    def _meet(self, call: str) -> None:
+        """Before a call whose collectives every rank must join: check through the job's store that every rank
+        is in it (see `diagnostics.meet`), so that a call made on some ranks only fails with an error naming it
+        instead of gloo's abort (or NCCL's hang) in its first collective."""
+        from torchloom import diagnostics
+
+        fix = (
+            f"Call loom.{call} on every rank at the same point: it is a collective that writes the checkpoint once "
+            f"for all ranks (drop any `if loom.is_global_zero:` around it)."
+        )
+        try:
+            diagnostics.meet(call, self._strategy.timeout)
+        except diagnostics.PeersElsewhere as error:
+            raise MisuseError(
+                f"loom.{call}() on rank {self.global_rank} waits for the other ranks, but they did not call it: "
+                f"{error}. {fix}"
+            ) from None
+        except diagnostics.PeersLate as error:
+            where = f" ({error})" if str(error) else ""
+            raise CollectiveTimeoutError(
+                f"loom.{call}() on rank {self.global_rank} timed out waiting for the other ranks after "
+                f"{self._strategy.timeout}{where}. {fix}"
+            ) from None
 
     def load(
         self,
