@@ -39,6 +39,7 @@ from torchloom import (
     seed_everything,
 )
 from torchloom.checkpointing import FORMAT_VERSION
+from torchloom.errors import MisuseTypeError
 from torchloom.loggers import CSVLogger
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy
 
@@ -183,6 +184,12 @@ def precision_bf16_underscore(tmp: Path) -> None:
 )
 def precision_fp16(tmp: Path) -> None:
     cpu(precision="fp16")
+
+
+@mistake(MisuseTypeError, "loom.launch(fn) needs a callable, got None", "do `loom.launch(train)` instead of")
+def launch_the_result_of_a_call(tmp: Path) -> None:
+    # `loom.launch(train(loom))`: train ran here, and launch got what it returned. A TypeError, as in Fabric.
+    cpu().launch(None)
 
 
 @mistake(ConfigurationError, "Unknown precision 'fp32'", "Did you mean '32-true'?")

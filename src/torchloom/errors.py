@@ -30,6 +30,11 @@ class MisuseError(TorchloomError, RuntimeError):
     """An API was called in the wrong order or on the wrong object."""
 
 
+class MisuseTypeError(MisuseError, TypeError):
+    """A `MisuseError` where Lightning Fabric raises `TypeError` for the same mistake, so `except TypeError` in code
+    written for Fabric catches it too."""
+
+
 class CheckpointError(TorchloomError, RuntimeError):
     """A checkpoint cannot be written or read back as asked."""
 

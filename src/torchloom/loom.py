@@ -27,7 +27,13 @@ from torchloom.connector import command_line_defaults, configure
 from torchloom.data import loader_seed
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
-from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
+from torchloom.errors import (
+    CollectiveTimeoutError,
+    ConfigurationError,
+    MisuseError,
+    MisuseTypeError,
+    warn_user,
+)
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
 from torchloom.run import RUN_ENV
@@ -46,6 +52,23 @@ from torchloom.wrappers import (
 from torchloom.wrappers import (
     move_to_device as move_data_to_device,
 )
+
+#: `launch()`'s default: no function (an explicit None is `launch(train(loom))`, refused as Fabric does).
+_NO_FUNCTION: Any = object()
+
+
+def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `method` accepts (all of them if it takes `**kwargs` or has no signature)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 class Loom:
@@ -166,7 +189,7 @@ class Loom:
         return self._strategy.accelerator
 
     # ---- launching -------------------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = _NO_FUNCTION, *args: Any, **kwargs: Any) -> Any:  # type: ignore[assignment]
         """Start the ranks and join the process group.
 
         Without `fn`, a plain `python train.py` that wants several local processes re-runs itself once per rank
@@ -178,11 +201,14 @@ class Loom:
         process group joins it, so launch() is optional there; a second call, or a call in a rank that already
         joined, starts nothing (with `fn`, it runs `fn` in this process).
         """
-        if fn is not None and not callable(fn):
-            raise MisuseError(
-                f"loom.launch(fn) needs a callable, got {type(fn).__name__}. Pass a function defined at "
-                "module level, `loom.launch(train, *args)`, which runs train(loom, *args) on every rank; or "
-                "call loom.launch() without arguments."
+        if fn is _NO_FUNCTION:
+            fn = None
+        elif not callable(fn):
+            # `launch(train(loom))` (None, or whatever train returned): Fabric's TypeError, with the same hint.
+            raise MisuseTypeError(
+                f"loom.launch(fn) needs a callable, got {fn!r}. HINT: do `loom.launch(train)` instead of "
+                "`loom.launch(train(loom))`: pass a function defined at module level, `loom.launch(train, *args)`, "
+                "which runs train(loom, *args) on every rank; or call loom.launch() without arguments."
             )
         self._launched = True
         env = self._strategy.cluster_environment
@@ -274,6 +300,7 @@ class Loom:
         names = {id(p): clean_name(n) for n, p in module.named_parameters()}
         module = self.setup_module(module, move_to_device=move_to_device)
         if not optimizers:
+            self._after_setup(module)
             return module if scheduler is None else (module, scheduler)
         if self._strategy.replaces_parameters:
             for optimizer in optimizers:
@@ -281,7 +308,13 @@ class Loom:
         out = (module, *self._setup_optimizers(optimizers))
         if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
             module.module._fabric_optimizers = list(out[1:])
+        self._after_setup(module)
         return out if scheduler is None else (*out, scheduler)
+
+    def _after_setup(self, module: LoomModule) -> None:
+        # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too:
+        # `on_after_setup(fabric, module)`, or `loom=` in torchloom's spelling.
+        self.call("on_after_setup", fabric=self, loom=self, module=module)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
         """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
@@ -736,7 +769,7 @@ class Loom:
             return
         values = {k: to_scalar(v) for k, v in metrics.items()}
         for logger in self._loggers:
-            logger.log_metrics(values, step=step)
+            logger.log_metrics(metrics=values, step=step)  # by keyword, as Fabric calls loggers
 
     def finalize_loggers(self, status: str = "success") -> None:
         """Flush and close the loggers (call at the end of training): `logger.finalize(status)` on each."""
@@ -759,11 +792,19 @@ class Loom:
         return self._loggers[0] if self._loggers else None
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method."""
+        """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method, as
+        Fabric does: each gets only the keyword arguments its signature accepts (all of them with `**kwargs`), and
+        an attribute of that name that is not callable is skipped with a warning."""
         for callback in self._callbacks:
             method = getattr(callback, hook_name, None)
-            if callable(method):
-                method(*args, **kwargs)
+            if method is None:
+                continue
+            if not callable(method):
+                warn_user(
+                    f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
+                )
+                continue
+            method(*args, **_accepted_kwargs(method, kwargs))
 
     @contextlib.contextmanager
     def autocast(self) -> Generator[None, None, None]:
