@@ -984,3 +984,47 @@ def test_hooks_callbacks_and_launch_errors_as_fabric_has_them():
         "logged": [({"loss": 0.5}, 3)],
     }
     assert _hooks_script("torchloom") == fabric
+
+
+def _misuse_error_types(kind: str, tmp: Path) -> dict[str, str]:
+    """Which of Python's exception types `except` clauses written for Fabric would catch, for each misuse."""
+    if kind == "fabric":
+        from lightning.fabric import Fabric
+
+        runner: Any = Fabric(accelerator="cpu", devices=1)
+    else:
+        runner = Loom(accelerator="cpu", devices=1)
+    runner.launch()
+    model = runner.setup_module(nn.Linear(2, 2))
+    cases = {
+        "setup_module twice": lambda: runner.setup_module(model),
+        "setup_optimizers()": lambda: runner.setup_optimizers(),
+        "setup_dataloaders()": lambda: runner.setup_dataloaders(),
+        "setup_dataloaders(not a loader)": lambda: runner.setup_dataloaders([1, 2]),
+        "no_backward_sync(raw model)": lambda: runner.no_backward_sync(nn.Linear(2, 2)).__enter__(),
+        "save(filter='foo')": lambda: runner.save(tmp / f"{kind}-a.ckpt", {"model": model}, filter="foo"),
+        "save(filter=unknown)": lambda: runner.save(
+            tmp / f"{kind}-b.ckpt", {"model": model}, filter={"nope": lambda k, v: True}
+        ),
+        "load(missing)": lambda: runner.load(tmp / "missing.ckpt"),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - the type is the result
+            out[name] = next(
+                (t.__name__ for t in (FileNotFoundError, TypeError, ValueError) if isinstance(error, t)),
+                f"only {type(error).__name__}",
+            )
+    return out
+
+
+def test_misuse_errors_are_also_the_types_fabric_raises(tmp_path):
+    pytest.importorskip("lightning.fabric")
+    fabric = _misuse_error_types("fabric", tmp_path)
+    assert "no error" not in fabric.values() and not any(v.startswith("only") for v in fabric.values()), (
+        fabric
+    )
+    assert _misuse_error_types("torchloom", tmp_path) == fabric

@@ -32,6 +32,7 @@ from torchloom.errors import (
     ConfigurationError,
     MisuseError,
     MisuseTypeError,
+    MisuseValueError,
     warn_user,
 )
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
@@ -325,7 +326,7 @@ class Loom:
         the same way (backend, mode, options): the returned model's forward runs compiled; `.module` is the
         uncompiled model and checkpoints use its names."""
         if isinstance(module, LoomModule) or getattr(module, SETUP_MARK, False):
-            raise MisuseError(
+            raise MisuseValueError(
                 "setup_module was called twice on the same module. Set up each model once and keep the returned "
                 "LoomModule."
             )
@@ -365,7 +366,7 @@ class Loom:
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         """Prepare optimizers made from the parameters of set-up modules; returns one or a tuple."""
         if not optimizers:
-            raise MisuseError(
+            raise MisuseValueError(
                 "setup_optimizers needs at least one optimizer. Pass them: loom.setup_optimizers(optimizer), "
                 "or loom.setup_optimizers(opt_a, opt_b)."
             )
@@ -377,7 +378,9 @@ class Loom:
         out = []
         for optimizer in optimizers:
             if isinstance(optimizer, LoomOptimizer):
-                raise MisuseError("setup_optimizers was called twice on the same optimizer. Set it up once.")
+                raise MisuseValueError(
+                    "setup_optimizers was called twice on the same optimizer. Set it up once."
+                )
             if not isinstance(optimizer, Optimizer):
                 raise MisuseError(
                     f"setup_optimizers expects torch.optim.Optimizer, got {type(optimizer).__name__}. "
@@ -435,11 +438,11 @@ class Loom:
         worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across workers or
         ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)` turns this off."""
         if not dataloaders:
-            raise MisuseError("setup_dataloaders needs at least one DataLoader.")
+            raise MisuseValueError("setup_dataloaders needs at least one DataLoader.")
         out = []
         for loader in dataloaders:
             if not isinstance(loader, DataLoader):
-                raise MisuseError(
+                raise MisuseTypeError(
                     f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
                 )
             if use_distributed_sampler:
@@ -540,7 +543,7 @@ class Loom:
         for wrapped in self._modules:
             if wrapped.module is module:
                 return wrapped
-        raise MisuseError(
+        raise MisuseTypeError(
             f"{what} got a module that was not set up. Pass the object returned by loom.setup_module(model)."
         )
 

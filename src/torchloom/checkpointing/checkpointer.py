@@ -34,7 +34,14 @@ from torchloom.checkpointing.state import (
     resolve,
     torch_internal_warnings_filtered,
 )
-from torchloom.errors import CheckpointError, MisuseError, describe_failure, raise_shared_failure
+from torchloom.errors import (
+    CheckpointError,
+    MisuseError,
+    MisuseTypeError,
+    MisuseValueError,
+    describe_failure,
+    raise_shared_failure,
+)
 
 log = logging.getLogger("torchloom")
 
@@ -135,6 +142,16 @@ class Checkpointer:
         }
 
     def _filtered(self, entries: dict[str, Entry], filter: dict[str, Filter], fmt: str) -> dict[str, Entry]:
+        if not isinstance(filter, dict):
+            raise MisuseTypeError(
+                f"save(..., filter=) must be a dict of entry name -> function (name, value) -> bool, given "
+                f"{filter!r}, e.g. filter={{'model': lambda k, v: 'adapter' in k}}."
+            )
+        for name, keep in filter.items():
+            if not callable(keep):
+                raise MisuseTypeError(
+                    f"save(..., filter=) for entry {name!r} must be a function (name, value) -> bool, given {keep!r}."
+                )
         if fmt != "full":
             raise MisuseError(
                 "save(..., filter=) works with full checkpoints (one file). With FSDP, pass "
@@ -142,7 +159,7 @@ class Checkpointer:
             )
         unknown = [k for k in filter if k not in entries]
         if unknown:
-            raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
+            raise MisuseValueError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
         out = dict(entries)
         for key, keep in filter.items():
             # Recorded as an object with state: what it holds is not the whole module's or optimizer's state.

@@ -11,7 +11,7 @@ import torch
 from torchloom._text import count
 from torchloom.checkpointing import atomic, full, hf, record, sharded
 from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, MODULE
-from torchloom.errors import CheckpointError
+from torchloom.errors import CheckpointError, CheckpointNotFoundError
 
 
 def _tensors(prefix: str, value: Any, out: list[dict[str, Any]]) -> None:
@@ -71,7 +71,7 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     `weights_only=False` also reads files that hold arbitrary pickled objects (only for files you trust)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+        raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
     tensors: list[dict[str, Any]] = []
     if path.is_dir():
         meta = sharded.read_meta(path)
