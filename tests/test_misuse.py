@@ -1112,8 +1112,11 @@ def test_save_on_rank_zero_while_the_others_train_names_save_at_once(
     assert error is SAVE_WHILE_OTHERS_TRAIN.error, text
     check_message(text, SAVE_WHILE_OTHERS_TRAIN)
     assert seconds < 6, f"rank 0 took {seconds:.1f}s to see that rank 1 is elsewhere (timeout 8s)"
-    # Rank 1 waited in the next step's collective: it ends with an exception (a timeout, or rank 0 gone), alive.
-    assert peer_error is not None and issubclass(peer_error, Exception), peer_text
+    # Rank 1 waited in the next step's collective; when that fails (rank 0 gone, or its timeout), its error
+    # names the save it skipped.
+    assert peer_error is MisuseError, peer_text
+    assert "rank 0 waited in loom.save() (its call #1), which rank 1 did not make" in peer_text, peer_text
+    assert "Call loom.save on every rank at the same point" in peer_text, peer_text
 
 
 # ---- the command line --------------------------------------------------------------------------------------

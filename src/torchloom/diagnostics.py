@@ -364,6 +364,9 @@ def meet(call: str, timeout: timedelta) -> None:
                 # Blocked twice in the same place: not a collective among other ranks that is about to finish.
                 settled = {r: w for r, w in blocked.items() if blocked_before.get(r) == w}
                 if settled:
+                    # For the ranks that skipped the call: their collective fails once this rank's process ends
+                    # (or at its timeout), and `skipped_call` then names what they missed.
+                    store.set(_key("skipped"), json.dumps({"rank": RECORD.rank, "call": call, "n": n}))
                     raise PeersElsewhere({**settled, **{r: w for r, w in elsewhere.items() if r in settled}})
                 blocked_before = blocked
                 next_ask = time.monotonic() + _MEET_ASK_EVERY
@@ -371,6 +374,28 @@ def meet(call: str, timeout: timedelta) -> None:
             pause = min(pause * 2, 0.05)
     finally:
         RECORD.meeting = None
+
+
+def skipped_call() -> str | None:
+    """On a rank whose collective failed: if another rank gave up waiting for it in a call every rank must make
+    (`meet`), say so (one store round trip, on the failure path only); else None."""
+    store = RECORD.store
+    if store is None:
+        return None
+    try:
+        if not store.check([_key("skipped")]):
+            return None
+        skipped = json.loads(store.get(_key("skipped")))
+    except Exception:  # noqa: BLE001 - the store is gone with the job: no better message then
+        return None
+    call, rank, n = skipped["call"], skipped["rank"], skipped["n"]
+    if RECORD.meetings.get(call, 0) >= n:
+        return None
+    return (
+        f"rank {rank} waited in loom.{call}() (its call #{n}), which rank {RECORD.rank} did not make: rank "
+        f"{RECORD.rank} went on to other collectives instead. Call loom.{call} on every rank at the same point "
+        f"(drop any `if loom.is_global_zero:` around it)."
+    )
 
 
 def _where_others(store: Any, call: str, n: int) -> tuple[dict[int, str], dict[int, str]]:

@@ -46,6 +46,7 @@ from torchloom.wrappers import (
     LoomDataLoader,
     LoomModule,
     LoomOptimizer,
+    _explain_skipped_call,
     state_module,
     unwrap_optimizer,
     with_distributed_sampler,
@@ -207,8 +208,8 @@ class Loom:
         elif not callable(fn):
             # `launch(train(loom))` (None, or whatever train returned): Fabric's TypeError, with the same hint.
             raise MisuseTypeError(
-                f"loom.launch(fn) needs a callable, got {fn!r}. HINT: do `loom.launch(train)` instead of "
-                "`loom.launch(train(loom))`: pass a function defined at module level, `loom.launch(train, *args)`, "
+                f"loom.launch(fn) needs a callable, got {'None' if fn is None else type(fn).__name__}. HINT: do `loom.launch(train)` instead of "
+                "`loom.launch(train(loom))`. Pass a function defined at module level, `loom.launch(train, *args)`, "
                 "which runs train(loom, *args) on every rank; or call loom.launch() without arguments."
             )
         self._launched = True
@@ -477,6 +478,9 @@ class Loom:
             self._strategy.backward(
                 tensor, model.forward_module if model is not None else None, *args, **kwargs
             )
+        except RuntimeError as error:
+            _explain_skipped_call(error)
+            raise
         finally:
             _record.backward_syncs = False
 
