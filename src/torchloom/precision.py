@@ -117,6 +117,16 @@ class Precision:
         self._scaled_backwards = 0
         self._backwards_at_step: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # `launch(fn)` pickles the Loom for its ranks; a weak dictionary does not pickle (and a rank starts afresh).
+        state = dict(self.__dict__)
+        state["_backwards_at_step"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._backwards_at_step = weakref.WeakKeyDictionary()
+
     @property
     def is_mixed(self) -> bool:
         return self.autocast_dtype is not None
