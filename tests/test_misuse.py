@@ -746,7 +746,7 @@ def test_cuda_on_a_cpu_only_machine() -> None:
 
 GPU_MISSING = Case(
     "gpu_on_a_cpu_only_machine", print, ConfigurationError,
-    "accelerator='gpu' was requested but is not available on this machine",
+    "accelerator='gpu' (CUDA, or MPS on a Mac) was requested but is not available on this machine",
     "Use accelerator='cpu' or 'auto'",
 )  # fmt: skip
 

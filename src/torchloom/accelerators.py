@@ -145,7 +145,7 @@ def select_accelerator(name: str | Accelerator) -> Accelerator:
     cls = _REGISTRY[name]
     if not cls.is_available():
         raise ConfigurationError(
-            f"accelerator={given!r} was requested but is not available on this machine "
+            f"accelerator={given!r}{' (CUDA, or MPS on a Mac)' if given != name else ''} was requested but is not available on this machine "
             f"(torch {torch.__version__}). Use accelerator='cpu' or 'auto'."
         )
     return cls()
