@@ -3,6 +3,7 @@ spelled Fabric's way on a real sharded checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -52,13 +53,63 @@ def test_options_after_the_script_reach_the_launcher():
     assert theirs == ["--lr", "3"]
 
 
+# Plain entries beside the model: the small ones `torchloom inspect` shows, the large ones it only names.
+PLAIN_ENTRIES = {
+    "epoch": 3,
+    "tag": "run-a",
+    "lrs": (0.1, 0.01),
+    "best": torch.tensor(0.25),
+    "done": False,
+    "history": list(range(100)),
+    "notes": "x" * 200,
+    "buffer": torch.zeros(1000),
+}
+SHOWN = [
+    "  step = 7",
+    "  epoch = 3",
+    "  tag = 'run-a'",
+    "  lrs = (0.1, 0.01)",
+    "  best = 0.25",
+    "  done = False",
+]
+ONLY_NAMED = ["  history", "  notes", "  buffer"]
+
+
+def _check_inspection(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("other entries:")
+    shown = lines[start + 1 :]
+    for line in SHOWN + ONLY_NAMED:
+        assert line in shown, (line, lines)
+    assert main(["inspect", "--json", str(path)]) == 0
+    values = json.loads(capsys.readouterr().out)["values"]
+    assert values == {"step": 7, "epoch": 3, "tag": "run-a", "lrs": [0.1, 0.01], "best": 0.25, "done": False}
+
+
+def test_inspect_shows_small_values_of_a_sharded_checkpoint(sharded, capsys, monkeypatch):
+    # Large entries are named only; torch.load maps extra.pt rather than reading its tensors.
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    _check_inspection(sharded[0], capsys)
+    assert loads and all(k.get("mmap") and k.get("weights_only") for k in loads), loads
+
+
+def test_inspect_shows_small_values_of_a_full_checkpoint(tmp_path, capsys):
+    loom = Loom(accelerator="cpu", devices=1)
+    model = loom.setup_module(nn.Linear(4, 2))
+    loom.save(tmp_path / "full.pt", {"model": model, "step": 7, **PLAIN_ENTRIES})
+    _check_inspection(tmp_path / "full.pt", capsys)
+
+
 # ---- `torchloom consolidate`: Fabric's spelling beside torchloom's positional OUT_FILE ----------------------------
 def _save_sharded(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
     loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
     loom.launch()
     torch.manual_seed(0)
     model = loom.setup_module(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
-    loom.save(path, {"model": model, "step": 7})
+    loom.save(path, {"model": model, "step": 7, **PLAIN_ENTRIES})
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 
 

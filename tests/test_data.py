@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -637,6 +638,39 @@ def test_a_checkpoint_after_a_break_says_it_resumes_at_the_next_epoch():
     finally:
         logging.getLogger("torchloom").removeHandler(handler)
     assert sum("pass over epoch 0 was left after 4 samples" in r for r in records) == 1, records
+
+
+def _torchloom_log(run: Callable[[], None]) -> list[str]:
+    """The lines torchloom's logger shows while `run()` runs, formatted by its own handler ("[torchloom] ...")."""
+    logger = logging.getLogger("torchloom")
+    shown: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: shown.append(logger.handlers[0].format(record))  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        run()
+    finally:
+        logger.removeHandler(handler)
+    return shown
+
+
+def test_log_lines_have_one_prefix_and_agreeing_plurals():
+    def resume_on_one_rank_what_two_saved() -> None:
+        loom = Loom(accelerator="cpu", devices=1)
+        loader = loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        # As two ranks with one sample each per step would have saved it: the same global batch of 2.
+        state.update(world_size=2)
+        fresh = loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
+        fresh.load_state_dict(state)
+
+    shown = _torchloom_log(resume_on_one_rank_what_two_saved)
+    assert (
+        "[torchloom] Resuming epoch 0 after 2 samples on 1 rank (saved on 2): same global batches." in shown
+    )
+    assert not [line for line in shown if line.startswith("[torchloom] torchloom:")], shown
 
 
 # ---- samplers torchloom must not replace by a plain shuffle, and custom orders split exactly ------------------

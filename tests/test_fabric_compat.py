@@ -990,3 +990,146 @@ def test_fabric_refuses_fsdp_on_cpu_where_torchloom_configures_it():
         fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp")
     for strategy in ("fsdp", "fsdp2"):
         assert Loom(accelerator="cpu", devices=2, strategy=strategy).world_size == 2
+
+
+# ---- hooks and errors as Fabric users catch and use them (issue 26) -------------------------------------------
+class _SetupHook:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def on_after_setup(self, fabric: Any, module: Any) -> None:
+        self.calls.append((type(module).__name__, callable(getattr(fabric, "setup_module", None))))
+
+
+class _NarrowHook:
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def on_epoch(self, results: Any) -> None:  # accepts only `results` of what call() passes
+        self.calls.append(results)
+
+
+class _WideHook:
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def on_epoch(self, **kwargs: Any) -> None:
+        self.calls.append(sorted(kwargs))
+
+
+class _NotAHook:
+    on_epoch = 3
+
+
+class _KeywordLogger:
+    """A logger whose log_metrics takes keywords only: Fabric calls `log_metrics(metrics=..., step=...)`."""
+
+    name, version, root_dir, log_dir, group_separator = "kw", 0, None, None, "/"
+
+    def __init__(self) -> None:
+        self.logged: list[Any] = []
+
+    def log_metrics(self, *, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((dict(metrics), step))
+
+    def log_hyperparams(self, params: Any) -> None:
+        pass
+
+    def save(self) -> None:
+        pass
+
+    def finalize(self, status: str) -> None:
+        pass
+
+
+def _hooks_script(kind: str) -> dict[str, Any]:
+    """The same calls through Fabric or Loom; what a user sees of each."""
+    import warnings
+
+    hooks = [_SetupHook(), _NarrowHook(), _WideHook(), _NotAHook()]
+    logger = _KeywordLogger()
+    if kind == "fabric":
+        from lightning.fabric import Fabric
+
+        runner: Any = Fabric(accelerator="cpu", devices=1, callbacks=hooks, loggers=[logger])
+    else:
+        runner = Loom(accelerator="cpu", devices=1, callbacks=hooks, loggers=[logger])
+    out: dict[str, Any] = {}
+    try:
+        runner.launch(None)  # the mistake `launch(train(fabric))`
+        out["launch(None)"] = "no error"
+    except TypeError as error:
+        out["launch(None)"] = ("TypeError", "HINT" in str(error))
+    runner.launch()
+    runner.setup_module(nn.Linear(2, 2))  # Fabric calls on_after_setup from setup() only
+    model = nn.Linear(2, 2)
+    runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.call("on_epoch", results=1, extra=2)
+    out["skipped"] = [
+        "Skipping the callback `_NotAHook.on_epoch`" in str(w.message) and "not callable" in str(w.message)
+        for w in caught
+    ]
+    runner.log_dict({"loss": 0.5}, step=3)
+    out["setup"] = [c[1] for c in hooks[0].calls]
+    out["narrow"], out["wide"], out["logged"] = hooks[1].calls, hooks[2].calls, logger.logged
+    return out
+
+
+def test_hooks_callbacks_and_launch_errors_as_fabric_has_them():
+    pytest.importorskip("lightning.fabric")
+    fabric = _hooks_script("fabric")
+    assert fabric == {
+        "launch(None)": ("TypeError", True),
+        "skipped": [True],
+        "setup": [True],
+        "narrow": [1],
+        "wide": [["extra", "results"]],
+        "logged": [({"loss": 0.5}, 3)],
+    }
+    assert _hooks_script("torchloom") == fabric
+
+
+def _misuse_error_types(kind: str, tmp: Path) -> dict[str, str]:
+    """Which of Python's exception types `except` clauses written for Fabric would catch, for each misuse."""
+    if kind == "fabric":
+        from lightning.fabric import Fabric
+
+        runner: Any = Fabric(accelerator="cpu", devices=1)
+    else:
+        runner = Loom(accelerator="cpu", devices=1)
+    runner.launch()
+    model = runner.setup_module(nn.Linear(2, 2))
+    cases = {
+        "setup_module twice": lambda: runner.setup_module(model),
+        "setup_optimizers()": lambda: runner.setup_optimizers(),
+        "setup_dataloaders()": lambda: runner.setup_dataloaders(),
+        "setup_dataloaders(not a loader)": lambda: runner.setup_dataloaders([1, 2]),
+        "no_backward_sync(raw model)": lambda: runner.no_backward_sync(nn.Linear(2, 2)).__enter__(),
+        "save(filter='foo')": lambda: runner.save(tmp / f"{kind}-a.ckpt", {"model": model}, filter="foo"),
+        "save(filter=unknown)": lambda: runner.save(
+            tmp / f"{kind}-b.ckpt", {"model": model}, filter={"nope": lambda k, v: True}
+        ),
+        "load(missing)": lambda: runner.load(tmp / "missing.ckpt"),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - the type is the result
+            out[name] = next(
+                (t.__name__ for t in (FileNotFoundError, TypeError, ValueError) if isinstance(error, t)),
+                f"only {type(error).__name__}",
+            )
+    return out
+
+
+def test_misuse_errors_are_also_the_types_fabric_raises(tmp_path):
+    pytest.importorskip("lightning.fabric")
+    fabric = _misuse_error_types("fabric", tmp_path)
+    assert "no error" not in fabric.values() and not any(v.startswith("only") for v in fabric.values()), (
+        fabric
+    )
+    assert _misuse_error_types("torchloom", tmp_path) == fabric

@@ -164,8 +164,12 @@ def test_failing_rank_ends_the_job(script, mode, launcher_kind):
     assert proc.returncode != 0, proc.stdout
     _check_failure_output(proc, mode)
     if mode == "raise":
-        assert "Traceback of rank 1" in proc.stdout
-        assert "RuntimeError: deliberate failure on rank 1" in proc.stdout
+        assert (
+            "RuntimeError: deliberate failure on rank 1\n(its traceback is in rank 1's output above)"
+            in proc.stdout
+        )
+        # The rank printed its traceback; the launcher's summary does not print it a second time.
+        assert proc.stdout.count('raise RuntimeError("deliberate failure on rank 1")') == 1, proc.stdout
     if mode == "exit":
         assert "exit code 3" in proc.stdout
         assert proc.returncode == 3
@@ -267,6 +271,35 @@ def test_root_cause_is_the_rank_that_failed_first_within_the_same_second(survivo
     error = SimpleNamespace(failures={0: survivor, 1: culprit})
     assert launcher._root_failure(error)[0] == 1
     assert launcher._describe_failure(error).startswith("torchloom: rank 1 failed")
+
+
+def test_failure_summary_without_an_error_file_says_so_instead_of_none():
+    # torch elastic fills a missing error file with the placeholder message "<NONE>".
+    error = SimpleNamespace(
+        failures={
+            0: _failure(-signal.SIGTERM, None),
+            1: SimpleNamespace(
+                exitcode=-signal.SIGSEGV, error_file_data={"message": "<NONE>"}, timestamp=1, pid=7
+            ),
+        }
+    )
+    text = launcher._describe_failure(error)
+    assert "<NONE>" not in text, text
+    assert "rank 1 failed (exit code -11, pid 7)" in text
+    assert "It was killed by signal SIGSEGV." in text
+    assert "No Python traceback was recorded; rank 1's output above shows what it printed." in text
+    assert text.endswith("\nRank 0 also stopped."), text
+
+
+def test_failure_summary_names_the_error_and_keeps_the_traceback_for_launch_error():
+    error = SimpleNamespace(
+        failures={2: _failure(1, "ValueError: x"), 0: _failure(-signal.SIGTERM, None), 1: _failure(-15, None)}
+    )
+    short = launcher._describe_failure(error)
+    assert "ValueError: x\n(its traceback is in rank 2's output above)" in short
+    assert "Traceback of rank 2" not in short
+    assert short.endswith("\nRanks 0, 1 also stopped."), short
+    assert "Traceback of rank 2:\nValueError: x" in launcher._describe_failure(error, with_traceback=True)
 
 
 STARTUP_SCRIPT = """

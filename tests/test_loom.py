@@ -171,10 +171,63 @@ def test_devices_must_match_an_external_launcher(monkeypatch):
     }
     for key, value in {**env, "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigurationError, match=r"expects 3 processes.*started 2.*devices='auto'"):
+    with pytest.raises(ConfigurationError, match=r"expects 3 processes.*started 2.*devices='auto'") as info:
         Loom(accelerator="cpu", devices=3)
+    assert "but torchrun started 2. Make them agree (e.g. torchrun --nproc-per-node 3 --nnodes 1)" in str(
+        info.value
+    )
+    # Under `torchloom run` (which uses torchrun's machinery), the message speaks of what the user typed.
+    monkeypatch.setenv("TORCHLOOM_RUN", "1")
+    with pytest.raises(ConfigurationError) as info:
+        Loom(accelerator="cpu", devices=3)
+    assert (
+        "but `torchloom run` started 2. Make them agree (e.g. torchloom run --devices 3 --num-nodes 1)"
+        in str(info.value)
+    )
+    assert "torchrun" not in str(info.value)
+    monkeypatch.delenv("TORCHLOOM_RUN")
     loom = Loom(accelerator="cpu", devices="auto")
     assert (loom.world_size, loom.global_rank, loom.strategy.name) == (2, 0, "ddp")
+
+
+@pytest.mark.parametrize(
+    ("cli", "script", "expected"),
+    [
+        ({"PRECISION": "32-true"}, {"precision": "bf16-mixed"}, "Loom(precision='bf16-mixed') in the script "
+         "disagrees with `torchloom run --precision 32-true`. Drop one of them"),
+        ({"STRATEGY": "fsdp2"}, {"strategy": "ddp"}, "Loom(strategy='ddp') in the script disagrees with "
+         "`torchloom run --strategy fsdp2`"),
+        ({"DEVICES": "2"}, {"devices": 3}, "Loom(devices=3) in the script disagrees with `torchloom run "
+         "--devices 2`, which started 2 processes per node. Drop one of them (leave devices out of Loom(...) to "
+         "follow the command line, or --devices out of the command line to follow the script), or make them agree."),
+        ({"NUM_NODES": "1"}, {"num_nodes": 2}, "Loom(num_nodes=2) in the script disagrees with `torchloom run "
+         "--num-nodes 1`, which started the job on 1 node."),
+    ],
+)  # fmt: skip
+def test_script_options_that_disagree_with_torchloom_run_are_refused(monkeypatch, cli, script, expected):
+    # As `torchloom run --devices 2 ...` sets it up for rank 0; the refusal comes before any process group.
+    for key, value in {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x", "TORCHLOOM_RUN": "1",
+        **{f"TORCHLOOM_{k}": v for k, v in cli.items()},
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigurationError) as info:
+        Loom(accelerator="cpu", **script)
+    assert expected in str(info.value)
+    assert "after `--`" not in str(
+        info.value
+    )  # the option stood before the script: no hint about script options
+
+
+def test_same_option_ignores_spelling():
+    from torchloom.connector import _same_option
+    from torchloom.strategies import FSDP2Strategy
+
+    assert _same_option("precision", "16", "16-mixed") and _same_option("precision", 32, "32")
+    assert _same_option("devices", 2, "2") and _same_option("accelerator", "CPU", "cpu")
+    assert _same_option("strategy", FSDP2Strategy(), "fsdp2") and not _same_option("strategy", "ddp", "fsdp2")
+    assert not _same_option("precision", "bf16-mixed", "32-true")
 
 
 # ---- misuse ------------------------------------------------------------------------------------------------

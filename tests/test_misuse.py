@@ -39,6 +39,7 @@ from torchloom import (
     seed_everything,
 )
 from torchloom.checkpointing import FORMAT_VERSION
+from torchloom.errors import MisuseTypeError
 from torchloom.loggers import CSVLogger
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy
 
@@ -179,12 +180,66 @@ def precision_bf16_underscore(tmp: Path) -> None:
 
 
 @mistake(
-    ConfigurationError,
-    "Unknown precision 'fp16'",
-    "Valid precisions: '32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true'.",
+    ConfigurationError, "Unknown precision 'fp16'", "Did you mean '16-mixed' (fp16 autocast with loss scaling"
 )
 def precision_fp16(tmp: Path) -> None:
     cpu(precision="fp16")
+
+
+@mistake(MisuseTypeError, "loom.launch(fn) needs a callable, got None", "do `loom.launch(train)` instead of")
+def launch_the_result_of_a_call(tmp: Path) -> None:
+    # `loom.launch(train(loom))`: train ran here, and launch got what it returned. A TypeError, as in Fabric.
+    cpu().launch(None)
+
+
+@mistake(ConfigurationError, "Unknown precision 'fp32'", "Did you mean '32-true'?")
+def precision_fp32(tmp: Path) -> None:
+    cpu(precision="fp32")
+
+
+@mistake(ConfigurationError, "Unknown precision 'amp'", "Did you mean '16-mixed' (fp16 autocast")
+def precision_amp(tmp: Path) -> None:
+    cpu(precision="amp")
+
+
+def _step_after_plain_backward(loom: Loom, model: nn.Module, clip: bool = False) -> None:
+    """The mistake: `loss.backward()` where 16-mixed needs `loom.backward(loss)` (which scales the loss)."""
+    optimizer = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    loom.backward(model(torch.randn(4, 4)).sum())  # a correct first step: the scaler has its scale now
+    optimizer.step()
+    optimizer.zero_grad()
+    model(torch.randn(4, 4)).sum().backward()
+    if clip:
+        loom.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+
+
+LOSS_NOT_SCALED = (
+    "did not come from loom.backward(loss)",
+    "replace loss.backward() with loom.backward(loss)",
+)
+
+
+@mistake(MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1])
+def loss_backward_under_16_mixed(tmp: Path) -> None:
+    loom = launched(precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()))
+
+
+@mistake(MisuseError, "clip_gradients found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1])
+def loss_backward_under_16_mixed_then_clip(tmp: Path) -> None:
+    loom = launched(precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()), clip=True)
+
+
+@mistake(MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1])
+def loss_backward_under_16_mixed_first_step(tmp: Path) -> None:
+    # On the first step torch's scaler has no scale yet ("Attempted step but _scale is None" without the check).
+    loom = launched(precision="16-mixed")
+    model = loom.setup_module(Tiny())
+    optimizer = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(4, 4)).sum().backward()
+    optimizer.step()
 
 
 @mistake(ConfigurationError, "devices=0 is not valid on CPU", "pass a positive int (e.g. devices=2)")
@@ -678,6 +733,22 @@ def test_cuda_on_a_cpu_only_machine() -> None:
     check_message(info.value, CUDA_MISSING)
 
 
+GPU_MISSING = Case(
+    "gpu_on_a_cpu_only_machine", print, ConfigurationError,
+    "accelerator='gpu' (CUDA, or MPS on a Mac) was requested but is not available on this machine",
+    "Use accelerator='cpu' or 'auto'",
+)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(), reason="this machine has a GPU"
+)
+def test_gpu_on_a_cpu_only_machine_is_named_as_written() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Loom(accelerator="gpu")
+    check_message(info.value, GPU_MISSING)
+
+
 MORE_GPUS = Case(
     "more_gpus_than_exist",
     print,
@@ -878,6 +949,30 @@ def fsdp1_unit_split_between_optimizers(tmp: Path) -> None:
     loom.setup_optimizers(torch.optim.SGD(model.module.out.parameters(), lr=0.1))
 
 
+@mistake(
+    MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1], ranks=True
+)
+def loss_backward_under_16_mixed_ddp(tmp: Path) -> None:
+    loom = launched(devices=2, strategy="ddp", precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()))
+
+
+@mistake(
+    MisuseError, "clip_gradients found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1], ranks=True
+)
+def loss_backward_under_16_mixed_fsdp2(tmp: Path) -> None:
+    loom = launched(devices=2, strategy="fsdp2", precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(_hand_sharded()), clip=True)
+
+
+@mistake(
+    MisuseError, "optimizer.step() found gradients that " + LOSS_NOT_SCALED[0], LOSS_NOT_SCALED[1], ranks=True
+)
+def loss_backward_under_16_mixed_fsdp(tmp: Path) -> None:
+    loom = launched(devices=2, strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}), precision="16-mixed")
+    _step_after_plain_backward(loom, loom.setup_module(Tiny()))
+
+
 @mistake(CheckpointError, "Cannot save entry 'stream'", "Store a picklable value there", ranks=True)
 def save_unpicklable_sharded(tmp: Path) -> None:
     loom, model = _sharded_loom_and_model()
@@ -1015,6 +1110,64 @@ def test_save_on_rank_zero_only_fails_after_the_timeout_naming_save(tmp_path: Pa
     assert seconds < 8, f"rank 0 waited {seconds:.1f}s; Loom(timeout=3s) should have stopped it"
 
 
+def _save_on_rank_zero_while_the_others_train(
+    rank: int, world_size: int, strategy_name: str, tmp: Path
+) -> Any:
+    """The README's mistake in a training loop: `if loom.is_global_zero: loom.save(...)`, while the other ranks
+    go on to the next step's collectives (FSDP's all-gather in forward, DDP's in forward or backward)."""
+    strategies: dict[str, Any] = {
+        "ddp": "ddp",
+        "fsdp": FSDPStrategy(auto_wrap_policy={nn.Linear}),
+        "fsdp2": FSDP2Strategy(shard_policy={nn.Linear}),
+        "fsdp-full": FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full"),
+        "fsdp2-full": FSDP2Strategy(shard_policy={nn.Linear}, state_dict_type="full"),
+    }
+    loom = launched(devices=world_size, strategy=strategies[strategy_name], timeout=timedelta(seconds=8))
+    model = loom.setup_module(Tiny(16))
+    optimizer = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            loom.backward(model(torch.randn(4, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            start = time.monotonic()
+            if loom.is_global_zero:
+                loom.save(tmp / f"{strategy_name}.ckpt", {"model": model, "optimizer": optimizer})
+        outcome: Any = (None, "no error")
+    except Exception as error:  # noqa: BLE001 - every outcome goes back to the test process
+        loom.strategy.failed = True  # the group is wedged: end without waiting for the peers
+        outcome = (type(error), str(error))
+    return (*outcome, time.monotonic() - start)
+
+
+SAVE_WHILE_OTHERS_TRAIN = Case(
+    "save_on_rank_zero_while_the_others_train", _save_on_rank_zero_while_the_others_train, MisuseError,
+    "loom.save() on rank 0 waits for the other ranks, but they did not call it: rank 1 is in ",
+    "Call loom.save on every rank at the same point: it is a collective that writes the checkpoint once for all "
+    "ranks (drop any `if loom.is_global_zero:` around it)",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy_name", ["ddp", "fsdp", "fsdp2", "fsdp-full", "fsdp2-full"])
+def test_save_on_rank_zero_while_the_others_train_names_save_at_once(
+    tmp_path: Path, strategy_name: str
+) -> None:
+    # It used to end in gloo's `EnforceNotMet ... vs ...` abort (SIGABRT) under FSDP, with nothing naming save.
+    # run_ranks raises if any rank dies of a signal; here both report back.
+    (error, text, seconds), (peer_error, peer_text, _) = run_ranks(
+        _save_on_rank_zero_while_the_others_train, 2, strategy_name, tmp_path, timeout=80
+    )
+    assert error is SAVE_WHILE_OTHERS_TRAIN.error, text
+    check_message(text, SAVE_WHILE_OTHERS_TRAIN)
+    assert seconds < 6, f"rank 0 took {seconds:.1f}s to see that rank 1 is elsewhere (timeout 8s)"
+    # Rank 1 waited in the next step's collective; when that fails (rank 0 gone, or its timeout), its error
+    # names the save it skipped.
+    assert peer_error is MisuseError, peer_text
+    assert "rank 0 waited in loom.save() (its call #1), which rank 1 did not make" in peer_text, peer_text
+    assert "Call loom.save on every rank at the same point" in peer_text, peer_text
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 CLI = [
     Case(
@@ -1031,6 +1184,13 @@ CLI = [
         "run_two_nodes_without_address",
         lambda tmp, port: ["run", "--accelerator", "cpu", "--num-nodes", "2", str(tmp / "train.py")],
         ConfigurationError, "--num-nodes > 1 needs --main-address", "and --main-port",
+    ),
+    Case(
+        # An example script's own --devices given after it, where it is still torchloom run's option.
+        "run_option_given_twice",
+        lambda tmp, port: ["run", "--devices", "2", str(tmp / "train.py"), "--devices", "1"],
+        ConfigurationError, "--devices is given twice, --devices 2 before the script and --devices 1 after the script",
+        "put it after `--`: `torchloom run --devices 2 " ,
     ),
     Case(
         "consolidate_a_file", lambda tmp, port: ["consolidate", str(tmp / "model.pt"), str(tmp / "out.pt")],
@@ -1093,7 +1253,16 @@ def test_cli_mistake(case: Case, cli_outputs: dict[str, str]) -> None:
 
 
 def test_the_catalogue_is_large_and_every_error_is_torchloom_or_value_error() -> None:
-    cases = [*IN_PROCESS, *RANKS, *CLI, CUDA_MISSING, MORE_GPUS, SAVE_ON_RANK_ZERO_ONLY]
+    cases = [
+        *IN_PROCESS,
+        *RANKS,
+        *CLI,
+        CUDA_MISSING,
+        GPU_MISSING,
+        MORE_GPUS,
+        SAVE_ON_RANK_ZERO_ONLY,
+        SAVE_WHILE_OTHERS_TRAIN,
+    ]
     assert len({c.id for c in cases}) == len(cases) >= 35
     for case in cases:
         assert issubclass(case.error, (TorchloomError, ValueError)), case.id

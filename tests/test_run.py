@@ -17,14 +17,16 @@ SCRIPT = textwrap.dedent(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loom = Loom(precision="bf16-mixed") if "override" in sys.argv else Loom()
+        # "agree": the script names the command line's precision in Lightning's spelling; "two": it asks for 2
+        # processes whatever the command line started.
+        loom = Loom(precision="32") if "agree" in sys.argv else Loom(devices=2) if "two" in sys.argv else Loom()
     loom.launch()
     total = loom.all_reduce(torch.tensor(float(loom.global_rank + 1)), reduce_op="sum")
     # One write per line: both ranks share stdout, and print() may split a line in two writes.
     sys.stdout.write(json.dumps({
         "rank": loom.global_rank, "world": loom.world_size, "local": loom.local_rank, "node": loom.node_rank,
         "strategy": loom.strategy.name, "precision": loom.strategy.precision.name, "sum": float(total),
-        "args": sys.argv[1:], "warnings": [str(w.message) for w in caught if "overrides" in str(w.message)],
+        "args": sys.argv[1:], "warnings": [str(w.message) for w in caught if "Loom(" in str(w.message)],
     }) + "\\n")
     sys.stdout.flush()
     if "fail" in sys.argv and loom.global_rank == 1:
@@ -59,7 +61,7 @@ def test_run_passes_options_to_loom(tmp_path):
         str(script),
         "--lr",
         "3",
-        "override",
+        "agree",
     ]
     result, token = run_job(cmd, timeout=120)
     assert result.returncode == 0, result.stdout
@@ -67,10 +69,25 @@ def test_run_passes_options_to_loom(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert r["world"] == 2 and r["strategy"] == "fsdp2" and r["sum"] == 3.0
-        assert r["args"] == ["--lr", "3", "override"]
-        # Code wins over the command line, with a warning that says so.
-        assert r["precision"] == "bf16-mixed"
-        assert any("precision='bf16-mixed'" in w and "--precision 32-true" in w for w in r["warnings"])
+        assert r["args"] == ["--lr", "3", "agree"]
+        assert r["precision"] == "32-true" and r["warnings"] == []  # '32' and '32-true' agree
+    assert wait_no_strays(token) == []
+
+
+def test_a_script_that_disagrees_with_the_command_line_is_refused_naming_both(tmp_path):
+    # The example scripts take --devices themselves: given after the script, it is still torchloom run's, so 1
+    # process ran while the script's Loom asked for 2. It used to warn that the script won (it could not).
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", str(script), "two", "--devices", "1"]
+    result, token = run_job(cmd, timeout=90)
+    assert result.returncode != 0
+    assert (
+        "Loom(devices=2) in the script disagrees with `torchloom run --devices 1`, which started 1 process per "
+        "node. Drop one of them" in result.stdout
+    ), result.stdout
+    assert "put it after `--`: `torchloom run train.py -- --devices 1`" in result.stdout, result.stdout
+    assert "torchrun" not in result.stdout and "overrides" not in result.stdout, result.stdout
     assert wait_no_strays(token) == []
 
 

@@ -128,6 +128,7 @@ def select_accelerator(name: str | Accelerator) -> Accelerator:
     """Turn `accelerator=` into an instance; "auto" prefers CUDA, then MPS, then CPU; "gpu" is CUDA, else MPS."""
     if isinstance(name, Accelerator):
         return name
+    given = name  # messages echo what the user wrote ('gpu', not the 'cuda' it stands for)
     if isinstance(name, str) and name.lower() == "gpu":
         # Lightning Fabric's "gpu": CUDA, or Apple's MPS where there is no CUDA.
         name = "mps" if not _REGISTRY["cuda"].is_available() and _REGISTRY["mps"].is_available() else "cuda"
@@ -144,7 +145,7 @@ def select_accelerator(name: str | Accelerator) -> Accelerator:
     cls = _REGISTRY[name]
     if not cls.is_available():
         raise ConfigurationError(
-            f"accelerator={name!r} was requested but is not available on this machine "
+            f"accelerator={given!r}{' (CUDA, or MPS on a Mac)' if given != name else ''} was requested but is not available on this machine "
             f"(torch {torch.__version__}). Use accelerator='cpu' or 'auto'."
         )
     return cls()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torchloom
-from torchloom.errors import TorchloomError
+from torchloom.errors import ConfigurationError, TorchloomError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,11 +150,14 @@ RUN_OPTIONS = frozenset(
 )
 
 
-def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_run_args(
+    argv: list[str], places: list[tuple[str, str | None, bool]] | None = None
+) -> tuple[list[str], list[str]]:
     """Split the arguments after `run` into torchloom's (its options, then SCRIPT) and the script's.
 
     `fabric run`'s rule: torchloom's own options count wherever they stand before a `--`, before or after the
-    script; every other argument after the script, and everything after `--`, belongs to the script."""
+    script; every other argument after the script, and everything after `--`, belongs to the script. `places`,
+    if given, receives (option, value, after the script?) for each of torchloom's options."""
     ours: list[str] = []
     theirs: list[str] = []
     script: list[str] = []
@@ -168,6 +171,9 @@ def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
         if name in RUN_OPTIONS:
             takes_next = "=" not in arg and i + 1 < len(argv)
             ours.extend(argv[i : i + 2] if takes_next else [arg])
+            if places is not None:
+                value = argv[i + 1] if takes_next else (arg.split("=", 1)[1] if "=" in arg else None)
+                places.append((name.replace("_", "-"), value, bool(script)))
             i += 2 if takes_next else 1
             continue
         if script:
@@ -179,6 +185,25 @@ def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
         i += 1
     # The script goes last: argparse hands everything after it to the script.
     return ours + script, theirs
+
+
+def check_run_option_places(places: list[tuple[str, str | None, bool]], script: str = "SCRIPT") -> str:
+    """Refuse one of torchloom run's options given twice with different values (typically once for the launcher
+    before the script and once meant for the script after it); return the names, comma-separated and without the
+    dashes, of those given after the script (for the messages in the ranks)."""
+    seen: dict[str, tuple[str | None, bool]] = {}
+    for name, value, after in places:
+        if name in seen and seen[name][0] != value:
+            first, first_after = seen[name]
+            where = {False: "before the script", True: "after the script"}
+            raise ConfigurationError(
+                f"{name} is given twice, {name} {first} {where[first_after]} and {name} {value} {where[after]}. "
+                f"Both are torchloom run's option (as with `fabric run`, its options count anywhere before a "
+                f"`--`), so it cannot tell which one you meant. Give it once; to pass the script an option of the "
+                f"same name, put it after `--`: `torchloom run {name} {first} {script} -- {name} {value}`."
+            )
+        seen[name] = (value, after)
+    return ",".join(sorted({name[2:].replace("-", "_") for name, _, after in places if after}))
 
 
 def consolidated_path(checkpoint: str, out_file: str | None, output_file: str | None) -> Path:
@@ -206,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     script_args: list[str] | None = None
+    places: list[tuple[str, str | None, bool]] = []
     if argv[:1] == ["run"]:
-        ours, script_args = split_run_args(argv[1:])
+        ours, script_args = split_run_args(argv[1:], places)
         argv = ["run", *ours]
     args = parser.parse_args(argv)
     if script_args is not None:
@@ -216,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             from torchloom.run import run
 
+            args.after_script = check_run_option_places(places, args.script)
             return run(args)
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect

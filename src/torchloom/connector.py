@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
+import sys
 from datetime import timedelta
 from typing import Any
 
+from torchloom._text import count
 from torchloom.accelerators import CPUAccelerator, select_accelerator
 from torchloom.environments import ClusterEnvironment, detect_environment, warn_if_srun_was_forgotten
 from torchloom.errors import ConfigurationError
@@ -58,6 +59,9 @@ CLI_ENV = {
     "strategy": "TORCHLOOM_STRATEGY",
     "precision": "TORCHLOOM_PRECISION",
 }
+# The names of `torchloom run`'s options that the command line gave after the script, comma-separated: the
+# place where a user may have meant them for the script.
+AFTER_SCRIPT_ENV = "TORCHLOOM_RUN_AFTER_SCRIPT"
 _DEFAULTS = {
     "accelerator": "auto",
     "devices": "auto",
@@ -68,7 +72,10 @@ _DEFAULTS = {
 
 
 def command_line_defaults(**given: Any) -> tuple[Any, ...]:
-    """Fill arguments left at their defaults from `torchloom run`'s options; warn where code overrides them."""
+    """Fill arguments left at their defaults from `torchloom run`'s options; refuse one the script sets to a
+    different value (as Fabric refuses a clash with `fabric run`): the processes are already started by then, so
+    the script cannot win for devices and nodes, and letting it win for the others would contradict the command
+    line the user reads."""
     out = []
     for name, value in given.items():
         raw = os.environ.get(CLI_ENV[name])
@@ -76,18 +83,44 @@ def command_line_defaults(**given: Any) -> tuple[Any, ...]:
             out.append(value)
             continue
         from_cli: Any = int(raw) if name in ("devices", "num_nodes") and raw.isdigit() else raw
-        if value == _DEFAULTS[name]:
+        if value == _DEFAULTS[name] or _same_option(name, value, raw):
             out.append(from_cli)
-        else:
-            if str(value) != str(from_cli):
-                warnings.warn(
-                    f"Loom({name}={value!r}) in the script overrides --{name.replace('_', '-')} {raw} from the command "
-                    "line.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            out.append(value)
+            continue
+        raise ConfigurationError(_clash_message(name, value, raw))
     return tuple(out)
+
+
+def _same_option(name: str, value: Any, raw: str) -> bool:
+    """Whether the script's `value` says what the command line's `raw` says (spellings aside)."""
+    if name == "precision":
+        normal = {**FABRIC_PRECISIONS, **{str(k): v for k, v in FABRIC_PRECISIONS.items()}}
+        return normal.get(str(value), str(value)) == normal.get(raw, raw)
+    if name == "strategy" and isinstance(value, Strategy):
+        return value.name == raw.lower()
+    return str(value).lower() == raw.lower()
+
+
+def _clash_message(name: str, value: Any, raw: str) -> str:
+    flag = f"--{name.replace('_', '-')}"
+    started = ""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if name == "devices" and local.isdigit():
+        started = f", which started {count(int(local), 'process', 'processes')} per node"
+    elif name == "num_nodes":
+        started = f", which started the job on {count(int(raw), 'node')}" if raw.isdigit() else ""
+    message = (
+        f"Loom({name}={value!r}) in the script disagrees with `torchloom run {flag} {raw}`{started}. Drop one of "
+        f"them (leave {name} out of Loom(...) to follow the command line, or {flag} out of the command line to "
+        f"follow the script), or make them agree."
+    )
+    if name in os.environ.get(AFTER_SCRIPT_ENV, "").split(","):
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+        message += (
+            f" {flag} {raw} came after the script on the command line, where it is still torchloom run's option "
+            f"(as with `fabric run`): to give it to the script instead, put it after `--`: "
+            f"`torchloom run {script} -- {flag} {raw}`."
+        )
+    return message
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -157,7 +190,7 @@ def _select_strategy(strategy: Any, world_size: int) -> Strategy:
         )
     if world_size > 1 and not instance.is_distributed:
         raise ConfigurationError(
-            f"strategy {instance.name!r} runs one process, but this job has {world_size} processes. "
+            f"strategy {instance.name!r} runs one process, but this job has {count(world_size, 'process')}. "
             "Use strategy='ddp', 'fsdp' or 'fsdp2' (or 'auto'), or devices=1."
         )
     return instance
@@ -171,9 +204,10 @@ def _nodes_of_launch(env: ClusterEnvironment, num_nodes: int | None) -> int | No
     if num_nodes is None or launched is None:
         return num_nodes if launched is None else launched
     if num_nodes != launched:
+        launcher, command, (flag,) = _launcher(env, ("--nnodes", "--num-nodes"))
         raise ConfigurationError(
-            f"Loom(num_nodes={num_nodes}), but {env!r} started this job on {launched} nodes. Leave num_nodes out "
-            f"to follow the launcher, or make them agree (e.g. torchrun --nnodes {num_nodes})."
+            f"Loom(num_nodes={num_nodes}), but {launcher} started this job on {count(launched, 'node')}. Leave "
+            f"num_nodes out to follow the launcher, or make them agree (e.g. {command} {flag} {num_nodes})."
         )
     return num_nodes
 
@@ -181,8 +215,23 @@ def _nodes_of_launch(env: ClusterEnvironment, num_nodes: int | None) -> int | No
 def _check_external_world(env: ClusterEnvironment, num_processes: int, num_nodes: int, devices: Any) -> None:
     expected = num_processes * num_nodes
     if env.world_size() != expected and devices != "auto":
-        raise ConfigurationError(
-            f"Loom(devices={devices!r}, num_nodes={num_nodes}) expects {expected} processes, but {env!r} started "
-            f"{env.world_size()}. Make them agree (e.g. torchrun --nproc-per-node {num_processes} --nnodes "
-            f"{num_nodes}), or pass devices='auto' to follow the launcher."
+        launcher, command, (nproc, nodes) = _launcher(
+            env, ("--nproc-per-node", "--devices"), ("--nnodes", "--num-nodes")
         )
+        raise ConfigurationError(
+            f"Loom(devices={devices!r}, num_nodes={num_nodes}) expects {count(expected, 'process')}, but {launcher} "
+            f"started {env.world_size()}. Make them agree (e.g. {command} {nproc} {num_processes} {nodes} "
+            f"{num_nodes}), or leave devices out of Loom(...) (or pass devices='auto') to follow the launcher."
+        )
+
+
+def _launcher(env: ClusterEnvironment, *flags: tuple[str, str]) -> tuple[str, str, tuple[str, ...]]:
+    """How to name the launcher that started this job, its command, and its spelling of each (torchrun's, torchloom
+    run's) option in `flags`: `torchloom run`'s under `torchloom run`, which uses torchrun's machinery but is not
+    what the user typed."""
+    from torchloom.run import RUN_ENV
+
+    if os.environ.get(RUN_ENV) == "1":
+        return "`torchloom run`", "torchloom run", tuple(ours for _, ours in flags)
+    name = "torchrun" if type(env).__name__ == "TorchElasticEnvironment" else repr(env)
+    return name, "torchrun", tuple(theirs for theirs, _ in flags)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from torchloom._text import count
 from torchloom.errors import CheckpointError, MisuseError
 from torchloom.seed import seed_generators_from
 
@@ -329,7 +330,7 @@ class LoomDataLoader:
         self._warned_left = True
         epoch, consumed = self._left
         log.warning(
-            "torchloom: the pass over epoch %d was left after %d samples (break, an exception, or its iterator "
+            "The pass over epoch %d was left after %d samples (break, an exception, or its iterator "
             "dropped); the loader's next pass reads epoch %d, and so does a run resumed from this checkpoint. To "
             "resume inside an epoch, save while its pass is live (inside the loop).",
             epoch,
@@ -362,7 +363,7 @@ class LoomDataLoader:
             return self._all_gather_object(obj)
         if not torch.distributed.is_initialized():
             raise MisuseError(
-                f"This loader was set up for {self._world_size} ranks, but there is no process group to gather "
+                f"This loader was set up for {count(self._world_size, 'rank')}, but there is no process group to gather "
                 "every rank's iterable-dataset position over. Launch the Loom first."
             )
         out: list[Any] = [None] * self._world_size
@@ -377,7 +378,7 @@ class LoomDataLoader:
             return
         if state["dataset_len"] != len(dataset):  # type: ignore[arg-type]
             raise CheckpointError(
-                f"The checkpoint's loader read a dataset of {state['dataset_len']} samples, this one has "
+                f"The checkpoint's loader read a dataset of {count(state['dataset_len'], 'sample')}, this one has "
                 f"{len(dataset)}. A position in one dataset means nothing in another: load the checkpoint "  # type: ignore[arg-type]
                 "without the loader entry to start the data from the beginning."
             )
@@ -396,20 +397,20 @@ class LoomDataLoader:
         global_batch = (self._loader.batch_size or 1) * self._world_size
         if consumed and global_batch != state["global_batch"]:
             log.warning(
-                "torchloom: resuming epoch %d after %d of its %d samples with a global batch of %d (it was %d): "
+                "Resuming epoch %d after %d of its %s with a global batch of %d (it was %d): "
                 "the remaining samples are each read once, but batch boundaries differ from the uninterrupted run.",
                 epoch,
                 consumed,
-                state["dataset_len"],
+                count(state["dataset_len"], "sample"),
                 global_batch,
                 state["global_batch"],
             )
         elif consumed and self._world_size != state["world_size"]:
             log.info(
-                "torchloom: resuming epoch %d after %d samples on %d ranks (saved on %d): same global batches.",
+                "Resuming epoch %d after %s on %s (saved on %d): same global batches.",
                 epoch,
-                consumed,
-                self._world_size,
+                count(consumed, "sample"),
+                count(self._world_size, "rank"),
                 state["world_size"],
             )
         self._resume = (epoch, consumed)
@@ -444,9 +445,9 @@ class LoomDataLoader:
             ranks = state["iterable_dataset_ranks"]
             if len(ranks) != self._world_size:
                 raise CheckpointError(
-                    f"The checkpoint holds the iterable dataset positions of {len(ranks)} ranks, this run has "
+                    f"The checkpoint holds the iterable dataset positions of {count(len(ranks), 'rank')}, this run has "
                     f"{self._world_size}. An IterableDataset splits itself across ranks, so torchloom cannot map "
-                    f"one rank's position to another number of ranks: resume on {len(ranks)} ranks, or load "
+                    f"one rank's position to another number of ranks: resume on {count(len(ranks), 'rank')}, or load "
                     "without the loader entry to start the data afresh."
                 )
             mine = ranks[self._rank]
@@ -455,7 +456,7 @@ class LoomDataLoader:
         else:
             raise CheckpointError(
                 "The checkpoint holds one iterable dataset position (written by an older torchloom, which saved "
-                f"rank 0's only); this run has {self._world_size} ranks, each with its own position. Load it "
+                f"rank 0's only); this run has {count(self._world_size, 'rank')}, each with its own position. Load it "
                 "without the loader entry to start the data afresh."
             )
         dataset.load_state_dict(mine)

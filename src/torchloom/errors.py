@@ -30,8 +30,21 @@ class MisuseError(TorchloomError, RuntimeError):
     """An API was called in the wrong order or on the wrong object."""
 
 
+class MisuseTypeError(MisuseError, TypeError):
+    """A `MisuseError` where Lightning Fabric raises `TypeError` for the same mistake, so `except TypeError` in code
+    written for Fabric catches it too."""
+
+
+class MisuseValueError(MisuseError, ValueError):
+    """A `MisuseError` where Lightning Fabric raises `ValueError` for the same mistake (e.g. setting up twice)."""
+
+
 class CheckpointError(TorchloomError, RuntimeError):
     """A checkpoint cannot be written or read back as asked."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the given path: a `CheckpointError` and, as in Fabric, a `FileNotFoundError`."""
 
 
 class LaunchError(TorchloomError, RuntimeError):

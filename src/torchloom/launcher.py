@@ -365,7 +365,8 @@ def launch_function(
             results = elastic_launch(config, _run_function)(loom, fn, args)
     except ChildFailedError as error:
         rank, failure = _root_failure(error)
-        raise LaunchError(_describe_failure(error), rank=rank, exitcode=failure.exitcode) from None
+        message = _describe_failure(error, with_traceback=True)
+        raise LaunchError(message, rank=rank, exitcode=failure.exitcode) from None
     finally:
         for key, value in previous.items():
             if value is None:
@@ -441,8 +442,11 @@ def _exit_status(error: Any) -> int:
     return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
 
 
-def _describe_failure(error: Any) -> str:
-    """Name the first failing rank and show its traceback (from the error file the rank wrote)."""
+def _describe_failure(error: Any, with_traceback: bool = False) -> str:
+    """Name the first failing rank and its error (from the error file the rank wrote). The rank printed its own
+    traceback already (its output goes to the launcher's terminal), so by default the summary points there instead
+    of printing it a second time; `with_traceback` adds it (for a `LaunchError`, whose message may be read apart
+    from that output)."""
     rank, failure = _root_failure(error)
     lines = [f"torchloom: rank {rank} failed (exit code {failure.exitcode}, pid {failure.pid})."]
     if failure.exitcode is not None and failure.exitcode < 0:
@@ -454,13 +458,28 @@ def _describe_failure(error: Any) -> str:
     message = data.get("message")
     if isinstance(message, dict):
         trace = message.get("extraInfo", {}).get("py_callstack")
-        lines.append(f"Traceback of rank {rank}:\n{trace}" if trace else str(message.get("message", "")))
-    elif message:
+        if trace and with_traceback:
+            lines.append(f"Traceback of rank {rank}:\n{trace}")
+        else:
+            lines.append(f"{message.get('message', '')}\n(its traceback is in rank {rank}'s output above)")
+    elif message and message != _NO_ERROR_FILE:
         lines.append(str(message))
+    else:
+        # The rank ended without writing its error (a signal, os._exit, a crash in native code): torch elastic
+        # would show "<NONE>" here.
+        lines.append(f"No Python traceback was recorded; rank {rank}'s output above shows what it printed.")
     others = sorted(r for r in error.failures if r != rank)
     if others:
-        lines.append(f"Ranks {others} also stopped.")
+        lines.append(f"{_plural(len(others), 'Rank', 'Ranks')} {', '.join(map(str, others))} also stopped.")
     return "\n".join(lines)
+
+
+# torch elastic's placeholder message for a rank that wrote no error file.
+_NO_ERROR_FILE = "<NONE>"
+
+
+def _plural(count: int, one: str, many: str) -> str:
+    return one if count == 1 else many
 
 
 def record_errors_in_rank() -> None:

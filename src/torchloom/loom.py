@@ -28,7 +28,14 @@ from torchloom.connector import command_line_defaults, configure
 from torchloom.data import loader_seed
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
-from torchloom.errors import CollectiveTimeoutError, ConfigurationError, MisuseError
+from torchloom.errors import (
+    CollectiveTimeoutError,
+    ConfigurationError,
+    MisuseError,
+    MisuseTypeError,
+    MisuseValueError,
+    warn_user,
+)
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
 from torchloom.run import RUN_ENV
@@ -40,6 +47,7 @@ from torchloom.wrappers import (
     LoomDataLoader,
     LoomModule,
     LoomOptimizer,
+    _explain_skipped_call,
     state_module,
     unwrap_optimizer,
     with_distributed_sampler,
@@ -68,6 +76,24 @@ def _requeue_slurm_job() -> None:
         raise ConfigurationError(
             f"`scontrol requeue {job}` failed: {detail}. The job must be requeueable (sbatch --requeue)."
         ) from None
+
+
+#: `launch()`'s default: no function (an explicit None is `launch(train(loom))`, refused as Fabric does).
+_NO_FUNCTION: Any = object()
+
+
+def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `method` accepts (all of them if it takes `**kwargs` or has no signature)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 class Loom:
@@ -205,7 +231,7 @@ class Loom:
         return self._strategy.accelerator
 
     # ---- launching -------------------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, fn: Callable[..., Any] | None = _NO_FUNCTION, *args: Any, **kwargs: Any) -> Any:  # type: ignore[assignment]
         """Start the ranks and join the process group.
 
         Without `fn`, a plain `python train.py` that wants several local processes re-runs itself once per rank
@@ -217,11 +243,14 @@ class Loom:
         process group joins it, so launch() is optional there; a second call, or a call in a rank that already
         joined, starts nothing (with `fn`, it runs `fn` in this process).
         """
-        if fn is not None and not callable(fn):
-            raise MisuseError(
-                f"loom.launch(fn) needs a callable, got {type(fn).__name__}. Pass a function defined at "
-                "module level, `loom.launch(train, *args)`, which runs train(loom, *args) on every rank; or "
-                "call loom.launch() without arguments."
+        if fn is _NO_FUNCTION:
+            fn = None
+        elif not callable(fn):
+            # `launch(train(loom))` (None, or whatever train returned): Fabric's TypeError, with the same hint.
+            raise MisuseTypeError(
+                f"loom.launch(fn) needs a callable, got {'None' if fn is None else type(fn).__name__}. HINT: do `loom.launch(train)` instead of "
+                "`loom.launch(train(loom))`. Pass a function defined at module level, `loom.launch(train, *args)`, "
+                "which runs train(loom, *args) on every rank; or call loom.launch() without arguments."
             )
         self._launched = True
         env = self._strategy.cluster_environment
@@ -349,6 +378,7 @@ class Loom:
         names = {id(p): clean_name(n) for n, p in module.named_parameters()}
         module = self.setup_module(module, move_to_device=move_to_device)
         if not optimizers:
+            self._after_setup(module)
             return module if scheduler is None else (module, scheduler)
         if self._strategy.replaces_parameters:
             for optimizer in optimizers:
@@ -356,7 +386,13 @@ class Loom:
         out = (module, *self._setup_optimizers(optimizers))
         if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
             module.module._fabric_optimizers = list(out[1:])
+        self._after_setup(module)
         return out if scheduler is None else (*out, scheduler)
+
+    def _after_setup(self, module: LoomModule) -> None:
+        # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too:
+        # `on_after_setup(fabric, module)`, or `loom=` in torchloom's spelling.
+        self.call("on_after_setup", fabric=self, loom=self, module=module)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
         """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
@@ -367,14 +403,14 @@ class Loom:
         the same way (backend, mode, options): the returned model's forward runs compiled; `.module` is the
         uncompiled model and checkpoints use its names."""
         if isinstance(module, LoomModule):
-            raise MisuseError(
+            raise MisuseValueError(
                 "setup_module was given a LoomModule, which is set up already: pass the model itself, or keep "
                 "using the LoomModule that setup_module returned."
             )
         if getattr(module, SETUP_MARK, False):
             earlier = next((m for m in self._modules if m.module is module), None)
             if earlier is None:
-                raise MisuseError(
+                raise MisuseValueError(
                     "setup_module was given a model that another Loom set up (and wrapped or sharded for its "
                     "own processes). Build the model again for this Loom, or keep using the first one."
                 )
@@ -417,7 +453,7 @@ class Loom:
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
         """Prepare optimizers made from the parameters of set-up modules; returns one or a tuple."""
         if not optimizers:
-            raise MisuseError(
+            raise MisuseValueError(
                 "setup_optimizers needs at least one optimizer. Pass them: loom.setup_optimizers(optimizer), "
                 "or loom.setup_optimizers(opt_a, opt_b)."
             )
@@ -429,7 +465,9 @@ class Loom:
         out = []
         for optimizer in optimizers:
             if isinstance(optimizer, LoomOptimizer):
-                raise MisuseError("setup_optimizers was called twice on the same optimizer. Set it up once.")
+                raise MisuseValueError(
+                    "setup_optimizers was called twice on the same optimizer. Set it up once."
+                )
             if not isinstance(optimizer, Optimizer):
                 raise MisuseError(
                     f"setup_optimizers expects torch.optim.Optimizer, got {type(optimizer).__name__}. "
@@ -499,11 +537,11 @@ class Loom:
         worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across workers or
         ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)` turns this off."""
         if not dataloaders:
-            raise MisuseError("setup_dataloaders needs at least one DataLoader.")
+            raise MisuseValueError("setup_dataloaders needs at least one DataLoader.")
         out = []
         for loader in dataloaders:
             if not isinstance(loader, DataLoader):
-                raise MisuseError(
+                raise MisuseTypeError(
                     f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
                 )
             if use_distributed_sampler:
@@ -529,7 +567,20 @@ class Loom:
         self, tensor: torch.Tensor, *args: Any, model: LoomModule | None = None, **kwargs: Any
     ) -> None:
         """`tensor.backward()` through the precision (loss scaling) and strategy."""
-        self._strategy.backward(tensor, model.forward_module if model is not None else None, *args, **kwargs)
+        # Whether this backward waits for the other ranks (DDP's gradient all-reduce runs inside it, in C++): what
+        # a rank waiting in `loom.save` learns when it asks where this one is (see `diagnostics.meet`).
+        _record.backward_syncs = any(
+            getattr(m, "require_backward_grad_sync", False) for m in self._forward_modules()
+        )
+        try:
+            self._strategy.backward(
+                tensor, model.forward_module if model is not None else None, *args, **kwargs
+            )
+        except RuntimeError as error:
+            _explain_skipped_call(error)
+            raise
+        finally:
+            _record.backward_syncs = False
 
     def clip_gradients(
         self,
@@ -594,7 +645,7 @@ class Loom:
         for wrapped in self._modules:
             if wrapped.module is module:
                 return wrapped
-        raise MisuseError(
+        raise MisuseTypeError(
             f"{what} got a module that was not set up. Pass the object returned by loom.setup_module(model)."
         )
 
@@ -664,16 +715,43 @@ class Loom:
         self._require_launch("save")
         try:
             with _record("save"):
+                self._meet("save")
                 self._checkpointer.save(
                     Path(path), state, self._forward_modules(), filter, async_save=async_save, fsync=fsync
                 )
         except CollectiveTimeoutError as error:
+            if str(error).startswith("loom.save()"):
+                raise  # from `_meet`: it names the call already
             # The collective that timed out is one inside save; what the user must change is the call to save.
             raise CollectiveTimeoutError(
                 f"loom.save() on rank {self.global_rank} timed out waiting for the other ranks. Every rank "
                 "must call loom.save at the same point (not only rank 0: drop any `if loom.is_global_zero:` "
                 f"around it; rank 0 alone writes the file). {error}"
             ) from error
+
+    def _meet(self, call: str) -> None:
+        """Before a call whose collectives every rank must join: check through the job's store that every rank
+        is in it (see `diagnostics.meet`), so that a call made on some ranks only fails with an error naming it
+        instead of gloo's abort (or NCCL's hang) in its first collective."""
+        from torchloom import diagnostics
+
+        fix = (
+            f"Call loom.{call} on every rank at the same point: it is a collective that writes the checkpoint once "
+            f"for all ranks (drop any `if loom.is_global_zero:` around it)."
+        )
+        try:
+            diagnostics.meet(call, self._strategy.timeout)
+        except diagnostics.PeersElsewhere as error:
+            raise MisuseError(
+                f"loom.{call}() on rank {self.global_rank} waits for the other ranks, but they did not call it: "
+                f"{error}. {fix}"
+            ) from None
+        except diagnostics.PeersLate as error:
+            where = f" ({error})" if str(error) else ""
+            raise CollectiveTimeoutError(
+                f"loom.{call}() on rank {self.global_rank} timed out waiting for the other ranks after "
+                f"{self._strategy.timeout}{where}. {fix}"
+            ) from None
 
     def load(
         self,
@@ -822,7 +900,7 @@ class Loom:
             return
         values = {k: to_scalar(v) for k, v in metrics.items()}
         for logger in self._loggers:
-            logger.log_metrics(values, step=step)
+            logger.log_metrics(metrics=values, step=step)  # by keyword, as Fabric calls loggers
 
     def finalize_loggers(self, status: str = "success") -> None:
         """Flush and close the loggers (call at the end of training): `logger.finalize(status)` on each."""
@@ -845,11 +923,19 @@ class Loom:
         return self._loggers[0] if self._loggers else None
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method."""
+        """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method, as
+        Fabric does: each gets only the keyword arguments its signature accepts (all of them with `**kwargs`), and
+        an attribute of that name that is not callable is skipped with a warning."""
         for callback in self._callbacks:
             method = getattr(callback, hook_name, None)
-            if callable(method):
-                method(*args, **kwargs)
+            if method is None:
+                continue
+            if not callable(method):
+                warn_user(
+                    f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
+                )
+                continue
+            method(*args, **_accepted_kwargs(method, kwargs))
 
     @contextlib.contextmanager
     def autocast(self) -> Generator[None, None, None]:

@@ -11,6 +11,7 @@ takes the found-inf decision over all ranks, so every rank skips the same steps 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from torchloom import _torch_compat
-from torchloom.errors import ConfigurationError
+from torchloom.errors import ConfigurationError, MisuseError
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -111,6 +112,20 @@ class Precision:
         if name == "16-mixed":
             scaler_cls = AgreedGradScaler if sharded_gradients else torch.amp.GradScaler
             self.scaler = scaler_cls(device_type)
+        # Loss-scaled backward passes so far, and their count at each optimizer's last step: a step with
+        # gradients but no `loom.backward` since the last one means the loss skipped the scaler.
+        self._scaled_backwards = 0
+        self._backwards_at_step: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # `launch(fn)` pickles the Loom for its ranks; a weak dictionary does not pickle (and a rank starts afresh).
+        state = dict(self.__dict__)
+        state["_backwards_at_step"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._backwards_at_step = weakref.WeakKeyDictionary()
 
     @property
     def is_mixed(self) -> bool:
@@ -154,12 +169,28 @@ class Precision:
     def backward(self, tensor: torch.Tensor, **kwargs: Any) -> None:
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
+            self._scaled_backwards += 1
         tensor.backward(**kwargs)
+
+    def _check_loss_was_scaled(self, optimizer: Optimizer, call: str) -> None:
+        """Under loss scaling, refuse gradients that did not come through `loom.backward`: a plain
+        `loss.backward()` leaves them unscaled, and the scaler would either fail with torch's "_scale is None" or
+        divide true gradients by the scale."""
+        if self._backwards_at_step.get(optimizer, 0) != self._scaled_backwards:
+            return
+        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            return
+        raise MisuseError(
+            f"{call} found gradients that did not come from loom.backward(loss). Under precision={self.name!r} "
+            "the loss must go through loom.backward(loss), which scales it before the backward pass (the loss "
+            "scaler keeps fp16 gradients from underflowing): replace loss.backward() with loom.backward(loss)."
+        )
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Bring fp16-scaled gradients back to true scale before clipping (once per step)."""
         if self.scaler is None:
             return
+        self._check_loss_was_scaled(optimizer, "clip_gradients")
         state = _torch_compat.grad_scaler_optimizer_state(self.scaler, optimizer)
         if state["stage"].name != "UNSCALED":
             self.scaler.unscale_(optimizer)
@@ -180,8 +211,11 @@ class Precision:
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         if self.scaler is None:
             return optimizer.step(**kwargs)
+        if "closure" not in kwargs:  # (torch's scaler refuses closures itself)
+            self._check_loss_was_scaled(optimizer, "optimizer.step()")
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        self._backwards_at_step[optimizer] = self._scaled_backwards
         return result
 
     def state_dict(self) -> dict[str, Any]:
@@ -209,6 +243,45 @@ class Precision:
         return f"Precision({self.name!r})"
 
 
+# Spellings from other tools, and the precision each most likely means.
+_OTHER_SPELLINGS = {
+    "fp16": ("16-mixed", "16-true"),
+    "float16": ("16-mixed", "16-true"),
+    "half": ("16-mixed", "16-true"),
+    "amp": ("16-mixed", "bf16-mixed"),
+    "mixed": ("16-mixed", "bf16-mixed"),
+    "fp16-mixed": ("16-mixed",),
+    "16-mixed-precision": ("16-mixed",),
+    "bfloat16": ("bf16-mixed", "bf16-true"),
+    "bf16-amp": ("bf16-mixed",),
+    "fp32": ("32-true",),
+    "float32": ("32-true",),
+    "float": ("32-true",),
+    "full": ("32-true",),
+    "fp64": ("64-true",),
+    "float64": ("64-true",),
+    "double": ("64-true",),
+}
+
+
+def _suggest_precision(precision: Any) -> str:
+    """' Did you mean ...?' for a precision spelled as another tool spells it, or close to a valid one."""
+    import difflib
+
+    key = str(precision).strip().lower().replace("_", "-")
+    close = _OTHER_SPELLINGS.get(key) or tuple(difflib.get_close_matches(key, PRECISIONS, n=2, cutoff=0.6))
+    if not close:
+        return ""
+    notes = {
+        "16-mixed": "fp16 autocast with loss scaling, fp32 weights",
+        "16-true": "weights and compute in fp16",
+        "bf16-mixed": "bf16 autocast, fp32 weights",
+        "bf16-true": "weights and compute in bf16",
+    }
+    named = [f"{c!r} ({notes[c]})" if c in notes else repr(c) for c in close]
+    return f" Did you mean {' or '.join(named)}?"
+
+
 def select_precision(
     precision: str | int, accelerator_name: str, sharded_gradients: bool = False
 ) -> Precision:
@@ -216,7 +289,8 @@ def select_precision(
     name = _ALIASES.get(precision, precision)
     if name not in PRECISIONS:
         raise ConfigurationError(
-            f"Unknown precision {precision!r}. Valid precisions: {', '.join(repr(p) for p in PRECISIONS)}."
+            f"Unknown precision {precision!r}.{_suggest_precision(precision)} Valid precisions: "
+            f"{', '.join(repr(p) for p in PRECISIONS)} (and Lightning's '16', 'bf16', '32', '64')."
         )
     if name == "16-mixed" and accelerator_name == "mps":
         raise ConfigurationError("precision='16-mixed' is not supported on MPS. Use '16-true' or '32-true'.")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from torchloom.accelerators import select_accelerator
-from torchloom.connector import CLI_ENV
+from torchloom.connector import AFTER_SCRIPT_ENV, CLI_ENV
 from torchloom.environments import find_free_port
 from torchloom.errors import ConfigurationError
 
@@ -158,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     # The ranks die with this agent (a node lost takes its ranks along, as a killed `loom.launch()` does).
     os.environ[LAUNCHED_ENV] = "1"
     avoid_shared_rendezvous_store(args.rdzv_backend)
+    after_script = getattr(args, "after_script", "")
+    if after_script:
+        os.environ[AFTER_SCRIPT_ENV] = after_script
     launch_args = get_args_parser().parse_args(torchrun_args(args))
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout

@@ -107,7 +107,11 @@ class LoomModule(nn.Module):
         args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
             run = self._forward_module if self._compiled_forward is None else self._compiled_forward
-            output = run(*args, **kwargs)
+            try:
+                output = run(*args, **kwargs)
+            except RuntimeError as error:
+                _explain_skipped_call(error)
+                raise
         return precision.convert_output(output)
 
     def mark_forward_method(self, method: str | MethodType) -> None:
@@ -240,6 +244,16 @@ class LoomModule(nn.Module):
 
     def __repr__(self) -> str:
         return f"LoomModule({self._original_module!r})"
+
+
+def _explain_skipped_call(error: RuntimeError) -> None:
+    """A collective in forward or backward failed: if another rank was waiting in a call this rank skipped
+    (`loom.save` on rank 0 only), raise the error that names it instead."""
+    from torchloom import diagnostics
+
+    skipped = diagnostics.skipped_call()
+    if skipped is not None:
+        raise MisuseError(skipped) from error
 
 
 class LoomOptimizer:

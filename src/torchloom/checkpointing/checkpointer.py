@@ -36,7 +36,14 @@ from torchloom.checkpointing.state import (
     resolve,
     torch_internal_warnings_filtered,
 )
-from torchloom.errors import CheckpointError, MisuseError, describe_failure, raise_shared_failure
+from torchloom.errors import (
+    CheckpointError,
+    MisuseError,
+    MisuseTypeError,
+    MisuseValueError,
+    describe_failure,
+    raise_shared_failure,
+)
 
 log = logging.getLogger("torchloom")
 
@@ -123,7 +130,7 @@ class Checkpointer:
             record.restore_run_state(self._io, self._scaler, self._counters, run_state)
         elif run_state and self._io.global_rank == 0:
             log.info(
-                "torchloom: %s loaded without the saved run's random generators, loss scaler and counters "
+                "%s loaded without the saved run's random generators, loss scaler and counters "
                 "(`state` names no optimizer or data loader); pass restore_run_state=True to restore them.",
                 path,
             )
@@ -141,9 +148,19 @@ class Checkpointer:
         cut down to the items its filter keeps; an entry whose filter keeps nothing is left out, as Fabric does.
         A filtered module keeps its kind, so a sharded checkpoint stores it sharded and loads it back (with
         strict=False where items were left out)."""
+        if not isinstance(filter, dict):
+            raise MisuseTypeError(
+                f"save(..., filter=) must be a dict of entry name -> function (name, value) -> bool, given "
+                f"{filter!r}, e.g. filter={{'model': lambda k, v: 'adapter' in k}}."
+            )
+        for name, keep in filter.items():
+            if not callable(keep):
+                raise MisuseTypeError(
+                    f"save(..., filter=) for entry {name!r} must be a function (name, value) -> bool, given {keep!r}."
+                )
         unknown = [k for k in filter if k not in entries]
         if unknown:
-            raise MisuseError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
+            raise MisuseValueError(f"save(..., filter=) names entries {unknown} that `state` does not have.")
         if fmt == "sharded":
             optimizers = [k for k in filter if entries[k].kind in (OPTIMIZER, POSITIONAL_OPTIMIZER)]
             if optimizers:

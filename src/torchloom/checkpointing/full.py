@@ -32,7 +32,7 @@ from torchloom.checkpointing.state import (
     kinds_of,
     restore_entry,
 )
-from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
+from torchloom.errors import CheckpointError, CheckpointNotFoundError, describe_failure, raise_shared_failure
 
 
 def write_file(obj: dict[str, Any], path: Path, fsync: bool = True) -> None:
@@ -255,7 +255,7 @@ def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
     """Read a full checkpoint file, memory-mapped: ranks share the page cache instead of each holding a copy.
     With `weights_only`, only plain data is unpickled (what torchloom itself writes is plain data)."""
     if not path.exists():
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"No checkpoint at {str(path)!r}. Check the path: it is the file (or, for sharded checkpoints, "
             "the directory) that loom.save wrote."
         )

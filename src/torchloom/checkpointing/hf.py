@@ -40,7 +40,7 @@ from torch import nn
 from torchloom import _torch_compat
 from torchloom._layout import analyze, clean_name
 from torchloom.checkpointing import atomic
-from torchloom.errors import CheckpointError
+from torchloom.errors import CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from torchloom.checkpointing._interface import StateAccess
@@ -100,7 +100,7 @@ class _Reader:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.path = path
         if not path.exists():
-            raise CheckpointError(
+            raise CheckpointNotFoundError(
                 f"No checkpoint at {str(path)!r}. Pass a model.safetensors file or the directory that holds "
                 f"{INDEX_FILE} and its shards."
             )

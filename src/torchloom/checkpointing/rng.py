@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchloom._text import count
+
 if TYPE_CHECKING:
     from torchloom.checkpointing._interface import StateAccess
 
@@ -91,10 +93,10 @@ def restore_saved(io: StateAccess, saved: list[dict[str, Any]] | None) -> None:
     if len(saved) != io.world_size:
         if io.global_rank == 0:
             log.warning(
-                "torchloom: the checkpoint holds the random generators of %d ranks, this run has %d: they were "
+                "The checkpoint holds the random generators of %s, this run has %d: they were "
                 "not restored (Python, NumPy, torch and CUDA generators start as this run seeded them), so "
                 "dropout and random augmentation do not continue the saved streams.",
-                len(saved),
+                count(len(saved), "rank"),
                 io.world_size,
             )
         return

@@ -426,14 +426,15 @@ def _module_of(entry: Entry, key: str) -> Any:
     return entry.obj
 
 
-def read_extra(path: Path, weights_only: bool = True) -> dict[str, Any]:
+def read_extra(path: Path, weights_only: bool = True, mmap: bool = False) -> dict[str, Any]:
     """extra.pt of a sharded checkpoint (everything that is not a model or optimizer). With `weights_only`, only
-    plain data is unpickled, so a checkpoint from elsewhere cannot run code when it is loaded."""
+    plain data is unpickled, so a checkpoint from elsewhere cannot run code when it is loaded. `mmap` maps its
+    tensors instead of reading them (for a look at the small entries)."""
     extra_file = path / EXTRA_FILE
     if not extra_file.exists():
         return {}
     try:
-        return torch.load(extra_file, map_location="cpu", weights_only=weights_only)
+        return torch.load(extra_file, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if weights_only and "weights only load failed" in str(exc).lower():
             raise unsafe_content_error(extra_file, exc) from exc

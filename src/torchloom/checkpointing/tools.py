@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from torchloom._text import count
 from torchloom.checkpointing import atomic, full, hf, record, sharded
 from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, MODULE
-from torchloom.errors import CheckpointError
+from torchloom.errors import CheckpointError, CheckpointNotFoundError
 
 
 def _tensors(prefix: str, value: Any, out: list[dict[str, Any]]) -> None:
@@ -31,12 +32,46 @@ def _tensors(prefix: str, value: Any, out: list[dict[str, Any]]) -> None:
             _tensors(f"{prefix}.{i}", v, out)
 
 
+# What `inspect` shows of a plain entry: short strings, small sequences.
+_SHORT_TEXT = 60
+_FEW_ITEMS = 8
+
+
+def _small_value(value: Any) -> tuple[bool, Any]:
+    """(True, a JSON-ready form of `value`) for a value small enough to show in a line (a number, a bool, a short
+    string, a one-element tensor, a short list or tuple of those), else (False, None). One-element tensors are
+    read as one number; no larger tensor is touched (full checkpoints are memory-mapped)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return True, value
+    if isinstance(value, str):
+        return (True, value) if len(value) <= _SHORT_TEXT else (False, None)
+    if isinstance(value, torch.Tensor):
+        return (True, value.item()) if value.numel() == 1 and not value.is_meta else (False, None)
+    if isinstance(value, (list, tuple)) and len(value) <= _FEW_ITEMS:
+        items = [_small_value(v) for v in value]
+        if all(ok and not isinstance(v, (list, tuple, dict)) for ok, v in items):
+            return True, type(value)(v for _, v in items) if isinstance(value, tuple) else [
+                v for _, v in items
+            ]
+    return False, None
+
+
+def _small_values(entries: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        if name in entries:
+            ok, shown = _small_value(entries[name])
+            if ok:
+                out[name] = shown
+    return out
+
+
 def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """Format, writer's world size, every tensor (name, shape, dtype, bytes), total size and the other entries.
     `weights_only=False` also reads files that hold arbitrary pickled objects (only for files you trust)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"No checkpoint at {str(path)!r}.")
+        raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
     tensors: list[dict[str, Any]] = []
     if path.is_dir():
         meta = sharded.read_meta(path)
@@ -59,6 +94,8 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
             **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")},
         }
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
+        # The plain entries live in extra.pt (plain data only with weights_only), memory-mapped like full files.
+        values = _small_values(sharded.read_extra(path, weights_only, mmap=True), extra)
     else:
         checkpoint = full.read(path, weights_only=weights_only)
         meta = checkpoint.get(META_KEY) or {}
@@ -71,17 +108,23 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
             "format": "full" if meta else "plain torch file",
             **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")},
         }
+        values = _small_values(checkpoint, extra)
     info["entries"] = kinds
     info["extra_entries"] = extra
+    info["values"] = values
     info["tensors"] = tensors
     info["total_bytes"] = sum(t["bytes"] for t in tensors)
     return info
 
 
+def _ranks(world_size: Any) -> str:
+    return count(world_size, "rank") if isinstance(world_size, int) else f"{world_size} rank(s)"
+
+
 def format_inspection(info: dict[str, Any]) -> str:
     lines = [
         f"format: {info['format']}",
-        f"written by: {info.get('world_size')} rank(s), strategy {info.get('strategy')!r}, "
+        f"written by: {_ranks(info.get('world_size'))}, strategy {info.get('strategy')!r}, "
         f"precision {info.get('precision')!r}",
     ]
     if info.get("shard_files"):
@@ -90,7 +133,13 @@ def format_inspection(info: dict[str, Any]) -> str:
     width = max((len(t["name"]) for t in info["tensors"]), default=0)
     for t in info["tensors"]:
         lines.append(f"  {t['name']:<{width}}  {t['dtype']:<9} {tuple(t['shape'])}")
-    lines.append(f"other entries: {', '.join(info['extra_entries']) or '(none)'}")
+    values = info.get("values", {})
+    if not info["extra_entries"]:
+        lines.append("other entries: (none)")
+    else:
+        lines.append("other entries:")
+        for name in info["extra_entries"]:
+            lines.append(f"  {name} = {values[name]!r}" if name in values else f"  {name}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchloom._layout import Layout, Unit, analyze, clean_name, describe_layout
+from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError, warn_user
 from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy, refuse_options
@@ -375,7 +376,7 @@ class ShardedStrategy(ParallelStrategy):
             if self._hybrid and world % nodes:
                 raise ConfigurationError(
                     f"Hybrid sharding replicates across the {nodes} nodes and shards within each, so every node "
-                    f"needs the same number of processes, but this job has {world} processes. Start the same "
+                    f"needs the same number of processes, but this job has {count(world, 'process')}. Start the same "
                     "number on every node, or pass device_mesh=(replicate, shard) with replicate x shard = "
                     f"{world}."
                 )
@@ -385,7 +386,7 @@ class ShardedStrategy(ParallelStrategy):
             example = f"({nodes}, {world // nodes})" if world % nodes == 0 else f"(1, {world})"
             raise ConfigurationError(
                 f"device_mesh={self._mesh_option!r} has {' x '.join(map(str, shape))} = {math.prod(shape)} "
-                f"positions, but this job has {world} processes. The product must equal the world size "
+                f"positions, but this job has {count(world, 'process')}. The product must equal the world size "
                 f"(devices x num_nodes): e.g. device_mesh={example}."
             )
 
