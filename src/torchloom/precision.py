@@ -108,24 +108,62 @@ class Precision:
             "16-mixed": torch.float16,
         }.get(name)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-        self.scaler: torch.amp.GradScaler | None = None
+        self._scaler: torch.amp.GradScaler | None = None
         if name == "16-mixed":
             scaler_cls = AgreedGradScaler if sharded_gradients else torch.amp.GradScaler
-            self.scaler = scaler_cls(device_type)
+            self._scaler = scaler_cls(device_type)
         # Loss-scaled backward passes so far, and their count at each optimizer's last step: a step with
         # gradients but no `loom.backward` since the last one means the loss skipped the scaler.
         self._scaled_backwards = 0
+        # The scaler's update() after a step waits while another optimizer of this iteration has yet to step
+        # (until its step, the next backward, or a checkpoint): every optimizer must unscale with the scale its
+        # loss was multiplied by, and update() may change the scale and forgets which optimizers
+        # clip_gradients unscaled already (torch's recipe: step every optimizer, then update once).
+        self._update_pending = False
+        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._backwards_at_step: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
         # `launch(fn)` pickles the Loom for its ranks; a weak dictionary does not pickle (and a rank starts afresh).
         state = dict(self.__dict__)
         state["_backwards_at_step"] = None
+        state["_optimizers"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._backwards_at_step = weakref.WeakKeyDictionary()
+        self._optimizers = weakref.WeakSet()
+
+    def track(self, optimizer: Optimizer) -> None:
+        """Count `optimizer` (set up with this precision) among those one iteration may step."""
+        self._optimizers.add(optimizer)
+
+    def _others_to_step(self, optimizer: Optimizer) -> bool:
+        """Whether another tracked optimizer is in this iteration and has not stepped: unscaled already, or
+        holding gradients it may still step with."""
+        for other in list(self._optimizers):
+            if other is optimizer:
+                continue
+            stage = _torch_compat.grad_scaler_optimizer_state(self._scaler, other)["stage"].name
+            if stage == "UNSCALED":
+                return True
+            if stage == "READY" and any(p.grad is not None for g in other.param_groups for p in g["params"]):
+                return True
+        return False
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler (16-mixed; None otherwise), its update after the last step applied: what it reports
+        (`get_scale()`) is the scale the next backward uses."""
+        if self._scaler is not None:
+            self._finish_update()
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        self._scaler = scaler
+        self._update_pending = False
 
     @property
     def is_mixed(self) -> bool:
@@ -166,9 +204,15 @@ class Precision:
             return _apply_to_floats(data, torch.get_default_dtype())
         return data
 
+    def _finish_update(self) -> None:
+        if self._update_pending:
+            self._update_pending = False
+            self._scaler.update()
+
     def backward(self, tensor: torch.Tensor, **kwargs: Any) -> None:
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
+        if self._scaler is not None:
+            self._finish_update()
+            tensor = self._scaler.scale(tensor)
             self._scaled_backwards += 1
         tensor.backward(**kwargs)
 
@@ -188,12 +232,12 @@ class Precision:
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Bring fp16-scaled gradients back to true scale before clipping (once per step)."""
-        if self.scaler is None:
+        if self._scaler is None:
             return
         self._check_loss_was_scaled(optimizer, "clip_gradients")
-        state = _torch_compat.grad_scaler_optimizer_state(self.scaler, optimizer)
+        state = _torch_compat.grad_scaler_optimizer_state(self._scaler, optimizer)
         if state["stage"].name != "UNSCALED":
-            self.scaler.unscale_(optimizer)
+            self._scaler.unscale_(optimizer)
 
     def skip_step_for_nonfinite_norm(self, optimizer: Optimizer) -> bool:
         """Clipping met a non-finite gradient norm. With loss scaling that is the scaler's business: make sure
@@ -201,29 +245,35 @@ class Precision:
 
         The norm is the same on every rank, so every rank takes the same decision; it normally agrees with the
         scaler's own found-inf already, and also covers a norm that overflowed from finite gradients."""
-        if self.scaler is None:
+        if self._scaler is None:
             return False
-        state = _torch_compat.grad_scaler_optimizer_state(self.scaler, optimizer)
+        state = _torch_compat.grad_scaler_optimizer_state(self._scaler, optimizer)
         for found_inf in state["found_inf_per_device"].values():
             found_inf.fill_(1.0)
         return True
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        if self.scaler is None:
+        if self._scaler is None:
             return optimizer.step(**kwargs)
         if "closure" not in kwargs:  # (torch's scaler refuses closures itself)
             self._check_loss_was_scaled(optimizer, "optimizer.step()")
-        result = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
+        result = self._scaler.step(optimizer, **kwargs)
+        self._update_pending = True
+        if not self._others_to_step(optimizer):
+            self._finish_update()
         self._backwards_at_step[optimizer] = self._scaled_backwards
         return result
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        if self._scaler is None:
+            return {}
+        self._finish_update()
+        return self._scaler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)
+        if self._scaler is not None and state:
+            self._update_pending = False
+            self._scaler.load_state_dict(state)
 
     def check_device(self, device: torch.device) -> None:
         """Refuse bf16 on a GPU without native bfloat16 (pre-Ampere GPUs only emulate it, slowly). Called in the

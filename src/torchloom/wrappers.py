@@ -273,6 +273,7 @@ class LoomOptimizer:
     ) -> None:
         self.__dict__["_optimizer"] = optimizer
         self.__dict__["_precision"] = precision
+        precision.track(optimizer)
         self.__dict__["_strategy"] = strategy
         self.__dict__["_callbacks"] = list(callbacks)
         self.__class__ = type(f"Loom{type(optimizer).__name__}", (LoomOptimizer, type(optimizer)), {})

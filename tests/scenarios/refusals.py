@@ -103,14 +103,6 @@ KNOWN_FAILURES: list[KnownFailure] = [
         "'attempting to assign a gradient with dtype Half/BFloat16 to a tensor with grad_dtype Float' "
         "(FSDP1's _use_sharded_flat_param); 2 ranks pass",
     ),
-    KnownFailure(
-        name="16-mixed two optimizers clipped: second unscaled twice",
-        applies=lambda s: s.precision == "16-mixed" and s.n_opt == 2 and s.clip != "none",
-        reason="precision.optimizer_step calls scaler.update() after every optimizer's step; update() forgets "
-        "that the second optimizer's gradients were already unscaled by clip_gradients, so its scaler.step "
-        "unscales them again (divided by the scale twice): silently wrong updates. Fix: defer update() while "
-        "another optimizer is unscaled and not yet stepped (torchloom/precision.py)",
-    ),
 ]
 
 
