@@ -72,6 +72,10 @@ params = torch.cat([p.detach().flatten() for p in model.parameters()])
 report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "resumed_at": resumed_at,
           "params": params.tolist()}
 say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
+if die_at == steps and attempt == 0 and loom.global_rank == 1:
+    # After its last step and save, while rank 0 is ending the job.
+    say(f"TORCHLOOM_ELASTIC_DYING {steps} {time.time()}")
+    os.kill(os.getpid(), signal.SIGKILL)
 loom.close()
 """
 
@@ -142,6 +146,32 @@ def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous):
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
     assert wait_no_strays(token) == [], "processes of the job survived it"
     _print_recovery(proc.stdout, f"rank died ({rendezvous})")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_b_a_rank_dies_after_its_last_step_while_the_other_ends_the_job(tmp_path):
+    """Issue 25 (b): rank 0 finishes and is ending the job (the exit agreement) when rank 1 dies after its last
+    step and save. The agent restarts both; the restarted attempt, meeting in the store where the failed one
+    left its exit keys, loads the last checkpoint, has nothing left to train, ends cleanly (exit 0) with the
+    uninterrupted run's parameters, and leaves no process behind."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    cmd = _torchrun(
+        "--nproc-per-node", "2", *RENDEZVOUS["c10d"].format(port=free_port()).split(), str(script), str(ckpts),
+        str(STEPS), str(STEPS),
+    )  # fmt: skip
+    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
+    restarted = [r for r in _reports(proc.stdout) if r["attempt"] == 1]
+    assert sorted(r["rank"] for r in restarted) == [0, 1], proc.stdout
+    expected = _reference(2)
+    for report in restarted:
+        assert report["resumed_at"] == STEPS, report
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
+    assert wait_no_strays(token) == [], "processes of the job survived it"
 
 
 def _print_recovery(output: str, what: str) -> None:
