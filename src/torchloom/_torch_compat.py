@@ -297,6 +297,45 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
 
 
+def local_indices(tensor: Any) -> tuple[torch.Tensor | None, ...]:
+    """For each dimension of DTensor `tensor`: the global indices this rank's local piece holds along it, in the
+    local piece's order (None where it holds the whole dimension).
+
+    The piece is the product of these index sets. `local_shape_and_offset` gives only where the piece starts,
+    which describes it only when it is one contiguous block; with `_StridedShard` (FSDP2 over tensor parallel
+    records it) placed after another split of the same dimension it is not. So the indices come from DTensor's
+    own splitting (`Placement._split_tensor`, what `distribute_tensor` does), applied to `arange` of each
+    dimension's size, mesh dimension by mesh dimension, left to right: uneven and empty shards included."""
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        raise _missing("torch.distributed.tensor.placement_types._StridedShard") from None
+    shape, mesh = tuple(tensor.shape), tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # a mesh without this rank: it holds nothing of the tensor
+        return tuple(torch.arange(0) for _ in shape)
+    indices: list[torch.Tensor | None] = [None] * len(shape)
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)):
+            raise ValueError(
+                f"placement {placement} ({type(placement).__name__}) on mesh dimension {mesh_dim} splits no dimension of the tensor (a partial "
+                "sum holds no slice of it); only Shard and Replicate placements hold slices of a full tensor."
+            )
+        dim = placement.dim
+        current = indices[dim] if indices[dim] is not None else torch.arange(shape[dim])
+        if not hasattr(placement, "_split_tensor"):
+            raise _missing(f"{type(placement).__name__}._split_tensor")
+        # Shaped so that `dim` is the split dimension, as the placement expects.
+        chunks, _ = placement._split_tensor(
+            current.view([1] * dim + [-1]), mesh.size(mesh_dim), with_padding=False
+        )
+        indices[dim] = chunks[coordinate[mesh_dim]].reshape(-1)
+    return tuple(indices)
+
+
 # ---- torch.compile -------------------------------------------------------------------------------------------
 def compiled_parts(module: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     """For a module `torch.compile` returned: (the module it compiled, a function that compiles another module

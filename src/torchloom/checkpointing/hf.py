@@ -275,19 +275,56 @@ def _fill(target: torch.Tensor, reader: _Reader, key: str) -> None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(target, DTensor):
-        shape, offset = _torch_compat.local_shape_and_offset(target)
         local = target.to_local()
-        if tuple(local.shape) != shape:
+        runs = _local_runs(target, key)
+        if tuple(local.shape) != tuple(sum(b - a for a, b in dim_runs) for dim_runs in runs):
             raise CheckpointError(
-                f"{key}: this rank's shard has shape {tuple(local.shape)}, but DTensor says it owns {shape}. This "
-                "torch version shards in a way torchloom does not know; please report it."
+                f"{key}: this rank's shard has shape {tuple(local.shape)}, but DTensor's placements "
+                f"{target.placements} give it {tuple(sum(b - a for a, b in r) for r in runs)}. This torch version "
+                "shards in a way torchloom does not know; please report it."
             )
         if local.numel() == 0:
             return  # an uneven split can leave a rank nothing of a small tensor
-        index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-        local.copy_(reader.read(key, index))
+        local.copy_(_read_runs(reader, key, runs, ()))
     else:
         target.copy_(reader.read(key))
+
+
+def _local_runs(target: Any, key: str) -> list[list[tuple[int, int]]]:
+    """For each dimension, the [start, stop) runs of global indices this rank's shard of `target` holds, in its
+    order: one run per dimension unless a strided placement interleaves them."""
+    try:
+        indices = _torch_compat.local_indices(target)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"{key}: cannot load a slice of the checkpoint into this parameter: {exc}"
+        ) from exc
+    runs = []
+    for size, index in zip(target.shape, indices, strict=True):
+        if index is None:
+            runs.append([(0, size)])
+            continue
+        dim_runs: list[tuple[int, int]] = []
+        for i in index.tolist():
+            if dim_runs and dim_runs[-1][1] == i:
+                dim_runs[-1] = (dim_runs[-1][0], i + 1)
+            else:
+                dim_runs.append((i, i + 1))
+        runs.append(dim_runs)
+    return runs
+
+
+def _read_runs(
+    reader: _Reader, key: str, runs: list[list[tuple[int, int]]], prefix: tuple[slice, ...]
+) -> torch.Tensor:
+    """The block of `key` that `runs` select, read run by run (only those bytes), joined in order."""
+    dim = len(prefix)
+    if dim == len(runs):
+        return reader.read(key, prefix)
+    if len(runs[dim]) == 1 and all(len(r) == 1 for r in runs[dim + 1 :]):
+        return reader.read(key, prefix + tuple(slice(*r[0]) for r in runs[dim:]))
+    parts = [_read_runs(reader, key, runs, (*prefix, slice(a, b))) for a, b in runs[dim]]
+    return torch.cat(parts, dim=dim)
 
 
 def _copy_local(target: torch.Tensor, source: torch.Tensor) -> None:
