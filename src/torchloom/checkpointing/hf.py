@@ -277,14 +277,19 @@ def _fill(target: torch.Tensor, reader: _Reader, key: str) -> None:
     if isinstance(target, DTensor):
         local = target.to_local()
         runs = _local_runs(target, key)
-        if tuple(local.shape) != tuple(sum(b - a for a, b in dim_runs) for dim_runs in runs):
-            raise CheckpointError(
-                f"{key}: this rank's shard has shape {tuple(local.shape)}, but DTensor's placements "
-                f"{target.placements} give it {tuple(sum(b - a for a, b in r) for r in runs)}. This torch version "
-                "shards in a way torchloom does not know; please report it."
-            )
-        if local.numel() == 0:
+        shape = tuple(sum(b - a for a, b in dim_runs) for dim_runs in runs)
+        if local.numel() == 0 and shape == tuple(local.shape):
             return  # an uneven split can leave a rank nothing of a small tensor
+        # Where the piece starts, as DTensor's checkpoint helper says, must agree with the first run: two of
+        # torch's own computations, so a torch that shards otherwise fails here instead of loading wrong values.
+        first = tuple(r[0][0] if r else size for r, size in zip(runs, target.shape, strict=True))
+        if (shape, first) != (tuple(local.shape), _torch_compat.local_shape_and_offset(target)[1]):
+            raise CheckpointError(
+                f"{key}: this rank's shard has shape {tuple(local.shape)} at offset "
+                f"{_torch_compat.local_shape_and_offset(target)[1]}, but DTensor's placements {target.placements} "
+                f"give it {shape} at {first}. This torch version shards in a way torchloom does not know; please "
+                "report it."
+            )
         local.copy_(_read_runs(reader, key, runs, ()))
     else:
         target.copy_(reader.read(key))
