@@ -350,3 +350,15 @@ def test_dcp_stager_reusable_is_what_a_stager_does():
         stager.close()
     assert _torch_compat.dcp_stager_reusable() is (len(staged) == 2)
     assert torch.equal(staged[0]["x"], torch.ones(2))  # the first stage works on every version
+
+
+def test_clear_dtensor_caches(monkeypatch):
+    import torch.distributed.tensor  # noqa: F401 - the caches exist once DTensor is imported
+    import torch.distributed.tensor.debug as debug
+    from torch.distributed.tensor import DTensor
+
+    _torch_compat.clear_dtensor_caches()
+    assert DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize == 0
+    monkeypatch.delattr(debug, "_clear_sharding_prop_cache")
+    with pytest.raises(TorchAPIMissing, match="_clear_sharding_prop_cache"):
+        _torch_compat.clear_dtensor_caches()

@@ -336,6 +336,23 @@ def local_indices(tensor: Any) -> tuple[torch.Tensor | None, ...]:
     return tuple(indices)
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (its Python and C++ sharding-propagation caches).
+
+    They hold the device meshes of the DTensors they were computed for, and `DeviceMesh` equality ignores the
+    process groups a mesh uses. After the process group is destroyed, a new mesh equal to an old one (same ranks,
+    shape and dim names) would get the old mesh back from the cache, naming groups that no longer exist, or that
+    are now other groups: a later collective then fails ("Could not resolve the process group"), or runs over
+    the wrong ranks. Nothing to do where DTensor was never imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        raise _missing("torch.distributed.tensor.debug._clear_sharding_prop_cache") from None
+    _clear_sharding_prop_cache()
+
+
 # ---- torch.compile -------------------------------------------------------------------------------------------
 def compiled_parts(module: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     """For a module `torch.compile` returned: (the module it compiled, a function that compiles another module

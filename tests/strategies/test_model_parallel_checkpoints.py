@@ -49,13 +49,16 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     parallelize_module(model, mesh["tensor_parallel"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    hsdp = "data_parallel_replicate" in mesh.mesh_dim_names
+    dp_mesh = mesh["data_parallel_replicate", "data_parallel_shard"] if hsdp else mesh["data_parallel"]
     for block in (model.w1, model.w2):
-        fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(block, mesh=dp_mesh)
     return model
 
 
-def _setup(dp: int, tp: int, fmt: str = "sharded"):
-    """A Loom on dp * tp ranks with two 2-D models (seeds 0 and 1) and their Adam optimizers."""
+def _setup(dp: int, tp: int, fmt: str = "sharded", replicate: int = 1):
+    """A Loom on dp * tp ranks with two 2-D models (seeds 0 and 1) and their Adam optimizers; HSDP over the
+    data-parallel ranks with `replicate` > 1."""
     from torchloom.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
@@ -63,6 +66,7 @@ def _setup(dp: int, tp: int, fmt: str = "sharded"):
         data_parallel_size=dp,
         tensor_parallel_size=tp,
         save_distributed_checkpoint=fmt == "sharded",
+        data_parallel_replicate_size=replicate,
     )
     loom = Loom(accelerator="cpu", devices=dp * tp, strategy=strategy)
     loom.launch()
@@ -158,21 +162,22 @@ def written(tmp_path_factory):
 
 
 # ---- reading at (dp 4, tp 1) and (dp 1, tp 4) ---------------------------------------------------------------
-LAYOUTS = ((4, 1), (1, 4))
+# (data parallel, tensor parallel, replicate): the same layout (a plain resume), dp only, tp only, and HSDP.
+LAYOUTS = ((2, 2, 1), (4, 1, 1), (1, 4, 1), (4, 1, 2))
 
 
 def _read_body(rank: int, world_size: int, root: str) -> dict:
     out: dict = {}
-    for dp_size, tp_size in LAYOUTS:
+    for layout in LAYOUTS:
         for fmt in ("sharded", "full"):
-            loom, models, optimizers, dp = _setup(dp_size, tp_size)
+            loom, models, optimizers, dp = _setup(layout[0], layout[1], replicate=layout[2])
             state = {**_state(models, optimizers), "step": 0}
             loom.load(f"{root}/{fmt}", state)
             snapshot = _snapshot(models, optimizers)
             _train(loom, models, optimizers, range(SAVED_AT, SAVED_AT + STEPS_AFTER), dp)
-            out[(dp_size, tp_size, fmt)] = (snapshot, [_full_params(m) for m in models], state["step"])
+            out[(layout, fmt)] = (snapshot, [_full_params(m) for m in models], state["step"])
             if fmt == "full":
-                out.update({(dp_size, tp_size, k): v for k, v in _read_weights(loom, root).items()})
+                out.update({(layout, k): v for k, v in _read_weights(loom, root).items()})
             loom.close()
     return out
 
@@ -209,22 +214,22 @@ def _check_resumed(saved: dict, reference: list, snapshot: dict, continued: list
     assert not _equal(saved["params"][0], saved["params"][1])  # two models, each loaded into its own
 
 
-def test_saved_at_dp2_tp2_loads_at_dp4_tp1_and_dp1_tp4(written):
+def test_saved_at_dp2_tp2_loads_at_dp2_tp2_dp4_tp1_dp1_tp4_and_hsdp(written):
     root, expected = written
     for rank, result in enumerate(run_ranks(_read_body, 4, str(root), timeout=400)):
-        for dp_size, tp_size in LAYOUTS:
+        for layout in LAYOUTS:
             for fmt in ("sharded", "full"):
-                snapshot, continued, step = result[(dp_size, tp_size, fmt)]
-                where = (rank, dp_size, tp_size, fmt)
+                snapshot, continued, step = result[(layout, fmt)]
+                where = (rank, layout, fmt)
                 _check_resumed(expected[fmt], expected[f"{fmt}_uninterrupted"], snapshot, continued, where)
                 assert step == SAVED_AT
-            before, after, left = result[(dp_size, tp_size, "filtered")]
+            before, after, left = result[(layout, "filtered")]
             saved = expected["sharded"]["params"][0]
             assert all(torch.equal(after[k], saved[k]) for k in saved if k.startswith("w1."))
             assert all(torch.equal(after[k], before[k]) for k in saved if not k.startswith("w1."))
             assert left == {"step": 7}
-            assert _equal(result[(dp_size, tp_size, "hf")], saved)
-            assert _equal(result[(dp_size, tp_size, "plain.pt")], saved)
+            assert _equal(result[(layout, "hf")], saved)
+            assert _equal(result[(layout, "plain.pt")], saved)
     assert _equal(expected["load_raw_2x2"], expected["sharded"]["params"][0])
 
 

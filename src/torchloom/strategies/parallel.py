@@ -415,6 +415,8 @@ def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
     global _NAMESPACE
     dist.destroy_process_group()
     _NAMESPACE = None
+    # Cached DTensor decisions name the destroyed groups: a later process group (another Loom) must not get them.
+    _torch_compat.clear_dtensor_caches()
     _let_gloo_workers_settle()
 
 
