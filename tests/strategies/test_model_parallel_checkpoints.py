@@ -44,11 +44,18 @@ class TPNet(nn.Module):
         return self.head(self.norm(h + self.w2(torch.relu(self.w1(h)))))
 
 
-def parallelize(model: nn.Module, mesh) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     parallelize_module(model, mesh["tensor_parallel"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    return model
+
+
+def parallelize(model: nn.Module, mesh) -> nn.Module:
+    """Tensor parallel, then FSDP2 (HSDP where the mesh has a replicate dim) over the data-parallel ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    tensor_parallel(model, mesh)
     hsdp = "data_parallel_replicate" in mesh.mesh_dim_names
     dp_mesh = mesh["data_parallel_replicate", "data_parallel_shard"] if hsdp else mesh["data_parallel"]
     for block in (model.w1, model.w2):
@@ -56,13 +63,13 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def _setup(dp: int, tp: int, fmt: str = "sharded", replicate: int = 1):
+def _setup(dp: int, tp: int, fmt: str = "sharded", replicate: int = 1, parallelize_fn=parallelize):
     """A Loom on dp * tp ranks with two 2-D models (seeds 0 and 1) and their Adam optimizers; HSDP over the
     data-parallel ranks with `replicate` > 1."""
     from torchloom.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
-        parallelize_fn=parallelize,
+        parallelize_fn=parallelize_fn,
         data_parallel_size=dp,
         tensor_parallel_size=tp,
         save_distributed_checkpoint=fmt == "sharded",
@@ -162,15 +169,18 @@ def written(tmp_path_factory):
 
 
 # ---- reading at (dp 4, tp 1) and (dp 1, tp 4) ---------------------------------------------------------------
-# (data parallel, tensor parallel, replicate): the same layout (a plain resume), dp only, tp only, and HSDP.
-LAYOUTS = ((2, 2, 1), (4, 1, 1), (1, 4, 1), (4, 1, 2))
+# (data parallel, tensor parallel, replicate, FSDP2): the same layout (a plain resume), dp only, tp only (with
+# and without FSDP2 over its one data-parallel rank), and HSDP.
+LAYOUTS = ((2, 2, 1, True), (4, 1, 1, True), (1, 4, 1, True), (1, 4, 1, False), (4, 1, 2, True))
 
 
 def _read_body(rank: int, world_size: int, root: str) -> dict:
     out: dict = {}
     for layout in LAYOUTS:
         for fmt in ("sharded", "full"):
-            loom, models, optimizers, dp = _setup(layout[0], layout[1], replicate=layout[2])
+            dp_size, tp_size, replicate, fsdp = layout
+            how = parallelize if fsdp else tensor_parallel
+            loom, models, optimizers, dp = _setup(dp_size, tp_size, replicate=replicate, parallelize_fn=how)
             state = {**_state(models, optimizers), "step": 0}
             loom.load(f"{root}/{fmt}", state)
             snapshot = _snapshot(models, optimizers)
