@@ -238,8 +238,12 @@ def _options_body(rank: int, world_size: int) -> dict:
     model = loom.setup_module(Net())
     out["bf16_policy"] = str(model.module.blocks[0]._get_fsdp_state()._mp_policy.param_dtype)
     opt = loom.setup_optimizers(make_optimizer(model.parameters(), "sgd"))
+    seen: list = []
+    model.module.blocks[0].up.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
     out["bf16_norms"] = _train(loom, model, opt)
     out["bf16"] = full_params(model)
+    out["bf16_seen"] = set(seen)
+    out["bf16_master"] = {p.dtype for p in model.parameters()}
     # ---- 16-mixed: torchloom's agreed scaler; parity, then an inf in one rank's shard skips the step everywhere -
     loom = _launch(2, 2, precision="16-mixed")
     torch.manual_seed(0)
@@ -494,17 +498,18 @@ def test_hsdp_replicate_times_shard_parity(options):
 
 def test_bf16_mixed_through_fsdp2_mixed_precision_policy(options):
     expected, norms = reference(autocast=torch.bfloat16, optimizer="sgd")
-    fp32, _ = reference(optimizer="sgd")
     moved = _largest_gap(expected, initial())
-    bf16_effect = _largest_gap(fp32, expected)
-    assert moved > 0.02, moved
+    assert moved > 0.1, moved
     for rank, result in enumerate(options):
         assert result["bf16_policy"] == "torch.bfloat16"
-        # bf16 rounds differently in the units (parameters cast) than autocast does: judged against movement.
+        # The units computed with bf16 weights (the policy's cast, not just autocast) over fp32 master weights.
+        assert result["bf16_seen"] == {(torch.bfloat16, torch.bfloat16)}
+        assert result["bf16_master"] == {torch.float32}
+        # bf16 rounds differently in the units (whole parameters cast) than autocast does (matmul inputs): the
+        # gap is judged against how far training moved the weights (measured: 0.5% of it).
         gap = _largest_gap(result["bf16"], expected)
-        assert gap < 0.1 * moved, (rank, gap, moved)
-        assert _largest_gap(result["bf16"], fp32) > 0.3 * bf16_effect, (rank, bf16_effect)
-        assert result["bf16_norms"] == pytest.approx(norms, rel=0.02)
+        assert gap < 0.02 * moved, (rank, gap, moved)
+        assert result["bf16_norms"] == pytest.approx(norms, rel=0.01)
 
 
 def test_fp16_mixed_with_the_agreed_scaler(options):

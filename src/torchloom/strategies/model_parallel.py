@@ -122,7 +122,10 @@ class ModelParallelStrategy(FSDP2Strategy):
     def validate(self) -> None:
         super().validate()
         dp, tp, world = self.data_parallel_size, self.tensor_parallel_size, self.world_size
-        given = f"data_parallel_size={self._data_parallel_option!r}, tensor_parallel_size={self._tensor_parallel_option!r}"
+        given = (
+            f"data_parallel_size={self._data_parallel_option!r}, "
+            f"tensor_parallel_size={self._tensor_parallel_option!r}"
+        )
         if dp * tp != world:
             fix = (
                 f"tensor_parallel_size={world // dp}"
