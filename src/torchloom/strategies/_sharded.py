@@ -576,15 +576,24 @@ class ShardedStrategy(ParallelStrategy):
         if not pending:
             return
         unit_owned = {id(m) for u in analyze(module).units for m in u.module.modules()}
-        inside = [(n, m) for n, m in pending if id(m) in unit_owned or self._holds_dtensors(m)]
-        outside = [(n, m) for n, m in pending if (n, m) not in inside]
-        if inside:
-            self._materialize_units(module, inside)
-        with torch.no_grad():
-            for _, mod in outside:
-                # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
-                materialize_meta(mod, self.root_device)
-                _init_fn(mod)()  # type: ignore[misc]
+        # In the model's own order, runs of modules inside units and outside them, so that rank 0 draws its random
+        # numbers in the order a real initialisation draws them (meta init then gives the same values).
+        runs: list[tuple[bool, list[tuple[str, nn.Module]]]] = []
+        for name, mod in pending:
+            distributed = id(mod) in unit_owned or self._holds_dtensors(mod)
+            if runs and runs[-1][0] == distributed:
+                runs[-1][1].append((name, mod))
+            else:
+                runs.append((distributed, [(name, mod)]))
+        for distributed, modules in runs:
+            if distributed:
+                self._materialize_units(module, modules)
+                continue
+            with torch.no_grad():
+                for _, mod in modules:
+                    # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
+                    materialize_meta(mod, self.root_device)
+                    _init_fn(mod)()  # type: ignore[misc]
 
     def _holds_dtensors(self, module: nn.Module) -> bool:
         """Whether `module` outside every unit still holds distributed parameters to initialise like a unit's

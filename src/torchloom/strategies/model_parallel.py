@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchloom import diagnostics
 from torchloom._layout import Layout, unit_flavour
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
@@ -121,7 +122,10 @@ class ModelParallelStrategy(FSDP2Strategy):
     def validate(self) -> None:
         super().validate()
         dp, tp, world = self.data_parallel_size, self.tensor_parallel_size, self.world_size
-        given = f"data_parallel_size={self._data_parallel_option!r}, tensor_parallel_size={self._tensor_parallel_option!r}"
+        given = (
+            f"data_parallel_size={self._data_parallel_option!r}, "
+            f"tensor_parallel_size={self._tensor_parallel_option!r}"
+        )
         if dp * tp != world:
             fix = (
                 f"tensor_parallel_size={world // dp}"
@@ -139,6 +143,16 @@ class ModelParallelStrategy(FSDP2Strategy):
                 f"ModelParallelStrategy(data_parallel_replicate_size={rep}) must divide data_parallel_size={dp}: "
                 "the data-parallel ranks are split into replicate x shard groups."
             )
+
+    def start_diagnostics(self) -> None:
+        super().start_diagnostics()
+        # The desync report places each rank on the mesh: a hang inside one tensor-parallel group shows as such.
+        shape = self.mesh_shape
+        diagnostics.RECORD.mesh = (tuple(shape), tuple(shape.values()))
+
+    def teardown(self) -> None:
+        diagnostics.RECORD.mesh = None
+        super().teardown()
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -202,7 +216,7 @@ class ModelParallelStrategy(FSDP2Strategy):
 
         ours = self.device_mesh
         for name, p in module.named_parameters():
-            if isinstance(p, DTensor) and not _within(p.device_mesh, ours):
+            if isinstance(p, DTensor) and not _sliced_from(p.device_mesh, ours):
                 raise MisuseError(
                     f"Parameter {name!r} is a DTensor on a device mesh {p.device_mesh} that is not the strategy's "
                     f"({ours}) nor a slice of it. Build the plan on the mesh parallelize_fn receives: "
@@ -258,16 +272,15 @@ def _is_plain(t: torch.Tensor) -> bool:
     return type(t.data) is torch.Tensor and not t.is_meta
 
 
-def _within(mesh: DeviceMesh, root: DeviceMesh) -> bool:
-    """Whether `mesh` is `root` or a slice of it (same device type, its ranks a sub-grid of root's, and
-    each dim named as one of root's)."""
+def _sliced_from(mesh: DeviceMesh, root: DeviceMesh) -> bool:
+    """Whether `mesh` is `root` or a slice of it: its dims named as root's (or root's flattened "data_parallel")
+    and the same ranks in the same places."""
     if mesh is root:
         return True
-    names = mesh.mesh_dim_names or ()
-    root_names = set(root.mesh_dim_names or ()) | set(getattr(root, "_flatten_mapping", {}) or {})
-    if mesh.device_type != root.device_type or not names or not set(names) <= root_names:
+    names = mesh.mesh_dim_names
+    if mesh.device_type != root.device_type or not names:
         return False
     try:
-        return all(root[name].size() == mesh.size(i) for i, name in enumerate(names))
+        return torch.equal(root[names].mesh, mesh.mesh)
     except (KeyError, RuntimeError, ValueError):
         return False
