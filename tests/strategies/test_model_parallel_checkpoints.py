@@ -269,6 +269,20 @@ def test_loads_into_one_process_and_trains_on(written, fmt):
     _check_resumed(expected[saved_as], expected[f"{saved_as}_uninterrupted"], snapshot, continued, fmt)
 
 
+def test_plain_torch_reads_the_sharded_checkpoint_without_torchloom(written):
+    """The directory is a DCP checkpoint: torch's own `dcp.load` reads it into a plain model, no Loom at all."""
+    import torch.distributed.checkpoint as dcp
+
+    root, expected = written
+    plain = TPNet()
+    state = {"model": plain.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's note that it loads without a process group
+        dcp.load(state, checkpoint_id=str(root / "sharded"))
+    plain.load_state_dict(state["model"])
+    assert _equal({k: v.detach() for k, v in plain.state_dict().items()}, expected["sharded"]["params"][0])
+
+
 def test_consolidates_into_one_file_plain_torch_loads(written, tmp_path):
     root, expected = written
     out = tmp_path / "one.pt"
