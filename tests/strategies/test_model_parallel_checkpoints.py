@@ -22,6 +22,8 @@ from torch import nn
 from torchloom import Loom
 
 pytest.importorskip("safetensors")
+# Whichever test runs first also writes the checkpoints (a 4-rank group), then reads them with another.
+pytestmark = pytest.mark.timeout(600)
 
 GLOBAL_BATCH, D_IN, HIDDEN, FFN = 8, 4, 16, 32
 SAVED_AT, STEPS_AFTER = 2, 2
