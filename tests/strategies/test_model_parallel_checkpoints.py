@@ -150,9 +150,11 @@ def _write_body(rank: int, world_size: int, root: str) -> dict:
             # The same state, written in the background.
             loom.save(f"{root}/async", {**_state(models, optimizers), "step": SAVED_AT}, async_save=True)
             loom.save_raw(f"{root}/hf", models[0])
-            # load_raw into the same 2-D layout: FSDP2's strided shards of the column-parallel weight.
-            torch.manual_seed(5)
-            fresh = loom.setup_module(TPNet())
+            # load_raw into the same 2-D layout (FSDP2's strided shards of the column-parallel weight), into a
+            # model created on the meta device: pretrained weights into a model never materialised whole.
+            with loom.init_module(empty_init=True):
+                fresh = TPNet()
+            fresh = loom.setup_module(fresh)
             loom.load_raw(f"{root}/hf", fresh)
             out["load_raw_2x2"] = _full_params(fresh)
         _train(loom, models, optimizers, range(SAVED_AT, SAVED_AT + STEPS_AFTER), dp)
