@@ -232,6 +232,14 @@ def _options_body(rank: int, world_size: int) -> dict:
     opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
     out["hsdp_norms"] = _train(loom, model, opt)
     out["hsdp"] = full_params(model)
+    # ---- HSDP with tensor parallel: replicate 2 x shard 1 x tp 2 ---------------------------------------------------
+    loom = _launch(2, 2, data_parallel_replicate_size=2)
+    torch.manual_seed(rank)
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    out["hsdp_tp_split"] = loom.strategy.distributed_sampler_kwargs
+    out["hsdp_tp_norms"] = _train(loom, model, opt)
+    out["hsdp_tp"] = full_params(model)
     # ---- bf16-mixed through FSDP2's MixedPrecisionPolicy (unit_kwargs) -------------------------------------------
     loom = _launch(2, 2, precision="bf16-mixed")
     torch.manual_seed(0)
@@ -494,6 +502,13 @@ def test_hsdp_replicate_times_shard_parity(options):
         # (replicate, shard, tensor_parallel): replicated over the first dim, sharded over the others.
         assert result["hsdp_placements"] == ("R", "S(0)", "S(0)")
         _assert_fp32_parity(result["hsdp"], result["hsdp_norms"], expected, norms, rank)
+
+
+def test_hsdp_with_tensor_parallel_parity(options):
+    expected, norms = reference()
+    for rank, result in enumerate(options):
+        assert result["hsdp_tp_split"] == {"num_replicas": 2, "rank": rank // 2}
+        _assert_fp32_parity(result["hsdp_tp"], result["hsdp_tp_norms"], expected, norms, rank)
 
 
 def test_bf16_mixed_through_fsdp2_mixed_precision_policy(options):
