@@ -78,6 +78,10 @@ CASES = [
     "custom_epoch",
     "sequential_sampler",
 ]
+# On several ranks Fabric replaces a RandomSampler with replacement or num_samples (or a subclass) by
+# DistributedSampler, dropping what it draws; torchloom splits its own draw (see test_data.py's
+# test_the_users_sampler_is_split_not_replaced), a deliberate difference.
+DISTRIBUTED_CASES = [case for case in CASES if case != "replacement"]
 
 
 def _read(fabric: Any, loader: Any) -> tuple[list[int], list[float]]:
@@ -126,15 +130,15 @@ def test_one_process_reads_fabrics_order():
 
 def test_one_process_ddp_reads_fabrics_distributed_order():
     """strategy='ddp' on one process: Fabric puts DistributedSampler (or its wrapper) in, as on several."""
-    _single("ddp", CASES)
+    _single("ddp", DISTRIBUTED_CASES)
 
 
 @pytest.mark.timeout(600)
 def test_two_ranks_read_fabrics_order():
     """Two ranks: DistributedSampler with PL_GLOBAL_SEED for every loader (restarting at epoch 0 when set up
     again), custom samplers drawn whole each pass and split (DistributedSamplerWrapper), padding as Fabric's."""
-    fabric = run_ranks(order_script, 2, "fabric", CASES, "ddp", timeout=300)
-    ours = run_ranks(order_script, 2, "torchloom", CASES, "ddp", timeout=300)
+    fabric = run_ranks(order_script, 2, "fabric", DISTRIBUTED_CASES, "ddp", timeout=300)
+    ours = run_ranks(order_script, 2, "torchloom", DISTRIBUTED_CASES, "ddp", timeout=300)
     for rank in range(2):
         for key in fabric[rank]:
             assert ours[rank][key] == fabric[rank][key], (rank, key)
@@ -200,7 +204,14 @@ def test_a_run_resumes_inside_an_epoch_at_one_and_two_ranks(tmp_path, case):
         assert len(full) >= 6
         for world_size in (1, 2):
             resumed = run_ranks(
-                resume_script, world_size, case, ckpt, None, True, "ddp" if world_size > 1 else "auto", timeout=240
+                resume_script,
+                world_size,
+                case,
+                ckpt,
+                None,
+                True,
+                "ddp" if world_size > 1 else "auto",
+                timeout=240,
             )[0]
             left = _left_in_epoch(full, 5)
             if world_size == saved_on:

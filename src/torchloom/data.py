@@ -1,14 +1,21 @@
-"""Data loading that can resume exactly, at any world size.
+"""Data loading in Fabric's order that can resume exactly, at any world size.
 
-An epoch has one *global order* of samples, the same at every world size: a permutation drawn from
-`seed + epoch` (or the dataset's own order, or one draw of a custom sampler). Each rank reads every
+Each pass over a set-up loader is an epoch with one *global order* of samples, made by the rule Fabric's
+`setup_dataloaders` would apply to the loader (`SEEDED`, `KEPT`, `WRAPPED` below): DistributedSampler's
+permutation of `seed + epoch` (DDP, FSDP), the user's own sampler (one device: a `RandomSampler` draws its seed
+from the global generator at every pass), or one draw of a custom sampler split across ranks. Each rank reads every
 `world_size`-th sample of it, as `DistributedSampler` does, so global batch b of an epoch is
-`order[b * G:(b + 1) * G]` for the global batch size G = world size x per-rank batch size. The loader counts the
-global samples handed out in the epoch; that count, the epoch and the seed are its state (with, for a custom
-sampler that has a generator of its own, that generator's state at the start of the epoch). Resuming from
-them continues the same global order from the first sample not yet handed out, on any number of ranks: with the
-same global batch size the resumed run sees exactly the global batches the uninterrupted run would have seen;
-with another, it still sees each remaining sample of the epoch once.
+`order[b * G:(b + 1) * G]` for the global batch size G = world size x per-rank batch size.
+
+The loader records what each pass's order came from instead of imposing another: the rule, the seed, the epoch,
+the global samples handed out, the state the DataLoader drew its workers' base seed from, and for a drawn order the
+states of the generators it was drawn from (torch's, Python's and NumPy's global ones and the sampler's own).
+Resuming from them rebuilds the same order without drawing from the global generators (they stay as the checkpoint
+restored them) and continues from the first sample not yet handed out, on any number of ranks: with the same
+global batch size the resumed run sees exactly the global batches the uninterrupted run would have seen; with
+another, it still sees each remaining sample of the epoch once. The saved rule is kept for the rest of the run, so
+later epochs continue the saved run's orders: exactly for DistributedSampler's, and for a drawn order as far as the
+generators it draws from are the saved run's (torchloom restores them at the same world size).
 """
 
 from __future__ import annotations
@@ -71,7 +78,14 @@ class ResumableSampler(DistributedSampler):
     (under Fabric they would then overlap)."""
 
     def __init__(
-        self, dataset: Any, num_replicas: int, rank: int, *, sampler: Any = None, rule: str = SEEDED, **kwargs: Any
+        self,
+        dataset: Any,
+        num_replicas: int,
+        rank: int,
+        *,
+        sampler: Any = None,
+        rule: str = SEEDED,
+        **kwargs: Any,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, **kwargs)
         #: The user's sampler (read by the drawn rules; kept under SEEDED, so a checkpoint may switch rules).
@@ -101,7 +115,9 @@ class ResumableSampler(DistributedSampler):
     def _keys(self, positions: Iterable[int], items: Iterable[Any]) -> Iterator[Any]:
         if not self.keyed:
             return iter(items)
-        return (SampleKey(item, self.seed, self.epoch, pos) for pos, item in zip(positions, items, strict=False))
+        return (
+            SampleKey(item, self.seed, self.epoch, pos) for pos, item in zip(positions, items, strict=False)
+        )
 
     def global_order(self) -> list[Any]:
         """This epoch's order, the same on every rank: DistributedSampler's under SEEDED (the same at every world
@@ -397,7 +413,11 @@ class LoomDataLoader:
         # starts (as under Fabric); a checkpoint taken during the pass keeps the state it drew from.
         pass_base = (self._loader.generator or torch.default_generator).get_state()
         batches = self._start(base)  # before the position moves: a loader that fails to start keeps it
-        self._resume, self._pass_generator, self._pass_base = None, drawn_from, pass_base if base is None else base
+        self._resume, self._pass_generator, self._pass_base = (
+            None,
+            drawn_from,
+            pass_base if base is None else base,
+        )
         self._pass += 1
         self._epoch, self._current, self._consumed = epoch + 1, epoch, start
         self._interleaved, self._left = False, None
@@ -474,7 +494,7 @@ class LoomDataLoader:
         if isinstance(sampler, DistributedSampler):
             state.update(seed=sampler.seed, shuffle=sampler.shuffle)
         if isinstance(sampler, ResumableSampler):
-            state.update(self._order_state(sampler, consumed))
+            state.update(self._order_state(sampler, epoch, consumed))
         elif not isinstance(sampler, DistributedSampler) and state["consumed"]:
             raise MisuseError(
                 f"This loader's sampler ({type(sampler).__name__}) was not set up by torchloom, so a position inside "
@@ -486,29 +506,38 @@ class LoomDataLoader:
             state["order_generator"] = generator
         return state
 
-    def _order_state(self, sampler: ResumableSampler, consumed: int) -> dict[str, Any]:
-        """What the saved epoch's order came from: the rule, and for a pass under way the state its base seed was
-        drawn from and (drawn rules) the generator states of its draw."""
+    def _order_state(self, sampler: ResumableSampler, epoch: int, consumed: int) -> dict[str, Any]:
+        """What the saved epoch's order came from: the rule; for a pass under way the state its base seed was
+        drawn from and (drawn rules) the generator states of its draw; else the state of the sampler's own
+        generator the next draw comes from."""
         state: dict[str, Any] = {"rule": sampler.rule, "samples": sampler._size()}
         if self._resume is not None:  # loaded, not yet iterated: pass the checkpoint's on
             base, draw = self._resume[2], sampler.replay
         elif self._current is not None:
             base, draw = self._pass_base, sampler.record
         else:
-            return state
+            base, draw = None, None
         if base is not None:
             state["base"] = base
+        if sampler.rule == SEEDED:
+            return state
+        own = _own_generator(sampler.sampler)
+        if (
+            own is not None
+            and not isinstance(own, torch.Generator)
+            and (draw is not None or (epoch, consumed) != (0, 0))
+        ):
+            raise MisuseError(
+                f"This loader's sampler draws its order from a generator torchloom cannot save "
+                f"({type(own).__name__}, not a torch.Generator), so a resumed run would draw another order. "
+                "Give the sampler a torch.Generator, or save before the first pass."
+            )
         if draw is not None:
-            own = _own_generator(sampler.sampler)
-            if own is not None and not isinstance(own, torch.Generator):
-                raise MisuseError(
-                    f"This loader's sampler draws its order from a generator torchloom cannot save "
-                    f"({type(own).__name__}, not a torch.Generator), so a resumed run would draw another order. "
-                    "Give the sampler a torch.Generator, or save between epochs."
-                )
             state["draw"] = draw
-        elif consumed and sampler.rule != SEEDED:
+        elif consumed:
             raise MisuseError("The loader handed out batches of a pass whose order it never drew.")  # a bug
+        elif isinstance(own, torch.Generator):
+            state["own_generator"] = own.get_state()  # the next draw's
         return state
 
     def _order_generator_state(self, epoch: int, consumed: int) -> torch.Tensor | None:
@@ -627,7 +656,9 @@ class LoomDataLoader:
         """The saved epoch's rule (kept for the rest of the run: later epochs continue the saved run's orders,
         see the module docstring) and the states its draw came from."""
         rule = state.get("rule")
-        if rule is None:  # an older torchloom: DistributedSampler's order, but its own split of custom samplers
+        if (
+            rule is None
+        ):  # an older torchloom: DistributedSampler's order, but its own split of custom samplers
             if consumed and not isinstance(sampler.sampler, (RandomSampler, SequentialSampler)):
                 raise CheckpointError(
                     "The checkpoint was saved inside an epoch by an older torchloom, which drew custom samplers "
@@ -636,7 +667,9 @@ class LoomDataLoader:
                 )
             rule = SEEDED
         if rule not in RULES or (rule != SEEDED and sampler.sampler is None):
-            raise CheckpointError(f"The checkpoint's loader order rule {rule!r} cannot be followed by this loader.")
+            raise CheckpointError(
+                f"The checkpoint's loader order rule {rule!r} cannot be followed by this loader."
+            )
         sampler.rule = rule
         if "samples" in state and sampler._size() != int(state["samples"]):
             raise CheckpointError(
@@ -650,6 +683,15 @@ class LoomDataLoader:
                 "Load it without the loader entry to start the data afresh."
             )
         sampler.replay = state.get("draw")
+        if "own_generator" in state:
+            own = _own_generator(sampler.sampler)
+            if not isinstance(own, torch.Generator):
+                raise CheckpointError(
+                    "The checkpoint holds the state of the loader's sampler's own generator, but this loader's "
+                    f"sampler ({type(sampler.sampler).__name__}) has no torch.Generator. Build the sampler as the "
+                    "saved run did (with generator=...)."
+                )
+            own.set_state(state["own_generator"])
 
     def _load_order_generator(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         generator = order_generator(self.sampler, self._loader.batch_sampler)

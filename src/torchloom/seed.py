@@ -19,6 +19,7 @@ SEED_WORKERS_ENV = "TORCHLOOM_SEED_WORKERS"
 _LIGHTNING_SEED_ENV = "PL_GLOBAL_SEED"
 _LIGHTNING_WORKERS_ENV = "PL_SEED_WORKERS"
 
+
 def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
     """Seed Python's `random`, NumPy (if installed) and torch (CPU and every GPU); returns the seed.
 

@@ -475,6 +475,16 @@ _LOADER_ARGS = (
 )
 
 
+def _plain_order(sampler: Any) -> bool:
+    """Whether `sampler` reads the dataset once in order or in one uniform shuffle, which DistributedSampler's
+    order replaces as Fabric's does: a SequentialSampler, or a RandomSampler without replacement or num_samples
+    (exact types). Fabric also replaces subclasses and a RandomSampler with replacement or num_samples, silently
+    dropping what they draw; torchloom splits their own draw instead (a deliberate difference)."""
+    if type(sampler) is SequentialSampler:
+        return True
+    return type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
+
+
 def with_distributed_sampler(
     loader: DataLoader, num_replicas: int, rank: int, seed: int = 0, distributed: bool = True
 ) -> DataLoader:
@@ -482,14 +492,16 @@ def with_distributed_sampler(
     `setup_dataloaders` gives and can start an epoch part-way (see `torchloom.data`).
 
     `distributed` (Fabric's parallel strategies, even on one process): a `RandomSampler` or `SequentialSampler`
-    (subclasses and options included) becomes DistributedSampler's order for `seed` (shuffled for a
-    RandomSampler), any other sampler is drawn whole at the start of each pass and split across ranks
-    (DistributedSamplerWrapper's). Otherwise (one device) the user's sampler is iterated as it is."""
+    becomes DistributedSampler's order for `seed` (shuffled for a RandomSampler), any other sampler is drawn
+    whole at the start of each pass and split across ranks (DistributedSamplerWrapper's). Otherwise (one device)
+    the user's sampler is iterated as it is."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return loader  # an iterable dataset shards itself
     if isinstance(loader.sampler, DistributedSampler):
         return loader
-    custom_batches = loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler
+    custom_batches = (
+        loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler
+    )
     if (custom_batches or not hasattr(loader.sampler, "__len__")) and num_replicas == 1:
         return loader  # one process reads everything: nothing to split (but no mid-epoch resume either)
     if custom_batches:
@@ -514,7 +526,7 @@ def with_distributed_sampler(
         )
     if not distributed:
         rule = KEPT
-    elif isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+    elif _plain_order(user_sampler):
         rule = SEEDED
     else:
         rule = WRAPPED
