@@ -53,18 +53,18 @@ def seed_everything(seed: int | None = None, workers: bool | None = None, verbos
 
 def global_seed() -> int:
     """The seed the last `seed_everything` exported: torchloom's (`TORCHLOOM_SEED`), else Lightning's
-    (`PL_GLOBAL_SEED`, for a Fabric script that still calls `lightning.seed_everything`), else 0. Samplers set up
-    by `setup_dataloaders` shuffle with it, as Fabric's do with its own."""
-    for name in (SEED_ENV, _LIGHTNING_SEED_ENV):
-        if name in os.environ:
-            return int(os.environ[name])
-    return 0
+    (`PL_GLOBAL_SEED`, for a Fabric script that still calls `lightning.seed_everything`), else 0."""
+    return _seed_from(SEED_ENV, _LIGHTNING_SEED_ENV)
 
 
 def sampler_seed() -> int:
     """The seed `setup_dataloaders` gives a `DistributedSampler`: Fabric's (`PL_GLOBAL_SEED`, which torchloom's
-    `seed_everything` exports too), else `TORCHLOOM_SEED`, else 0."""
-    for name in (_LIGHTNING_SEED_ENV, SEED_ENV):
+    `seed_everything` exports too, so it is the last seed either library set), else `TORCHLOOM_SEED`, else 0."""
+    return _seed_from(_LIGHTNING_SEED_ENV, SEED_ENV)
+
+
+def _seed_from(*names: str) -> int:
+    for name in names:
         if name in os.environ:
             return int(os.environ[name])
     return 0

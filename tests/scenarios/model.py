@@ -69,13 +69,32 @@ def loss_factor(scenario) -> float:
     return 1e-2 if scenario.precision == "16-mixed" else 1.0
 
 
+def loader_generator() -> torch.Generator:
+    """The main loader's own generator: one device keeps the loader's RandomSampler (Fabric's order), which then
+    draws from it instead of the global generator, so the order does not depend on the training's other draws."""
+    return torch.Generator().manual_seed(SEED)
+
+
 def global_batches(scenario, micro_batches: int) -> list[list[int]]:
-    """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one)."""
+    """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one),
+    as plain torch gives them for Fabric's rule: one device reads the loader's own shuffle (a DataLoader with
+    shuffle=True and the loader's generator, pass after pass); DDP and FSDP read DistributedSampler's order for the
+    seed (its global order is the one-replica order)."""
     bs = GLOBAL_BATCH
+    if scenario.strategy == "single":
+        plain = torch.utils.data.DataLoader(
+            range(N_A), batch_size=bs, shuffle=True, generator=loader_generator()
+        )
+    else:
+        sampler = torch.utils.data.DistributedSampler(
+            range(N_A), num_replicas=1, rank=0, shuffle=True, seed=SEED
+        )
+        plain = torch.utils.data.DataLoader(range(N_A), batch_size=bs, sampler=sampler)
 
     def epoch_a(epoch: int) -> list[list[int]]:
-        order = torch.randperm(N_A, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        return [sorted(order[i : i + bs]) for i in range(0, N_A, bs)]
+        if isinstance(plain.sampler, torch.utils.data.DistributedSampler):
+            plain.sampler.set_epoch(epoch)
+        return [sorted(batch.tolist()) for batch in plain]
 
     def stream_a():
         epoch = 0

@@ -36,6 +36,7 @@ from .model import (
     accumulation,
     clip_arguments,
     dataset,
+    loader_generator,
     make_optimizers,
     make_schedulers,
     micro_loss,
@@ -101,7 +102,11 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
 
 def _loaders(loom, scenario: Scenario, world_size: int) -> list:
     per_rank = GLOBAL_BATCH // world_size
-    loaders = [DataLoader(TensorDataset(*dataset("a")), batch_size=per_rank, shuffle=True)]
+    loaders = [
+        DataLoader(
+            TensorDataset(*dataset("a")), batch_size=per_rank, shuffle=True, generator=loader_generator()
+        )
+    ]
     if scenario.loop == "two_loaders":
         loaders.append(DataLoader(TensorDataset(*dataset("b")), batch_size=per_rank, shuffle=False))
     out = loom.setup_dataloaders(*loaders)
