@@ -229,3 +229,35 @@ def test_a_run_resumes_inside_an_epoch_at_one_and_two_ranks(tmp_path, case):
 def _left_in_epoch(full: list[list[int]], at: int) -> int:
     per_epoch = len(full) // EPOCHS
     return per_epoch - at % per_epoch
+
+
+def drifted_script(rank: int, world_size: int, kind: str) -> tuple[list[int], list[str]]:
+    """Two ranks whose global generators differ (seeded apart) read a SubsetRandomSampler loader: the indices
+    this rank reads in one pass, and torchloom's warnings."""
+    import logging
+
+    fabric = make_fabric(kind, accelerator="cpu", devices=world_size, strategy="ddp")
+    fabric.launch()
+    torch.manual_seed(rank)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchloom").addHandler(handler)
+    loader = fabric.setup_dataloaders(
+        DataLoader(TensorDataset(torch.arange(N)), sampler=SubsetRandomSampler(range(12)))
+    )
+    return [i for (idx,) in loader for i in idx.tolist()], warnings
+
+
+def test_ranks_whose_generators_differ_split_rank_zeros_draw():
+    """Different on purpose: Fabric splits each rank's own draw of a custom sampler (with generators that differ,
+    samples overlap and others are missing); torchloom splits rank 0's draw, broadcast, and warns."""
+    fabric = run_ranks(drifted_script, 2, "fabric", timeout=150)
+    ours = run_ranks(drifted_script, 2, "torchloom", timeout=150)
+    assert sorted(fabric[0][0] + fabric[1][0]) != list(range(12))  # Fabric: not one draw's partition
+    assert sorted(ours[0][0] + ours[1][0]) == list(range(12))
+    torch.manual_seed(0)
+    torch.empty((), dtype=torch.int64).random_()  # the DataLoader's base seed comes first
+    draw = list(SubsetRandomSampler(range(12)))  # rank 0's draw
+    assert ours[0][0] == draw[0::2] and ours[1][0] == draw[1::2]
+    assert any("drew different sequences" in line for line in ours[1][1])

@@ -7,6 +7,8 @@ under test must agree on it independently.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -79,9 +81,12 @@ def global_batches(scenario, micro_batches: int) -> list[list[int]]:
     """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one),
     as plain torch gives them for Fabric's rule: one device reads the loader's own shuffle (a DataLoader with
     shuffle=True and the loader's generator, pass after pass); DDP and FSDP read DistributedSampler's order for the
-    seed (its global order is the one-replica order)."""
+    seed (its global order is the one-replica order); a custom sampler's draws, pass after pass, either way."""
     bs = GLOBAL_BATCH
-    if scenario.strategy == "single":
+    if scenario.loop == "subset":  # the user's sampler, drawn pass after pass (split across ranks in order)
+        subset = torch.utils.data.SubsetRandomSampler(range(N_A), generator=loader_generator())
+        plain = torch.utils.data.DataLoader(range(N_A), batch_size=bs, sampler=subset)
+    elif scenario.strategy == "single":
         plain = torch.utils.data.DataLoader(
             range(N_A), batch_size=bs, shuffle=True, generator=loader_generator()
         )
@@ -94,15 +99,15 @@ def global_batches(scenario, micro_batches: int) -> list[list[int]]:
     def epoch_a(epoch: int) -> list[list[int]]:
         if isinstance(plain.sampler, torch.utils.data.DistributedSampler):
             plain.sampler.set_epoch(epoch)
-        return [sorted(batch.tolist()) for batch in plain]
+        # A pass left at the cap stops its sampler there too (a RandomSampler draws lazily: what it has not
+        # drawn yet, it never draws from the generator).
+        limit = BREAK_AT if scenario.loop == "break" else None
+        return [sorted(batch.tolist()) for batch in itertools.islice(plain, limit)]
 
     def stream_a():
         epoch = 0
         while True:
-            batches = epoch_a(epoch)
-            if scenario.loop == "break":
-                batches = batches[:BREAK_AT]
-            yield from batches
+            yield from epoch_a(epoch)
             epoch += 1
 
     def stream_b():
