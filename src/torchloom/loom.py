@@ -550,7 +550,7 @@ class Loom:
                     self.world_size,
                     self.global_rank,
                     seed=sampler_seed(),
-                    distributed=isinstance(self._strategy, ParallelStrategy),
+                    distributed=self._distributed_order(),
                 )
             add_worker_seeding(loader, self.global_rank)
             out.append(
@@ -563,6 +563,15 @@ class Loom:
                 )
             )
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _distributed_order(self) -> bool:
+        """Whether set-up loaders read DistributedSampler's order (Fabric's rule for its parallel strategies)
+        rather than the loader's own sampler (its one-device rule). Also a lone process started by torchrun or
+        `torchloom run`: its job may restart at another world size (elastic), and DistributedSampler's order is
+        the one a restart can continue exactly in every epoch (Fabric keeps the loader's sampler there)."""
+        return isinstance(self._strategy, ParallelStrategy) or isinstance(
+            self._strategy.cluster_environment, TorchElasticEnvironment
+        )
 
     # ---- training calls --------------------------------------------------------------------------------------
     def backward(
