@@ -156,14 +156,23 @@ def resume_script(
 ) -> list[list[int]]:
     """EPOCHS passes; records every step's global batch (all ranks' indices, rank by rank). Saves after step
     `save_at`; with `resume`, loads that checkpoint first and continues."""
+    import os
+
     from torchloom import Loom
 
+    if strategy == "auto":
+        # A plain `python train.py` on one device: not a process a launcher started (which reads
+        # DistributedSampler's order even alone; see docs/fabric.md).
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            os.environ.pop(key, None)
     loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
     loom.launch()
     loom.seed_everything(7)
     per_rank = 6 // world_size
     data = TensorDataset(torch.arange(24))
     loader = loom.setup_dataloaders(_resume_loader(case, data, per_rank))
+    expected = "kept" if strategy == "auto" else ("seeded" if case == "random" else "wrapped")
+    assert loader.sampler.rule == expected  # Fabric's rule for this loader here (a load may switch it)
     model = loom.setup_module(nn.Linear(1, 1))
     steps, step, first = [], 0, 0
     if resume:
