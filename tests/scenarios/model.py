@@ -72,24 +72,21 @@ def loss_factor(scenario) -> float:
 
 
 def loader_generator() -> torch.Generator:
-    """The main loader's own generator: one device keeps the loader's RandomSampler (Fabric's order), which then
-    draws from it instead of the global generator, so the order does not depend on the training's other draws."""
+    """The main loader's own generator: a custom sampler (loop "subset") draws from it instead of the global
+    generator, so the order does not depend on the training's other draws (DistributedSampler's ignores it)."""
     return torch.Generator().manual_seed(SEED)
 
 
 def global_batches(scenario, micro_batches: int) -> list[list[int]]:
     """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one),
-    as plain torch gives them for Fabric's rule: one device reads the loader's own shuffle (a DataLoader with
-    shuffle=True and the loader's generator, pass after pass); DDP and FSDP read DistributedSampler's order for the
-    seed (its global order is the one-replica order); a custom sampler's draws, pass after pass, either way."""
+    as plain torch gives them for Fabric's rule. Every scenario runs in ranks a launcher-like harness started, where
+    torchloom reads DistributedSampler's order even in one process (a lone launched process may be restarted
+    elastically at another world size): DistributedSampler's order for the seed (its global order is the
+    one-replica order); a custom sampler's draws pass after pass (split across ranks in order)."""
     bs = GLOBAL_BATCH
-    if scenario.loop == "subset":  # the user's sampler, drawn pass after pass (split across ranks in order)
+    if scenario.loop == "subset":
         subset = torch.utils.data.SubsetRandomSampler(range(N_A), generator=loader_generator())
         plain = torch.utils.data.DataLoader(range(N_A), batch_size=bs, sampler=subset)
-    elif scenario.strategy == "single":
-        plain = torch.utils.data.DataLoader(
-            range(N_A), batch_size=bs, shuffle=True, generator=loader_generator()
-        )
     else:
         sampler = torch.utils.data.DistributedSampler(
             range(N_A), num_replicas=1, rank=0, shuffle=True, seed=SEED
