@@ -10,7 +10,7 @@ through every strategy and every way of starting a job:
     torchrun   python -m torch.distributed.run --nproc-per-node 2 job.py
     run        python -m torchloom run --accelerator cpu --devices 2 job.py
 
-    python benchmarks/exit_stress.py --runs 200          # the count docs/launching.md quotes (~20 min)
+    python benchmarks/exit_stress.py --runs 200          # the count docs/launching.md quotes (~22 min)
     python benchmarks/exit_stress.py --runs 12 --modes torchrun
 
 Runs take the (mode, strategy) pairs in turn, so `--runs` a multiple of their number runs each pair equally
