@@ -10,8 +10,13 @@ through every strategy and every way of starting a job:
     torchrun   python -m torch.distributed.run --nproc-per-node 2 job.py
     run        python -m torchloom run --accelerator cpu --devices 2 job.py
 
-    python benchmarks/exit_stress.py --runs 200          # the README's count
+    python benchmarks/exit_stress.py --runs 200          # the count docs/launching.md quotes (~22 min)
     python benchmarks/exit_stress.py --runs 12 --modes torchrun
+
+Runs take the (mode, strategy) pairs in turn, so `--runs` a multiple of their number runs each pair equally
+often. The test suite (tests/test_exit.py) runs each pair of its modes once (`--runs 6 --modes torchrun
+script`): a path that fails at every exit fails there; the repetitions that catch a rare race are this
+script's job.
 
 Prints one line per failed run (its mode, strategy, exit code and the tail of its output) and a summary line
 `exit_stress: N of M runs failed`; exits 1 when any run failed.
