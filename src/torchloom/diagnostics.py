@@ -25,6 +25,7 @@ import atexit
 import collections
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -84,6 +85,9 @@ class CollectiveRecord:
         self.backward_syncs = False
         self.rank = 0
         self.world_size = 1
+        #: The strategy's device mesh, (dim names, sizes), for the report to place each rank on it
+        #: ("model_parallel": which tensor-parallel group a stuck rank belongs to). None: no named mesh.
+        self.mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
 
     def __call__(self, name: str, data: Any = None, detail: str = "") -> CollectiveRecord:
         frame = sys._getframe(1)
@@ -713,23 +717,40 @@ def _report(
     answers: dict[int, Any], published: dict[int, Any], world_size: int, me: int, failed: str, culprit: str
 ) -> str:
     lines = [f"torchloom desync report (rank {me}: {failed})"]
+    mesh = RECORD.mesh if RECORD.mesh is not None and math.prod(RECORD.mesh[1]) == world_size else None
+    if mesh is not None:
+        lines.append("device mesh: " + " x ".join(f"{n} {s}" for n, s in zip(*mesh, strict=True)))
     for r in range(world_size):
         a = answers.get(r)
+        rank = f"rank {r}{_mesh_position(r, mesh)}"
         if a is None:
             pub = published.get(r)
             last = f"; last new call: {_call(pub)} at {_where(pub)}" if pub else ""
-            lines.append(f"rank {r}: no answer (its process died, or it is blocked in native code){last}")
+            lines.append(f"{rank}: no answer (its process died, or it is blocked in native code){last}")
             a = pub or {"stack": []}
         elif a.get("queued"):
             lines.append(
-                f"rank {r} (pid {a['pid']}): in {_call(a)} at {_where(a)}, queued on the device and not completed; "
+                f"{rank} (pid {a['pid']}): in {_call(a)} at {_where(a)}, queued on the device and not completed; "
                 f"its main thread is at {_current_line(a)}"
             )
         elif a["inside"]:
-            lines.append(f"rank {r} (pid {a['pid']}): in {_call(a)} at {_where(a)}")
+            lines.append(f"{rank} (pid {a['pid']}): in {_call(a)} at {_where(a)}")
         else:
             last = f"; last collective: {_call(a)} at {_where(a)}" if a["name"] else ""
-            lines.append(f"rank {r} (pid {a['pid']}): in user code at {_current_line(a)}{last}")
+            lines.append(f"{rank} (pid {a['pid']}): in user code at {_current_line(a)}{last}")
         lines.extend("    " + line for block in a["stack"] for line in block.splitlines())
     lines.append(culprit)
     return "\n".join(lines)
+
+
+def _mesh_position(rank: int, mesh: tuple[tuple[str, ...], tuple[int, ...]] | None) -> str:
+    """` [data_parallel 1, tensor_parallel 0]`: where `rank` sits on a row-major mesh (as init_device_mesh lays
+    ranks out); empty without a mesh."""
+    if mesh is None:
+        return ""
+    names, sizes = mesh
+    coords = []
+    for size in reversed(sizes):
+        coords.append(rank % size)
+        rank //= size
+    return " [" + ", ".join(f"{n} {c}" for n, c in zip(names, reversed(coords), strict=True)) + "]"

@@ -539,6 +539,10 @@ class Loom:
         if not dataloaders:
             raise MisuseValueError("setup_dataloaders needs at least one DataLoader.")
         out = []
+        # Ranks that compute on one batch together (tensor parallel) read the same samples, with the same worker
+        # seeds: the data is split over the data-parallel ranks only.
+        split = self._strategy.distributed_sampler_kwargs
+        replicas, rank = split["num_replicas"], split["rank"]
         for loader in dataloaders:
             if not isinstance(loader, DataLoader):
                 raise MisuseTypeError(
@@ -548,15 +552,15 @@ class Loom:
                 # In one process too: the global order of an epoch is then the same at every world size, which
                 # is what lets a run saved on N ranks resume on M (see torchloom.data).
                 seed = loader_seed(global_seed(), self._counters["loaders"])
-                loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
+                loader = with_distributed_sampler(loader, replicas, rank, seed=seed)
             self._counters["loaders"] += 1
-            add_worker_seeding(loader, self.global_rank)
+            add_worker_seeding(loader, rank)
             out.append(
                 LoomDataLoader(
                     loader,
                     self.device if move_to_device else None,
-                    self.world_size,
-                    rank=self.global_rank,
+                    replicas,
+                    rank=rank,
                     all_gather_object=self._strategy.all_gather_object,
                 )
             )

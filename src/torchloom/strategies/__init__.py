@@ -4,6 +4,7 @@ from torchloom.strategies.base import Strategy
 from torchloom.strategies.ddp import DDPStrategy
 from torchloom.strategies.fsdp import FSDPStrategy
 from torchloom.strategies.fsdp2 import FSDP2Strategy
+from torchloom.strategies.model_parallel import ModelParallelStrategy
 from torchloom.strategies.parallel import ParallelStrategy
 from torchloom.strategies.single_device import SingleDeviceStrategy
 
@@ -14,4 +15,5 @@ __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
     "FSDP2Strategy",
+    "ModelParallelStrategy",
 ]

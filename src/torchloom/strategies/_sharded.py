@@ -281,6 +281,9 @@ class ShardedStrategy(ParallelStrategy):
     #: Sharding replaces parameters, so optimizers must be created after setup_module.
     replaces_parameters = True
     sharded_gradients = True
+    #: Whether a model without units is sharded by the policy (or whole); False: used as it is (its units, if
+    #: any, come from the user's own function, as under "model_parallel").
+    _wraps_model_without_units = True
     #: Whether activation checkpointing goes on before the units are made (FSDP2) or after (FSDP1).
     _checkpoint_before_sharding = True
     #: torch.distributed.fsdp classes `cpu_offload=` and `mixed_precision=` take, besides a bool.
@@ -456,8 +459,9 @@ class ShardedStrategy(ParallelStrategy):
     def _materialize_units(self, module: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
         """Initialise meta-device modules that are inside units (after the units exist)."""
 
-    def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
-        """id(parameter) -> the group over which its gradient is sharded (absent: replicated)."""
+    def _shard_groups(self, module: nn.Module) -> dict[int, Any]:
+        """id(parameter) -> the group over which its gradient is sharded, or a tuple of groups (one per mesh dim
+        it is sharded over); absent: replicated."""
         raise NotImplementedError
 
     # ---- setup -----------------------------------------------------------------------------------------------
@@ -468,7 +472,7 @@ class ShardedStrategy(ParallelStrategy):
         self._check_split_ties(layout)
         self._check_units(layout)
         pending_init = meta_modules(module)
-        if layout.units:
+        if layout.units or not self._wraps_model_without_units:
             # The user chose the units: never wrap the root again, never apply a policy on top.
             if self.has_policy and not self._warned_policy:
                 self._warned_policy = True
@@ -572,15 +576,29 @@ class ShardedStrategy(ParallelStrategy):
         if not pending:
             return
         unit_owned = {id(m) for u in analyze(module).units for m in u.module.modules()}
-        inside = [(n, m) for n, m in pending if id(m) in unit_owned]
-        outside = [(n, m) for n, m in pending if id(m) not in unit_owned]
-        if inside:
-            self._materialize_units(module, inside)
-        with torch.no_grad():
-            for _, mod in outside:
-                # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
-                materialize_meta(mod, self.root_device)
-                _init_fn(mod)()  # type: ignore[misc]
+        # In the model's own order, runs of modules inside units and outside them, so that rank 0 draws its random
+        # numbers in the order a real initialisation draws them (meta init then gives the same values).
+        runs: list[tuple[bool, list[tuple[str, nn.Module]]]] = []
+        for name, mod in pending:
+            distributed = id(mod) in unit_owned or self._holds_dtensors(mod)
+            if runs and runs[-1][0] == distributed:
+                runs[-1][1].append((name, mod))
+            else:
+                runs.append((distributed, [(name, mod)]))
+        for distributed, modules in runs:
+            if distributed:
+                self._materialize_units(module, modules)
+                continue
+            with torch.no_grad():
+                for _, mod in modules:
+                    # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
+                    materialize_meta(mod, self.root_device)
+                    _init_fn(mod)()  # type: ignore[misc]
+
+    def _holds_dtensors(self, module: nn.Module) -> bool:
+        """Whether `module` outside every unit still holds distributed parameters to initialise like a unit's
+        (tensor-parallel layers under "model_parallel"); replicated leftovers are initialised locally."""
+        return False
 
     def _place_outside_units(self, module: nn.Module, layout: Layout) -> None:
         """Move every parameter and buffer outside the units to the device. `fully_shard` and
@@ -805,14 +823,15 @@ class ShardedStrategy(ParallelStrategy):
         combined over its shard group, and replicated gradients (the same on every rank) are counted once."""
         groups = self._groups.get(id(module))
         if groups is None:
-            groups = self._groups[id(module)] = self._shard_groups(module)
+            # A gradient sharded over several mesh dims (tensor parallel inside FSDP2) has one group per dim: its
+            # local norm summed over each in turn is summed over all the ranks that hold a piece of it.
+            groups = self._groups[id(module)] = {
+                pid: g if isinstance(g, tuple) else (g,) for pid, g in self._shard_groups(module).items()
+            }
         # Every rank must issue the same collectives in the same order, even where it holds no gradient.
-        order: list[dist.ProcessGroup] = []
-        for g in groups.values():
-            if all(g is not seen for seen in order):
-                order.append(g)
+        order = {tuple(map(id, g)): g for g in groups.values()}  # first seen first, in parameter order
         # The local gradient pieces, by where their norms meet: each shard group, or None for the replicated.
-        pieces: dict[int | None, list[torch.Tensor]] = {None: [], **{id(g): [] for g in order}}
+        pieces: dict[tuple[int, ...] | None, list[torch.Tensor]] = {None: [], **{k: [] for k in order}}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -820,8 +839,10 @@ class ShardedStrategy(ParallelStrategy):
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 if grad.numel() == 0:
                     continue
-                shard_group = groups.get(id(p))
-                pieces[id(shard_group) if shard_group is not None else None].append(grad.detach())
+                shard_groups = groups.get(id(p))
+                pieces[tuple(map(id, shard_groups)) if shard_groups is not None else None].append(
+                    grad.detach()
+                )
         inf = math.isinf(norm_type)
 
         def contribution(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -832,9 +853,10 @@ class ShardedStrategy(ParallelStrategy):
             return norm if inf else norm**norm_type
 
         total = contribution(pieces[None])  # replicated: the same on every rank, counted once
-        for g in order:
-            value = contribution(pieces[id(g)])
-            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
+        for ids, shard_groups in order.items():
+            value = contribution(pieces[ids])
+            for g in shard_groups:
+                dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
             total = torch.maximum(total, value) if inf else total + value
         return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
 

@@ -183,6 +183,12 @@ class Strategy:
     def teardown(self) -> None:
         """Release what `setup_environment` took."""
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """How data is split (Fabric's name): `num_replicas` ranks read different samples, this rank is `rank` of
+        them. Every rank reads its own part here; "model_parallel" splits over the data-parallel ranks only."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
     # ---- modules and optimizers ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

@@ -1,0 +1,283 @@
+"""`ModelParallelStrategy`: the user's own parallelism (tensor parallel with FSDP2) on a named device mesh, in
+Fabric's spelling, with torchloom's guarantees in 2-D.
+
+The user's `parallelize_fn(model, device_mesh)` applies `parallelize_module` over `device_mesh["tensor_parallel"]`
+and `fully_shard` over `device_mesh["data_parallel"]`; torchloom calls it in `setup_module` and then treats the
+result as "fsdp2" treats hand-made units: parameters left plain (embeddings, head, norms) are kept identical on
+every rank and their gradients averaged, the gradient norm is the global one, and data is split over the
+data-parallel ranks only (the ranks of one tensor-parallel group read the same batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchloom import diagnostics
+from torchloom._layout import Layout, unit_flavour
+from torchloom._text import count
+from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies.fsdp2 import FSDP2Strategy
+
+DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+REPLICATE = "data_parallel_replicate"
+SHARD = "data_parallel_shard"
+
+
+def _size(value: Any, what: str) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ConfigurationError(
+        f"ModelParallelStrategy({what}={value!r}): {what} must be a positive int or 'auto', got "
+        f"{type(value).__name__}."
+    )
+
+
+class ModelParallelStrategy(FSDP2Strategy):
+    """Tensor parallelism with FSDP2 (2-D parallelism), applied by your own function to a named device mesh.
+
+    Args:
+        parallelize_fn: `fn(model, device_mesh) -> model`, called in `setup_module` after `loom.launch()`. It
+            applies `parallelize_module(..., device_mesh["tensor_parallel"], plan)` and
+            `fully_shard(..., mesh=device_mesh["data_parallel"])` (pass `**strategy.unit_kwargs()` to
+            `fully_shard` to get torchloom's mixed-precision policy and the right mesh) and must return the model.
+        data_parallel_size: ranks that read different data; "auto": the number of nodes.
+        tensor_parallel_size: ranks that split each layer; "auto": the processes per node. The product of the
+            two must be the world size.
+        save_distributed_checkpoint: True: each rank writes its shard (a directory); False: rank 0 writes one
+            file with the full state.
+        process_group_backend, timeout: see `ParallelStrategy`.
+        data_parallel_replicate_size: torchloom's addition for HSDP: split the data-parallel ranks into
+            `replicate x shard`; the mesh then also has the dims "data_parallel_replicate" and
+            "data_parallel_shard" (shard with `fully_shard(mesh=device_mesh["data_parallel_replicate",
+            "data_parallel_shard"])`); "data_parallel" is their flattening.
+
+    Parameters that `parallelize_fn` leaves plain (not DTensors) are replicated: identical on every rank (rank 0's
+    values at setup) with gradients averaged after each synchronising backward.
+    """
+
+    name = "model_parallel"
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module],
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        *,
+        data_parallel_replicate_size: int = 1,
+    ) -> None:
+        if not callable(parallelize_fn):
+            raise ConfigurationError(
+                f"ModelParallelStrategy(parallelize_fn={parallelize_fn!r}): parallelize_fn must be a function "
+                "(model, device_mesh) -> model that applies your tensor-parallel plan and fully_shard."
+            )
+        if not isinstance(data_parallel_replicate_size, int) or data_parallel_replicate_size < 1:
+            raise ConfigurationError(
+                f"ModelParallelStrategy(data_parallel_replicate_size={data_parallel_replicate_size!r}) must be a "
+                "positive int (1: no replication, plain FSDP over the data-parallel ranks)."
+            )
+        super().__init__(
+            state_dict_type="sharded" if save_distributed_checkpoint else "full",
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+        )
+        self.parallelize_fn = parallelize_fn
+        self._data_parallel_option = _size(data_parallel_size, "data_parallel_size")
+        self._tensor_parallel_option = _size(tensor_parallel_size, "tensor_parallel_size")
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.save_distributed_checkpoint = bool(save_distributed_checkpoint)
+
+    # ---- sizes and the mesh ------------------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of ranks that read different data (Fabric's "auto": the number of nodes)."""
+        option = self._data_parallel_option
+        return self.num_nodes if option == "auto" else int(option)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The number of ranks that split each layer (Fabric's "auto": the processes per node)."""
+        option = self._tensor_parallel_option
+        return self.world_size // self.num_nodes if option == "auto" else int(option)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh's dims and sizes, outermost first."""
+        dp, tp, rep = self.data_parallel_size, self.tensor_parallel_size, self.data_parallel_replicate_size
+        if rep > 1:
+            return {REPLICATE: rep, SHARD: dp // rep, TENSOR_PARALLEL: tp}
+        return {DATA_PARALLEL: dp, TENSOR_PARALLEL: tp}
+
+    def validate(self) -> None:
+        super().validate()
+        dp, tp, world = self.data_parallel_size, self.tensor_parallel_size, self.world_size
+        given = f"data_parallel_size={self._data_parallel_option!r}, tensor_parallel_size={self._tensor_parallel_option!r}"
+        if dp * tp != world:
+            fix = (
+                f"tensor_parallel_size={world // dp}"
+                if world % dp == 0
+                else f"data_parallel_size=1, tensor_parallel_size={world}"
+            )
+            raise ConfigurationError(
+                f"ModelParallelStrategy({given}) makes a mesh of {dp} x {tp} = {dp * tp} ranks, but this job has "
+                f"{count(world, 'process')}. data_parallel_size x tensor_parallel_size must equal the world size "
+                f"(devices x num_nodes): e.g. {fix}."
+            )
+        rep = self.data_parallel_replicate_size
+        if dp % rep:
+            raise ConfigurationError(
+                f"ModelParallelStrategy(data_parallel_replicate_size={rep}) must divide data_parallel_size={dp}: "
+                "the data-parallel ranks are split into replicate x shard groups."
+            )
+
+    def start_diagnostics(self) -> None:
+        super().start_diagnostics()
+        # The desync report places each rank on the mesh: a hang inside one tensor-parallel group shows as such.
+        shape = self.mesh_shape
+        diagnostics.RECORD.mesh = (tuple(shape), tuple(shape.values()))
+
+    def teardown(self) -> None:
+        diagnostics.RECORD.mesh = None
+        super().teardown()
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The named mesh `parallelize_fn` gets: dims ("data_parallel", "tensor_parallel"); with
+        `data_parallel_replicate_size > 1` ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+        with "data_parallel" their flattening. Made on first use, after `loom.launch()`."""
+        if self._mesh is None:
+            self._require_group("the 'model_parallel' device mesh")
+            shape = self.mesh_shape
+            mesh = init_device_mesh(self.root_device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+            if REPLICATE in shape:
+                mesh[(REPLICATE, SHARD)]._flatten(DATA_PARALLEL)
+            self._mesh = mesh
+        return self._mesh
+
+    def unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
+        """What to pass to `fully_shard` in your `parallelize_fn` so the units match torchloom's configuration
+        (mixed-precision policy from `Loom(precision=...)`, the data-parallel mesh: the ("data_parallel_replicate",
+        "data_parallel_shard") sub-mesh under HSDP)."""
+        if mesh is None:
+            mesh = self.device_mesh
+            mesh = mesh[(REPLICATE, SHARD)] if self.data_parallel_replicate_size > 1 else mesh[DATA_PARALLEL]
+        return super().unit_kwargs(mesh)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Data is split over the data-parallel ranks only: the ranks of one tensor-parallel group read the same
+        samples."""
+        mesh = self.device_mesh[DATA_PARALLEL]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    _wraps_model_without_units = False
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._require_group("setup_module with ModelParallelStrategy")
+        if any(unit_flavour(m) == "fsdp" for m in module.modules()):
+            raise MisuseError(
+                "The model holds FullyShardedDataParallel (FSDP1) units; ModelParallelStrategy shards with "
+                "fully_shard (FSDP2) in your parallelize_fn. Remove the FSDP1 wrapping."
+            )
+        # Every rank starts from rank 0's values, so that the shards parallelize_fn cuts fit together (as the
+        # "fsdp2" strategy does for a model without hand-made units). Meta tensors are initialised later.
+        broadcast_tensors(
+            [t for t in (*module.parameters(), *module.buffers()) if _is_plain(t)], device=self.root_device
+        )
+        result = self.parallelize_fn(module, self.device_mesh)
+        if not isinstance(result, nn.Module):
+            raise MisuseError(
+                f"parallelize_fn {getattr(self.parallelize_fn, '__name__', self.parallelize_fn)!r} returned "
+                f"{type(result).__name__}, not the model: it must end with `return model` (the module it "
+                "parallelized)."
+            )
+        self._check_meshes(result)
+        return super().setup_module(result)
+
+    def _check_meshes(self, module: nn.Module) -> None:
+        """DTensor parameters must live on this strategy's mesh (or a slice of it): a mesh made elsewhere has
+        process groups torchloom does not know, so clipping, checkpoints and the data split would not match."""
+        from torch.distributed.tensor import DTensor
+
+        ours = self.device_mesh
+        for name, p in module.named_parameters():
+            if isinstance(p, DTensor) and not _sliced_from(p.device_mesh, ours):
+                raise MisuseError(
+                    f"Parameter {name!r} is a DTensor on a device mesh {p.device_mesh} that is not the strategy's "
+                    f"({ours}) nor a slice of it. Build the plan on the mesh parallelize_fn receives: "
+                    "device_mesh['tensor_parallel'] for parallelize_module, device_mesh['data_parallel'] for "
+                    "fully_shard."
+                )
+
+    def _holds_dtensors(self, module: nn.Module) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        # Tensor-parallel layers outside every unit: initialised on full-size tensors, keeping rank 0's values.
+        return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+    def _replicate_leftovers(self, module: nn.Module, layout: Layout) -> None:
+        from torch.distributed.tensor import DTensor
+
+        distributed = [name for name, p in layout.leftovers if isinstance(p, DTensor)]
+        if distributed and self.data_parallel_size > 1:
+            raise MisuseError(
+                f"Parameter(s) {distributed[:5]}{' ...' if len(distributed) > 5 else ''} are tensor-parallel "
+                f"DTensors outside every fully_shard unit, with data_parallel_size={self.data_parallel_size}: "
+                "nothing would average their gradients over the data-parallel ranks. In parallelize_fn, apply "
+                "fully_shard(module, mesh=device_mesh['data_parallel']) to a module that holds them (e.g. the "
+                "root, last)."
+            )
+        plain = [(name, p) for name, p in layout.leftovers if not isinstance(p, DTensor)]
+        super()._replicate_leftovers(module, replace(layout, leftovers=plain))
+
+    # ---- clipping: DTensors on different meshes and placements -------------------------------------------------
+    def _shard_groups(self, module: nn.Module) -> dict[int, Any]:
+        """id(parameter) -> the groups of the mesh dims its gradient is sharded over, in mesh order (a local
+        norm summed over each in turn is summed over their product); absent: replicated everywhere."""
+        from torch.distributed.tensor import DTensor
+
+        groups: dict[int, Any] = {}
+        for name, p in module.named_parameters():
+            if not isinstance(p, DTensor):
+                continue
+            if any(pl.is_partial() for pl in p.placements):
+                raise NotImplementedError(
+                    f"Clipping a parameter with Partial placement: {name} {p.placements}."
+                )
+            # Anything but Replicate splits the tensor: Shard, and the _StridedShard that fully_shard puts over a
+            # tensor-parallel Shard of the same dim (which is no Shard subclass).
+            dims = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
+            if dims:
+                groups[id(p)] = tuple(p.device_mesh.get_group(i) for i in dims)
+        return groups
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    # Not a DTensor (its own pieces are placed by parallelize_fn or were placed by you), not on meta.
+    return type(t.data) is torch.Tensor and not t.is_meta
+
+
+def _sliced_from(mesh: DeviceMesh, root: DeviceMesh) -> bool:
+    """Whether `mesh` is `root` or a slice of it: its dims named as root's (or root's flattened "data_parallel")
+    and the same ranks in the same places."""
+    if mesh is root:
+        return True
+    names = mesh.mesh_dim_names
+    if mesh.device_type != root.device_type or not names:
+        return False
+    try:
+        return torch.equal(root[names].mesh, mesh.mesh)
+    except (KeyError, RuntimeError, ValueError):
+        return False
