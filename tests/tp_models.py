@@ -244,9 +244,9 @@ def loom_case(accelerator: str, world_size: int, tp: int) -> dict:
     )
     loom = Loom(accelerator=accelerator, devices=world_size, strategy=strategy)
     loom.launch()
-    with loom.init_module():
-        model = tiny_llama()
-    model = loom.setup_module(model)
+    # Built on the CPU and moved, as the reference is: under loom.init_module() a GPU run would draw the initial
+    # weights from the GPU's random generator.
+    model = loom.setup_module(tiny_llama().to(loom.device))
     opt = loom.setup_optimizers(optimizer(model.parameters()))
     # The global micro-batches in order; each data-parallel rank reads its share of every one.
     sequences = data().reshape(-1, SEQ)
