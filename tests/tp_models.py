@@ -1,5 +1,5 @@
-"""A tiny Hugging Face Llama and its tensor-parallel plan (torchtitan's style), shared by the model-parallel
-tests and the step-overhead benchmark.
+"""A tiny Hugging Face Llama, its tensor-parallel plan (torchtitan's style) and the training runs compared, shared
+by the CPU test (tests/strategies/test_model_parallel_llama.py) and the CUDA one (tests/gpu/).
 
 `parallelize_llama(model, device_mesh)` is the user's `parallelize_fn` for `ModelParallelStrategy`: per decoder
 layer, Megatron-style tensor parallelism over the mesh's "tensor_parallel" dimension (q/k/v and the MLP's
@@ -17,19 +17,19 @@ from torch.distributed.device_mesh import DeviceMesh
 VOCAB = 96
 
 
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 32) -> nn.Module:
+def tiny_llama() -> nn.Module:
     """A Llama built from a config, nothing downloaded: 4 query heads and 2 key/value heads (grouped-query
     attention), so a tensor-parallel size of 2 gives each rank 2 query heads and their 1 key/value head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=48 * hidden // 32,
-        num_hidden_layers=layers,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=vocab,
+        vocab_size=VOCAB,
         max_position_embeddings=64,
         attention_dropout=0.0,
         tie_word_embeddings=False,
@@ -37,21 +37,21 @@ def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int =
     return LlamaForCausalLM(config)
 
 
-def tensor_parallel_llama(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split every decoder layer's attention and MLP over `tp_mesh`.
+def parallelize_llama(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """The `parallelize_fn` (the same as in docs, model-parallel page): tensor parallel inside every decoder layer,
+    then each layer one FSDP2 unit over the data-parallel ranks. Embedding, final norm and head are left plain.
 
     LlamaAttention (transformers >= 4.48) reshapes its projections with `view(..., -1, head_dim)`: a rank's
     local q/k/v hold its own heads, so no head count needs adjusting; `num_key_value_groups` (query heads per
     key/value head) is the same locally. The split must not cut a head, nor separate a query head from its
     key/value head: both head counts must divide by the tensor-parallel size."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    config, tp = model.config, tp_mesh.size()
+    tp_mesh = device_mesh["tensor_parallel"]
+    tp, config = tp_mesh.size(), model.config
     if config.num_attention_heads % tp or config.num_key_value_heads % tp:
-        raise ValueError(
-            f"tensor-parallel size {tp} must divide the {config.num_attention_heads} attention heads and the "
-            f"{config.num_key_value_heads} key/value heads"
-        )
+        raise ValueError(f"tensor-parallel size {tp} must divide the attention and key/value head counts")
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -63,15 +63,6 @@ def tensor_parallel_llama(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     }
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, plan)
-
-
-def parallelize_llama(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-    """The `parallelize_fn`: tensor parallel inside every decoder layer, then each layer one FSDP2 unit over the
-    data-parallel ranks. Embedding, final norm and head are left plain (leftovers)."""
-    from torch.distributed.fsdp import fully_shard
-
-    tensor_parallel_llama(model, device_mesh["tensor_parallel"])
-    for layer in model.model.layers:
         fully_shard(layer, mesh=device_mesh["data_parallel"])
     return model
 
