@@ -179,6 +179,8 @@ def parallelize(model: GPT, device_mesh) -> GPT:
 
 
 def make_strategy():
+    """--flavour's strategy name; with --tp, the model-parallel strategy with `parallelize` on a (devices / tp) x
+    tp mesh."""
     if args.tp is None:
         return args.flavour
     if args.flavour != "fsdp2":
