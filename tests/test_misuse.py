@@ -41,7 +41,7 @@ from torchloom import (
 from torchloom.checkpointing import FORMAT_VERSION
 from torchloom.errors import MisuseTypeError
 from torchloom.loggers import CSVLogger
-from torchloom.strategies import FSDP2Strategy, FSDPStrategy
+from torchloom.strategies import FSDP2Strategy, FSDPStrategy, ModelParallelStrategy
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -299,6 +299,20 @@ def single_device_with_two_devices(tmp: Path) -> None:
 @mistake(ConfigurationError, "this job already runs on the CPU", "Remove cpu_offload")
 def cpu_offload_on_cpu(tmp: Path) -> None:
     cpu(devices=2, strategy=FSDP2Strategy(cpu_offload=True))
+
+
+# ---- ModelParallelStrategy -----------------------------------------------------------------------------------
+def _keep(model: nn.Module, device_mesh: Any) -> nn.Module:
+    return model
+
+
+@mistake(
+    ConfigurationError,
+    "makes a mesh of 3 x 2 = 6 ranks, but this job has 2 processes",
+    "data_parallel_size x tensor_parallel_size must equal the world size",
+)
+def model_parallel_mesh_not_the_world_size(tmp: Path) -> None:
+    cpu(devices=2, strategy=ModelParallelStrategy(_keep, data_parallel_size=3, tensor_parallel_size=2))
 
 
 # ---- strategy options --------------------------------------------------------------------------------------
@@ -920,6 +934,32 @@ def tie_across_two_fsdp2_units(tmp: Path) -> None:
     fully_shard(model.inp)
     fully_shard(model.block)
     loom.setup_module(model)
+
+
+# ---- ModelParallelStrategy on ranks ------------------------------------------------------------------------
+@mistake(MisuseError, "returned NoneType, not the model", "it must end with `return model`", ranks=True)
+def model_parallel_fn_returns_nothing(tmp: Path) -> None:
+    def parallelize(model: nn.Module, device_mesh: Any) -> None:
+        model.block.requires_grad_(True)  # forgot `return model`
+
+    launched(devices=2, strategy=ModelParallelStrategy(parallelize, 1, 2)).setup_module(Tiny())
+
+
+@mistake(
+    MisuseError,
+    "is a DTensor on a device mesh",
+    "device_mesh['data_parallel'] for fully_shard",
+    ranks=True,
+)
+def model_parallel_fn_shards_over_a_mesh_of_its_own(tmp: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+        fully_shard(model.block, mesh=init_device_mesh("cpu", (2,)))
+        return model
+
+    launched(devices=2, strategy=ModelParallelStrategy(parallelize, 2, 1)).setup_module(Tiny())
 
 
 @mistake(

@@ -66,7 +66,8 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
-def parallelize(model: Net, device_mesh, **unit_kwargs) -> Net:
+def parallelize(model: Net, device_mesh, shard: bool = True, **unit_kwargs) -> Net:
+    """Fabric-style: a tensor-parallel plan for attention and MLP, then (with `shard`) fully_shard per block."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -81,7 +82,8 @@ def parallelize(model: Net, device_mesh, **unit_kwargs) -> Net:
     }
     for block in model.blocks:
         parallelize_module(block, device_mesh["tensor_parallel"], plan)
-        fully_shard(block, **(unit_kwargs or {"mesh": device_mesh["data_parallel"]}))
+        if shard:
+            fully_shard(block, **(unit_kwargs or {"mesh": device_mesh["data_parallel"]}))
     return model
 
 
@@ -170,23 +172,7 @@ def _train(loom: Loom, model, opt, clip: str = "norm") -> list[float]:
 
 def parallelize_tp_only(model: Net, device_mesh) -> Net:
     """Tensor parallel alone (no fully_shard): every block's layers are DTensors outside every unit."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    for block in model.blocks:
-        parallelize_module(
-            block,
-            device_mesh["tensor_parallel"],
-            {
-                "attn.q": ColwiseParallel(),
-                "attn.k": ColwiseParallel(),
-                "attn.v": ColwiseParallel(),
-                "attn.o": RowwiseParallel(),
-                "up": ColwiseParallel(),
-                "gate": ColwiseParallel(),
-                "down": RowwiseParallel(),
-            },
-        )
-    return model
+    return parallelize(model, device_mesh, shard=False)
 
 
 def _launch(dp: int, tp: int, fn=parallelize, precision: str = "32-true", **kwargs) -> Loom:
@@ -354,19 +340,19 @@ def test_mesh_has_fabrics_dim_names_and_sizes(results):
     assert [r["split"] for r in results] == [{"num_replicas": 2, "rank": r // 2} for r in range(4)]
 
 
+def _assert_fp32_parity(params: dict, norms: list, expected: dict, expected_norms: list, rank: int) -> None:
+    assert set(params) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}")
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5)
+
+
 def test_parity_with_one_process_with_accumulation_and_clipping(results):
     expected, expected_norms = reference()
     assert max(expected_norms) > MAX_NORM  # clipping did act
     for rank, result in enumerate(results):
-        assert set(result["params"]) == set(expected)
-        for name, value in expected.items():
-            torch.testing.assert_close(
-                result["params"][name], value, atol=1e-5, rtol=1e-5, msg=f"{rank} {name}"
-            )
         # The norm before clipping is the global one, over 2-D DTensors and plain leftovers alike.
-        torch.testing.assert_close(
-            torch.tensor(result["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5
-        )
+        _assert_fp32_parity(result["params"], result["norms"], expected, expected_norms, rank)
 
 
 def test_blocks_are_2d_dtensors_and_leftovers_stay_plain_and_identical(results):
@@ -490,10 +476,7 @@ def test_tensor_parallel_alone_with_clipping_by_value(options):
     moved = _largest_gap(expected, initial())
     assert moved > 0.01, moved
     for rank, result in enumerate(options):
-        for name, value in expected.items():
-            torch.testing.assert_close(
-                result["tp_only"][name], value, atol=1e-5, rtol=1e-5, msg=f"{rank} {name}"
-            )
+        _assert_fp32_parity(result["tp_only"], [], expected, [], rank)
 
 
 def test_hsdp_replicate_times_shard_parity(options):
@@ -506,13 +489,7 @@ def test_hsdp_replicate_times_shard_parity(options):
         )
         # (replicate, shard, tensor_parallel): replicated over the first dim, sharded over the others.
         assert result["hsdp_placements"] == ("R", "S(0)", "S(0)")
-        for name, value in expected.items():
-            torch.testing.assert_close(
-                result["hsdp"][name], value, atol=1e-5, rtol=1e-5, msg=f"{rank} {name}"
-            )
-        torch.testing.assert_close(
-            torch.tensor(result["hsdp_norms"]), torch.tensor(norms), atol=1e-5, rtol=1e-5
-        )
+        _assert_fp32_parity(result["hsdp"], result["hsdp_norms"], expected, norms, rank)
 
 
 def test_bf16_mixed_through_fsdp2_mixed_precision_policy(options):
