@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_device(parser, args.device, args.world)
     if args.tiny:
-        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 8, 32, 3, 2, 1
+        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 2, 32, 3, 2, 1
         args.many_blocks, args.many_experts, args.many_adapters = 4, 8, 2
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
