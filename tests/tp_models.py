@@ -11,30 +11,16 @@ final norm and the head stay plain: leftovers, which the strategy keeps identica
 from __future__ import annotations
 
 import torch
+from test_hf_models import ACCUM, GLOBAL_BATCH, MAX_NORM, PROBE, STEPS, data, optimizer
+from test_hf_models import llama as tiny_llama
+from test_hf_models import reference as _hf_reference
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-VOCAB = 96
-
-
-def tiny_llama() -> nn.Module:
-    """A Llama built from a config, nothing downloaded: 4 query heads and 2 key/value heads (grouped-query
-    attention), so a tensor-parallel size of 2 gives each rank 2 query heads and their 1 key/value head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+# The model, data, optimizer and hyper-parameters are those of the Hugging Face tests (tests/test_hf_models.py):
+# a Llama with 4 query heads and 2 key/value heads (grouped-query attention), so a tensor-parallel size of 2 gives
+# each rank 2 query heads and their 1 key/value head; SGD with momentum, STEPS steps of ACCUM micro-batches, each
+# step clipped.
 
 
 def parallelize_llama(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -68,54 +54,15 @@ def parallelize_llama(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------- training, shared by CPU and CUDA
-# fp32, SGD with momentum, STEPS optimizer steps of ACCUM micro-batches each, clipped to MAX_NORM (below every
-# step's gradient norm, so clipping acts on every step).
-STEPS, ACCUM = 3, 2
-GLOBAL_BATCH, SEQ = 4, 8  # sequences per global micro-batch, tokens per sequence
-MAX_NORM = 0.5
-LR, MOMENTUM = 0.5, 0.9
-PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % VOCAB  # input of the logits comparison
-
-
-def data() -> torch.Tensor:
-    """Every global micro-batch: (STEPS, ACCUM, GLOBAL_BATCH, SEQ) token ids."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (STEPS, ACCUM, GLOBAL_BATCH, SEQ), generator=g)
-
-
-def optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-
-
 def _logits(model: nn.Module, device: torch.device) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=PROBE.to(device), use_cache=False).logits.detach().cpu()
 
 
-def reference(device: str = "cpu") -> dict:
-    """One process, plain torch and transformers, on the whole global batch of every micro-batch."""
-    model = tiny_llama().to(device)
-    initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    opt = optimizer(model.parameters())
-    ids = data().to(device)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            x = ids[step, micro]
-            loss = model(input_ids=x, labels=x, use_cache=False).loss / ACCUM
-            loss.backward()
-            losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return {
-        "params": params,
-        "losses": losses,
-        "norms": norms,
-        "logits": _logits(model, device),
-        "initial": initial,
-    }
+def reference() -> dict:
+    """One process on the CPU, plain torch and transformers, on the whole global batch of every micro-batch
+    (test_hf_models.reference), with the initial weights."""
+    return {**_hf_reference("llama"), "initial": tiny_llama().state_dict()}
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -240,7 +187,7 @@ def loom_case(accelerator: str, world_size: int, tp: int) -> dict:
     model = loom.setup_module(tiny_llama().to(loom.device))
     opt = loom.setup_optimizers(optimizer(model.parameters()))
     # The global micro-batches in order; each data-parallel rank reads its share of every one.
-    sequences = data().reshape(-1, SEQ)
+    sequences = data().flatten(0, 2)  # (sequences, tokens)
     loader = loom.setup_dataloaders(DataLoader(sequences, batch_size=GLOBAL_BATCH // (world_size // tp)))
     batches = iter(loader)
     losses, norms = [], []
