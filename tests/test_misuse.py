@@ -306,6 +306,11 @@ def _keep(model: nn.Module, device_mesh: Any) -> nn.Module:
     return model
 
 
+@mistake(ConfigurationError, "ModelParallelStrategy needs your parallelize_fn", "Pass an instance")
+def model_parallel_as_a_string(tmp: Path) -> None:
+    cpu(devices=2, strategy="model_parallel")
+
+
 @mistake(
     ConfigurationError,
     "makes a mesh of 3 x 2 = 6 ranks, but this job has 2 processes",

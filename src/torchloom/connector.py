@@ -40,6 +40,12 @@ FABRIC_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 REFUSED_STRATEGIES = {
     "dp": "DataParallel is not supported. Use strategy='ddp'.",
+    # As in Fabric, the strategy needs the user's function: only an instance makes sense.
+    "model_parallel": (
+        "ModelParallelStrategy needs your parallelize_fn. Pass an instance: "
+        "strategy=ModelParallelStrategy(parallelize_fn, data_parallel_size=..., tensor_parallel_size=...) "
+        "(from torchloom.strategies)."
+    ),
 }
 
 # name -> "module:Class", imported on use so that `import torchloom` stays light.

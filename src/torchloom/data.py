@@ -49,6 +49,17 @@ def move_to_device(data: Any, device: torch.device) -> Any:
     )
 
 
+def gather_per_replica(
+    gather: Callable[[Any], list[Any]], replica: int, replicas: int, obj: Any
+) -> list[Any]:
+    """Every data-parallel replica's `obj`, in replica order, through `gather` over all ranks. The ranks of one
+    replica (a tensor-parallel group) read the same data, so any one of them stands for it."""
+    out: list[Any] = [None] * replicas
+    for r, value in gather((replica, obj)):
+        out[r] = value
+    return out
+
+
 class ResumableSampler(DistributedSampler):
     """`DistributedSampler` (same order, padding and dropping, same `set_epoch`) that can start an epoch after
     the first `start` samples of its global order, and that works in one process too."""

@@ -25,7 +25,7 @@ from torchloom._layout import clean_name
 from torchloom._torch_compat import compiled_parts
 from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
-from torchloom.data import loader_seed
+from torchloom.data import gather_per_replica, loader_seed
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import (
@@ -543,6 +543,9 @@ class Loom:
         # seeds: the data is split over the data-parallel ranks only.
         split = self._strategy.distributed_sampler_kwargs
         replicas, rank = split["num_replicas"], split["rank"]
+        gather = self._strategy.all_gather_object
+        if replicas != self.world_size:  # an iterable dataset's position: one per replica
+            gather = functools.partial(gather_per_replica, gather, rank, replicas)
         for loader in dataloaders:
             if not isinstance(loader, DataLoader):
                 raise MisuseTypeError(
@@ -561,7 +564,7 @@ class Loom:
                     self.device if move_to_device else None,
                     replicas,
                     rank=rank,
-                    all_gather_object=self._strategy.all_gather_object,
+                    all_gather_object=gather,
                 )
             )
         return out[0] if len(out) == 1 else tuple(out)

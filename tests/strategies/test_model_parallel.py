@@ -66,6 +66,24 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
+class Counting(torch.utils.data.IterableDataset):
+    """0, 1, 2, ... from `start`, with its position as state (each data-parallel rank starts elsewhere)."""
+
+    def __init__(self, start: int) -> None:
+        self.position = start
+
+    def __iter__(self):
+        while True:
+            self.position += 1
+            yield self.position - 1
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
 def parallelize(model: Net, device_mesh, shard: bool = True, **unit_kwargs) -> Net:
     """Fabric-style: a tensor-parallel plan for attention and MLP, then (with `shard`) fully_shard per block."""
     from torch.distributed.fsdp import fully_shard
@@ -232,14 +250,26 @@ def _options_body(rank: int, world_size: int) -> dict:
     opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
     out["hsdp_norms"] = _train(loom, model, opt)
     out["hsdp"] = full_params(model)
+    # ---- HSDP with tensor parallel: replicate 2 x shard 1 x tp 2 ---------------------------------------------------
+    loom = _launch(2, 2, data_parallel_replicate_size=2)
+    torch.manual_seed(rank)
+    model = loom.setup_module(Net())
+    opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    out["hsdp_tp_split"] = loom.strategy.distributed_sampler_kwargs
+    out["hsdp_tp_norms"] = _train(loom, model, opt)
+    out["hsdp_tp"] = full_params(model)
     # ---- bf16-mixed through FSDP2's MixedPrecisionPolicy (unit_kwargs) -------------------------------------------
     loom = _launch(2, 2, precision="bf16-mixed")
     torch.manual_seed(0)
     model = loom.setup_module(Net())
     out["bf16_policy"] = str(model.module.blocks[0]._get_fsdp_state()._mp_policy.param_dtype)
     opt = loom.setup_optimizers(make_optimizer(model.parameters(), "sgd"))
+    seen: list = []
+    model.module.blocks[0].up.register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
     out["bf16_norms"] = _train(loom, model, opt)
     out["bf16"] = full_params(model)
+    out["bf16_seen"] = set(seen)
+    out["bf16_master"] = {p.dtype for p in model.parameters()}
     # ---- 16-mixed: torchloom's agreed scaler; parity, then an inf in one rank's shard skips the step everywhere -
     loom = _launch(2, 2, precision="16-mixed")
     torch.manual_seed(0)
@@ -299,6 +329,16 @@ def _body(rank: int, world_size: int) -> dict:
     dataset = torch.utils.data.TensorDataset(torch.arange(16))
     loader = loom.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True))
     out["batches"] = [batch[0].tolist() for batch in loader]
+    # ---- an iterable dataset's position: one per data-parallel replica, and it loads back --------------------------
+    dp_rank = out["split"]["rank"]
+    stream = loom.setup_dataloaders(torch.utils.data.DataLoader(Counting(100 * dp_rank), batch_size=2))
+    batches = iter(stream)
+    out["stream_first"] = [next(batches).tolist() for _ in range(2)]
+    state = stream.state_dict()
+    out["stream_state"] = state
+    again = loom.setup_dataloaders(torch.utils.data.DataLoader(Counting(-1), batch_size=2))
+    again.load_state_dict(state)
+    out["stream_resumed"] = next(iter(again)).tolist()
     # ---- a parallelize_fn that forgets to return the model --------------------------------------------------------
     try:
         ModelParallelStrategy(lambda m, mesh: None, 2, 2)  # constructing is fine; setup refuses
@@ -374,6 +414,17 @@ def test_data_split_over_data_parallel_ranks_only(results):
     assert batches[0] == batches[1] and batches[2] == batches[3]  # one tensor-parallel group: the same batch
     seen = sorted(i for b in batches[0] + batches[2] for i in b)
     assert seen == list(range(16))  # the two data-parallel ranks: every sample once
+
+
+def test_iterable_dataset_position_is_one_per_data_parallel_replica(results):
+    for rank, result in enumerate(results):
+        dp_rank = rank // 2
+        assert result["stream_first"] == [[100 * dp_rank + i, 100 * dp_rank + i + 1] for i in (0, 2)]
+        state = result["stream_state"]
+        assert state["world_size"] == 2  # the replicas, not the 4 ranks
+        assert [p["position"] for p in state["iterable_dataset_ranks"]] == [4, 104]
+        # Loaded back at the same layout, each rank continues its own replica's stream.
+        assert result["stream_resumed"] == [100 * dp_rank + 4, 100 * dp_rank + 5]
 
 
 def test_parallelize_fn_returning_nothing_is_refused(results):
@@ -492,19 +543,27 @@ def test_hsdp_replicate_times_shard_parity(options):
         _assert_fp32_parity(result["hsdp"], result["hsdp_norms"], expected, norms, rank)
 
 
+def test_hsdp_with_tensor_parallel_parity(options):
+    expected, norms = reference()
+    for rank, result in enumerate(options):
+        assert result["hsdp_tp_split"] == {"num_replicas": 2, "rank": rank // 2}
+        _assert_fp32_parity(result["hsdp_tp"], result["hsdp_tp_norms"], expected, norms, rank)
+
+
 def test_bf16_mixed_through_fsdp2_mixed_precision_policy(options):
     expected, norms = reference(autocast=torch.bfloat16, optimizer="sgd")
-    fp32, _ = reference(optimizer="sgd")
     moved = _largest_gap(expected, initial())
-    bf16_effect = _largest_gap(fp32, expected)
-    assert moved > 0.02, moved
+    assert moved > 0.1, moved
     for rank, result in enumerate(options):
         assert result["bf16_policy"] == "torch.bfloat16"
-        # bf16 rounds differently in the units (parameters cast) than autocast does: judged against movement.
+        # The units computed with bf16 weights (the policy's cast, not just autocast) over fp32 master weights.
+        assert result["bf16_seen"] == {(torch.bfloat16, torch.bfloat16)}
+        assert result["bf16_master"] == {torch.float32}
+        # bf16 rounds differently in the units (whole parameters cast) than autocast does (matmul inputs): the
+        # gap is judged against how far training moved the weights (measured: 0.5% of it).
         gap = _largest_gap(result["bf16"], expected)
-        assert gap < 0.1 * moved, (rank, gap, moved)
-        assert _largest_gap(result["bf16"], fp32) > 0.3 * bf16_effect, (rank, bf16_effect)
-        assert result["bf16_norms"] == pytest.approx(norms, rel=0.02)
+        assert gap < 0.02 * moved, (rank, gap, moved)
+        assert result["bf16_norms"] == pytest.approx(norms, rel=0.01)
 
 
 def test_fp16_mixed_with_the_agreed_scaler(options):

@@ -9,7 +9,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -139,19 +138,25 @@ class FSDP2Strategy(ShardedStrategy):
             unit.module.set_requires_gradient_sync(False)
             stack.callback(unit.module.set_requires_gradient_sync, True)
 
-    def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
-        from torch.distributed.tensor import DTensor, Shard
+    def _shard_groups(self, module: nn.Module) -> dict[int, Any]:
+        """id(parameter) -> the groups of the mesh dims its gradient is split over, in mesh order (a local norm
+        summed over each in turn is summed over their product: tensor parallel inside FSDP2 has two); absent:
+        replicated everywhere."""
+        from torch.distributed.tensor import DTensor
 
-        groups: dict[int, dist.ProcessGroup] = {}
-        for p in module.parameters():
+        groups: dict[int, Any] = {}
+        for name, p in module.named_parameters():
             if not isinstance(p, DTensor):
                 continue
-            shard_dims = [i for i, placement in enumerate(p.placements) if isinstance(placement, Shard)]
-            if len(shard_dims) != 1:
+            if any(pl.is_partial() for pl in p.placements):
                 raise NotImplementedError(
-                    f"Clipping supports parameters sharded over one mesh dimension; got placements {p.placements}."
+                    f"Clipping a parameter with Partial placement: {name} {p.placements}."
                 )
-            groups[id(p)] = p.device_mesh.get_group(shard_dims[0])
+            # Anything but Replicate splits the tensor: Shard, and the _StridedShard that fully_shard puts over a
+            # tensor-parallel Shard of the same dim (which is no Shard subclass).
+            dims = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
+            if dims:
+                groups[id(p)] = tuple(p.device_mesh.get_group(i) for i in dims)
         return groups
 
     # ---- meta-device initialisation --------------------------------------------------------------------------

@@ -122,7 +122,10 @@ class ModelParallelStrategy(FSDP2Strategy):
     def validate(self) -> None:
         super().validate()
         dp, tp, world = self.data_parallel_size, self.tensor_parallel_size, self.world_size
-        given = f"data_parallel_size={self._data_parallel_option!r}, tensor_parallel_size={self._tensor_parallel_option!r}"
+        given = (
+            f"data_parallel_size={self._data_parallel_option!r}, "
+            f"tensor_parallel_size={self._tensor_parallel_option!r}"
+        )
         if dp * tp != world:
             fix = (
                 f"tensor_parallel_size={world // dp}"
@@ -241,27 +244,6 @@ class ModelParallelStrategy(FSDP2Strategy):
             )
         plain = [(name, p) for name, p in layout.leftovers if not isinstance(p, DTensor)]
         super()._replicate_leftovers(module, replace(layout, leftovers=plain))
-
-    # ---- clipping: DTensors on different meshes and placements -------------------------------------------------
-    def _shard_groups(self, module: nn.Module) -> dict[int, Any]:
-        """id(parameter) -> the groups of the mesh dims its gradient is sharded over, in mesh order (a local
-        norm summed over each in turn is summed over their product); absent: replicated everywhere."""
-        from torch.distributed.tensor import DTensor
-
-        groups: dict[int, Any] = {}
-        for name, p in module.named_parameters():
-            if not isinstance(p, DTensor):
-                continue
-            if any(pl.is_partial() for pl in p.placements):
-                raise NotImplementedError(
-                    f"Clipping a parameter with Partial placement: {name} {p.placements}."
-                )
-            # Anything but Replicate splits the tensor: Shard, and the _StridedShard that fully_shard puts over a
-            # tensor-parallel Shard of the same dim (which is no Shard subclass).
-            dims = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
-            if dims:
-                groups[id(p)] = tuple(p.device_mesh.get_group(i) for i in dims)
-        return groups
 
 
 def _is_plain(t: torch.Tensor) -> bool:
