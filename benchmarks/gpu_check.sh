@@ -5,8 +5,11 @@
 #      on 1 and 2 GPUs, hand-made units, offload placement, the desync report under NCCL (its watchdog thread
 #      on its rank's GPU, tests/gpu/test_watchdog_device.py),
 #      meta init with and without cpu_offload, checkpoints with offload, the leftover sync under NCCL;
+#      2-D parallelism on a tiny Llama (tensor parallel 2 + FSDP2, ModelParallelStrategy and raw PyTorch against
+#      one GPU; needs 2 GPUs, skipped with the reason on one: tests/gpu/test_model_parallel_cuda.py);
 #   2. benchmarks/step_overhead.py --device cuda: torchloom's step time against raw PyTorch, on 2 GPUs (1 where
-#      the machine has one: no communication then, but torchloom's own costs on the GPU);
+#      the machine has one: no communication then, but torchloom's own costs on the GPU; the model-parallel
+#      pairs, which need 2, are then skipped);
 #   3. benchmarks/memory.py --device cuda: torch.cuda.max_memory_allocated against the floor, same world size;
 #   4. examples/train_lm.py on the GPU as a user runs it (fsdp2 bf16-mixed, then fsdp 16-mixed resumed from its
 #      checkpoint), with `python examples/train_lm.py` as the README shows;
@@ -40,7 +43,7 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
         -h | --help)
-            sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+            sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
             exit 0
             ;;
         *)

@@ -24,6 +24,17 @@ The model is a stack of blocks, each its own FSDP unit made by hand, and a head 
            leftovers), 3,106 parameter tensors by default; one AdamW group over all of them on the torchloom side
            (it mixes DTensors and plain tensors), one per kind on the raw side. Torch's own per-tensor work (the
            optimizer, FSDP2's copies) grows with the count too: the ratio shows whether torchloom's grows faster.
+    model-parallel
+           2-D parallelism with one `parallelize_fn` on both sides (`_parallelize_net`: tensor parallel 2 inside
+           every block, fc1 split by output features and fc2 by input features, then `fully_shard(block)` over
+           the data-parallel ranks: world / 2 of them, so 1 on 2 ranks); the head stays plain. torchloom
+           ModelParallelStrategy(parallelize_fn) vs raw init_device_mesh + the same function + the head's
+           all-reduce over the data-parallel group (none at 1). The ranks of a tensor-parallel group read the
+           same batch.
+    model-parallel-accum-clip
+           the model-parallel pair with `--accumulate` micro-batches and clipping, as fsdp2-accum-clip; the raw
+           norm groups the gradients by mesh (the blocks' weights live on the 2-D mesh, their LayerNorms on the
+           data-parallel one) and makes each group's norm whole with `full_tensor()`.
 
 The desync record (what `Loom`'s collectives note for the desync report) is timed on its own, per call, against
 each pair's torchloom step, as if the step made RECORDED_PER_STEP Loom collectives (a loss all-reduce and
@@ -78,7 +89,9 @@ from torch import nn  # noqa: E402
 
 ACCUM = "fsdp2-accum-clip"
 MANY = "fsdp2-many-tensors"
-PAIRS = ("fsdp2", "fsdp", "ddp", ACCUM, MANY)
+MP = "model-parallel"
+MP_ACCUM = "model-parallel-accum-clip"
+PAIRS = ("fsdp2", "fsdp", "ddp", ACCUM, MANY, MP, MP_ACCUM)
 MANY_DIM = 16
 
 
@@ -129,11 +142,32 @@ RECORDED_PER_STEP = 2
 RECORD_GOAL = "<= 1.0"  # percent of the step
 
 
-def _allreduce_grads(params: list[nn.Parameter], world: int) -> None:
-    """The raw loop's replicated-gradient sync: one flat all-reduce of every gradient, then average."""
+def _tp_size(world: int) -> int:
+    """The model-parallel pairs' tensor-parallel size (they are skipped on a single GPU)."""
+    return 2
+
+
+def _parallelize_net(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """The model-parallel pairs' `parallelize_fn`, the same on both sides."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, device_mesh["tensor_parallel"], plan)
+        # Explicit, as in the fsdp2 pair: every block is a root here (no unit on the model).
+        fully_shard(block, mesh=device_mesh["data_parallel"], reshard_after_forward=True)
+    return model
+
+
+def _allreduce_grads(params: list[nn.Parameter], world: int, group: Any = None) -> None:
+    """The raw loop's replicated-gradient sync: one flat all-reduce of every gradient over `group` (of `world`
+    ranks), then average."""
+    if world == 1:
+        return
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     flat.div_(world)
     offset = 0
     for g in grads:
@@ -143,16 +177,23 @@ def _allreduce_grads(params: list[nn.Parameter], world: int) -> None:
 
 def _clip_by_global_norm(sharded: list[nn.Parameter], replicated: list[nn.Parameter], max_norm: float) -> Any:
     """The raw loop's clipping for sharded blocks plus a replicated head: the blocks' norm is a DTensor (each
-    rank holds a partial sum) made whole with one all-reduce; the head's gradient is the same on every rank."""
+    rank holds a partial sum) made whole with one all-reduce per mesh (2-D parallelism puts the blocks'
+    parameters on two); the head's gradient is the same on every rank."""
     from torch.distributed.tensor import DTensor
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-    sharded_norm = get_total_norm([p.grad for p in sharded if p.grad is not None])
-    if isinstance(sharded_norm, DTensor):
-        sharded_norm = sharded_norm.full_tensor()
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for p in sharded:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for params in by_mesh.values():
+        norm = get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     head_norm = get_total_norm([p.grad for p in replicated if p.grad is not None])
-    total = torch.sqrt(sharded_norm**2 + head_norm**2)
-    clip_grads_with_norm_(sharded, max_norm, total)
+    total = torch.sqrt(sum(squares) + head_norm**2)
+    for params in by_mesh.values():
+        clip_grads_with_norm_(params, max_norm, total)
     clip_grads_with_norm_(replicated, max_norm, total)
     return total
 
@@ -163,15 +204,24 @@ def _broadcast(params: list[torch.Tensor]) -> None:
             dist.broadcast(p, src=0)
 
 
-def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _strategy(pair: str, world: int) -> Any:
+    from torchloom.strategies import ModelParallelStrategy
+
+    if pair in (MP, MP_ACCUM):
+        tp = _tp_size(world)
+        return ModelParallelStrategy(
+            parallelize_fn=_parallelize_net, data_parallel_size=world // tp, tensor_parallel_size=tp
+        )
+    return "fsdp2" if pair in (ACCUM, MANY) else pair
+
+
+def _torchloom_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[Any, Any, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import wrap
 
     from torchloom import Loom
 
-    loom = Loom(
-        accelerator=cfg["device"], devices="auto", strategy="fsdp2" if pair in (ACCUM, MANY) else pair
-    )
+    loom = Loom(accelerator=cfg["device"], devices="auto", strategy=_strategy(pair, world))
     loom.launch()
     torch.manual_seed(0)
     if pair == "fsdp":
@@ -187,16 +237,29 @@ def _torchloom_side(pair: str, cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     return loom, model, optimizer
 
 
-def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, Any, list[nn.Parameter]]:
+def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, Any, list[nn.Parameter], Any]:
+    """The raw model, its optimizer, the parameters outside every unit (whose gradients the raw loop averages)
+    and the data-parallel group they are averaged over (None: every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
     device = _device(cfg)
     torch.manual_seed(0)
     model = _model(pair, cfg).to(device)
     replicated: list[nn.Parameter] = []
-    if pair in ("fsdp2", ACCUM, MANY):
+    dp_mesh = None
+    if pair in (MP, MP_ACCUM):
+        tp = _tp_size(world)
+        mesh = init_device_mesh(
+            device.type, (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
+        )
+        forward = _parallelize_net(model, mesh)
+        replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        _broadcast(replicated)
+        dp_mesh = mesh["data_parallel"]
+    elif pair in ("fsdp2", ACCUM, MANY):
         mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             # Explicit: left at its default, a unit that is a root (no root unit here) keeps its parameters
@@ -219,15 +282,17 @@ def _raw_side(pair: str, cfg: dict[str, Any], world: int) -> tuple[nn.Module, An
     kept = {id(p) for p in replicated}
     rest = [p for p in forward.parameters() if id(p) not in kept]
     optimizer = torch.optim.AdamW([{"params": rest}, {"params": replicated}] if replicated else rest, lr=1e-4)
-    return forward, optimizer, replicated
+    return forward, optimizer, replicated, dp_mesh
 
 
 def _measure_pair(
     pair: str, cfg: dict[str, Any], world: int, x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, Any]:
-    loom, lmodel, lopt = _torchloom_side(pair, cfg)
-    rmodel, ropt, replicated = _raw_side(pair, cfg, world)
+    loom, lmodel, lopt = _torchloom_side(pair, cfg, world)
+    rmodel, ropt, replicated, dp_mesh = _raw_side(pair, cfg, world)
     device = _device(cfg)
+    # The head's gradients are averaged over the data-parallel ranks: every rank, or one mesh dimension's.
+    sync = (world, None) if dp_mesh is None else (dp_mesh.size(), dp_mesh.get_group())
 
     def loom_step() -> None:
         loss = nn.functional.mse_loss(lmodel(x), y)
@@ -239,28 +304,29 @@ def _measure_pair(
         loss = nn.functional.mse_loss(rmodel(x), y)
         loss.backward()
         if replicated:
-            _allreduce_grads(replicated, world)
+            _allreduce_grads(replicated, *sync)
         ropt.step()
         ropt.zero_grad()
 
-    if pair == ACCUM:
+    if pair in (ACCUM, MP_ACCUM):
         loom_step, raw_step = _accumulating_steps(
-            cfg["accumulate"], lmodel, lopt, loom, rmodel, ropt, replicated, world, x, y
+            cfg["accumulate"], lmodel, lopt, loom, rmodel, ropt, replicated, sync, x, y
         )
 
     def timed(step: Any) -> Any:
-        def measure() -> tuple[float, float]:
+        def measure() -> tuple[float, float, float]:
             # The median of single steps: a step that another job on the machine preempted is dropped.
             dist.barrier()
-            wall, cpu = [], []
+            wall, cpu, thread = [], [], []
             synchronize(device)
             for _ in range(cfg["steps"]):
-                start, start_cpu = time.perf_counter(), time.process_time()
+                start, start_cpu, start_thread = time.perf_counter(), time.process_time(), time.thread_time()
                 step()
                 synchronize(device)  # a GPU step is done when its kernels are
                 wall.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
-            return median(wall), median(cpu)
+                thread.append(time.thread_time() - start_thread)
+            return median(wall), median(cpu), median(thread)
 
         return measure
 
@@ -280,11 +346,11 @@ def _accumulating_steps(
     rmodel: nn.Module,
     ropt: Any,
     replicated: list[nn.Parameter],
-    world: int,
+    sync: tuple[int, Any],
     x: torch.Tensor,
     y: torch.Tensor,
 ) -> tuple[Any, Any]:
-    """The ACCUM pair's two steps: `accumulate` micro-batches, sync on the last, clip to norm 1, AdamW."""
+    """The accumulating pairs' two steps: `accumulate` micro-batches, sync on the last, clip to norm 1, AdamW."""
     micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
     head = {id(p) for p in replicated}
     sharded = [p for p in rmodel.parameters() if id(p) not in head]
@@ -304,7 +370,7 @@ def _accumulating_steps(
             for block in rmodel.blocks:
                 block.set_requires_gradient_sync(last)
             (nn.functional.mse_loss(rmodel(xi), yi) / accumulate).backward()
-        _allreduce_grads(replicated, world)
+        _allreduce_grads(replicated, *sync)
         norms["raw"] = _clip_by_global_norm(sharded, replicated, 1.0)
         ropt.step()
         ropt.zero_grad()
@@ -366,9 +432,12 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     x, y = (t.to(device) for t in batch(rank, cfg["tokens"], cfg["dim"]))
     many = tuple(t.to(device) for t in batch(rank, cfg["tokens"], MANY_DIM))
+    # A tensor-parallel group reads its data-parallel rank's batch.
+    same_in_tp_group = tuple(t.to(device) for t in batch(rank // _tp_size(world), cfg["tokens"], cfg["dim"]))
+    inputs = {MANY: many, MP: same_in_tp_group, MP_ACCUM: same_in_tp_group}
     results: dict[str, Any] = {}
     for pair in cfg["pairs"]:
-        results[pair] = _measure_pair(pair, cfg, world, *(many if pair == MANY else (x, y)))
+        results[pair] = _measure_pair(pair, cfg, world, *inputs.get(pair, (x, y)))
         dist.barrier()
     results["record"] = _record_cost(min(cfg["repeats"], 20))
     return results
@@ -399,12 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_device(parser, args.device, args.world)
     if args.tiny:
-        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 8, 32, 3, 2, 1
+        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 2, 32, 3, 2, 1
         args.many_blocks, args.many_experts, args.many_adapters = 4, 8, 2
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
         parser.error(f"unknown pairs {unknown}; choose from {PAIRS}")
+    skipped = [p for p in pairs if p in (MP, MP_ACCUM) and args.world < 2]
+    pairs = [p for p in pairs if p not in skipped]
     where = "2 CPU ranks (gloo), 1 thread each" if args.device == "cpu" else f"{args.world} GPU(s) (NCCL)"
     header(f"Step overhead: torchloom vs raw PyTorch, {where}", args)
     print(
@@ -420,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             f"leftover layers per block, width {MANY_DIM}: {_many_tensors(cfg)} parameter tensors",
             flush=True,
         )
+    if skipped:
+        print(f"# skipped {', '.join(skipped)}: tensor parallelism needs 2 ranks, this run has 1", flush=True)
     cfg["pairs"] = pairs
     cfg["device"] = args.device
     per_rank = run_ranks(_rank, cfg, world_size=args.world, device=args.device)
@@ -427,12 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     rows, out, record_rows = [], [], []
     for pair in pairs:
         # A repeat's wall time is the slower rank's (the step is done when both are); CPU time (all threads of
-        # the process) is summed over ranks: it counts work done and is less disturbed by other jobs.
+        # the process) is summed over ranks: it counts work done and is less disturbed by other jobs. The main
+        # thread's CPU time leaves out the communication threads (gloo's, NCCL's): the Python and the compute
+        # each side issues itself.
         def series(side: str, index: int, combine: Any, pair: str = pair) -> list[float]:
             return [combine(r[pair][side][i][index] for r in per_rank) for i in range(args.repeats)]
 
         loom_t, raw_t = series("torchloom", 0, max), series("raw", 0, max)
         loom_c, raw_c = series("torchloom", 1, sum), series("raw", 1, sum)
+        loom_m, raw_m = series("torchloom", 2, sum), series("raw", 2, sum)
         own = max(r[pair]["own_python"] for r in per_rank)
         rows.append(
             [
@@ -441,10 +517,11 @@ def main(argv: list[str] | None = None) -> int:
                 summary([t * 1e3 for t in raw_t], "{:.1f}"),
                 summary(ratios(loom_t, raw_t)),
                 summary(ratios(loom_c, raw_c)),
+                summary(ratios(loom_m, raw_m)),
                 f"{own * 1e6:.0f} ({own / median(loom_t) * 100:.2f}%)",
             ]
         )
-        out.append((pair, ratios(loom_t, raw_t), ratios(loom_c, raw_c)))
+        out.append((pair, ratios(loom_t, raw_t), ratios(loom_c, raw_c), ratios(loom_m, raw_m)))
         record_rows.append((pair, [100 * RECORDED_PER_STEP * c / median(loom_t) for c in record]))
     print()
     print(
@@ -455,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                 "raw ms/step",
                 "wall ratio",
                 "cpu-time ratio",
+                "main-thread cpu ratio",
                 "torchloom's own Python us/step",
             ],
             rows,
@@ -466,9 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     results = []
-    for pair, wall, cpu in out:
+    for pair, wall, cpu, thread in out:
         results.append(ratio_line(f"step_time {pair} torchloom/raw", wall, GOAL))
         results.append(ratio_line(f"step_cpu_time {pair} torchloom/raw", cpu, GOAL))
+        results.append(ratio_line(f"step_thread_cpu_time {pair} torchloom/raw", thread, GOAL))
     for pair, fractions in record_rows:
         results.append(ratio_line(f"desync_record {pair} percent_of_step", fractions, RECORD_GOAL))
     write_json(args.json, {"benchmark": "step_overhead", "settings": vars(args), "ratios": results})

@@ -3,11 +3,17 @@
     python examples/train_lm.py                                 # 2 CPU processes, fsdp2 (what `make demo` runs)
     python examples/train_lm.py --flavour fsdp --precision bf16-mixed
     python examples/train_lm.py --devices 1 --resume            # continue the latest checkpoint, on 1 process
+    python examples/train_lm.py --devices 4 --tp 2              # 2-D: tensor parallel 2 x data parallel 2
 
 Every transformer block is one FSDP unit, made by hand (`shard()` below): `fully_shard(block)` for fsdp2,
 `wrap(block)` for fsdp. The token embedding and the output head stay outside every unit, so torchloom replicates
 them on every rank and keeps their gradients in sync, like DDP. The text is the Python standard library's own
 source code, which every machine with Python has; nothing is downloaded.
+
+--tp N adds tensor parallelism (torchloom's ModelParallelStrategy): `parallelize()` below splits every block's
+attention and MLP over N ranks (Megatron-style: q/k/v and the MLP's first layer by output features, the
+projections after them by input features), then makes each block an FSDP2 unit over the data-parallel ranks
+(--devices / N of them). The ranks of one tensor-parallel group read the same batch.
 
 --batch-size is the global batch (sequences per micro-batch, summed over ranks), so a run resumed with another
 --devices reads exactly the global batches the uninterrupted run would have read.
@@ -28,11 +34,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import wrap
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset
 
 import torchloom
 from torchloom import Loom
 from torchloom.loggers import CSVLogger, TensorBoardLogger
+from torchloom.strategies import ModelParallelStrategy
 
 # ---- settings -------------------------------------------------------------------------------------------------
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,6 +48,9 @@ parser.add_argument("--devices", default="2", help="processes (CPU) or GPUs")
 parser.add_argument("--accelerator", default="cpu")
 parser.add_argument(
     "--flavour", choices=("fsdp2", "fsdp"), default="fsdp2", help="which FSDP shards the blocks"
+)
+parser.add_argument(
+    "--tp", type=int, default=None, help="tensor-parallel size (2-D parallelism; --devices must divide by it)"
 )
 parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed")
 parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -63,6 +74,7 @@ parser.add_argument("--stop-at", type=int, default=None, help="stop after this s
 parser.add_argument(
     "--text-bytes", type=int, default=400_000, help="how much standard-library source to read"
 )
+parser.add_argument("--sample-bytes", type=int, default=200, help="length of the sample generated at the end")
 parser.add_argument("--seed", type=int, default=1337)
 args = parser.parse_args()
 
@@ -107,9 +119,13 @@ class GPTConfig:
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.ln1 = nn.LayerNorm(config.n_embd)
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        # Separate projections (not one fused qkv): tensor parallelism splits each by output features, giving
+        # every rank whole heads of q, k and v alike.
+        self.q = nn.Linear(config.n_embd, config.n_embd)
+        self.k = nn.Linear(config.n_embd, config.n_embd)
+        self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.ln2 = nn.LayerNorm(config.n_embd)
         self.mlp = nn.Sequential(
@@ -119,11 +135,12 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: under tensor parallelism a rank's q, k and v hold only its own heads.
+        q, k, v = (z(h).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 
@@ -143,6 +160,44 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def parallelize(model: GPT, device_mesh) -> GPT:
+    """--tp's `parallelize_fn`: `loom.setup_module` calls it with the 2-D mesh ("data_parallel",
+    "tensor_parallel"). Each block's attention needs one all-reduce over its tensor-parallel group (after proj),
+    its MLP another (after mlp.2). tok, pos, ln_f and head stay plain: torchloom replicates them."""
+    plan = {
+        "q": ColwiseParallel(),
+        "k": ColwiseParallel(),
+        "v": ColwiseParallel(),
+        "proj": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    }
+    for block in model.blocks:
+        parallelize_module(block, device_mesh["tensor_parallel"], plan)
+        fully_shard(block, **loom.strategy.unit_kwargs())  # the data-parallel mesh and the precision's policy
+    return model
+
+
+def make_strategy():
+    """--flavour's strategy name; with --tp, the model-parallel strategy with `parallelize` on a (devices / tp) x
+    tp mesh."""
+    if args.tp is None:
+        return args.flavour
+    if args.flavour != "fsdp2":
+        parser.error("--tp shards the blocks with FSDP2: leave --flavour at fsdp2")
+    if not args.devices.isdigit() or int(args.devices) % args.tp:
+        parser.error(f"--devices {args.devices} must be a number of processes divisible by --tp {args.tp}")
+    if args.n_head % args.tp:
+        parser.error(
+            f"--n-head {args.n_head} must be divisible by --tp {args.tp}: each rank takes whole heads"
+        )
+    return ModelParallelStrategy(
+        parallelize_fn=parallelize,
+        data_parallel_size=int(args.devices) // args.tp,
+        tensor_parallel_size=args.tp,
+    )
+
+
 # ---- setup ----------------------------------------------------------------------------------------------------
 out_dir = Path(args.out_dir)
 loggers = [CSVLogger(out_dir, name="logs", append=args.resume)]
@@ -153,13 +208,15 @@ except ImportError:
 loom = Loom(
     accelerator=args.accelerator,
     devices=args.devices,
-    strategy=args.flavour,
+    strategy=make_strategy(),
     precision=args.precision,
     loggers=loggers,
 )
-if args.batch_size % loom.world_size:
+data_parallel = loom.world_size // (args.tp or 1)  # the ranks of a tensor-parallel group read the same batch
+if args.batch_size % data_parallel:
     parser.error(
-        f"--batch-size {args.batch_size} (the global batch) must be divisible by {loom.world_size} ranks"
+        f"--batch-size {args.batch_size} (the global batch) must be divisible by {data_parallel} ranks"
+        + (" (the data-parallel ones: --devices / --tp)" if args.tp else "")
     )
 loom.launch()
 torchloom.seed_everything(args.seed)  # the same initial weights on every rank, and the data order
@@ -177,8 +234,9 @@ def shard(block: nn.Module) -> nn.Module:
 config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
 with loom.init_module():
     model = GPT(config)
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = shard(block)
+    if args.tp is None:  # under --tp, setup_module calls parallelize()
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = shard(block)
 # The root stays unwrapped: tok, pos, ln_f and head are outside every unit, so torchloom replicates them.
 # setup_module logs the sharding summary (the same text as torchloom.describe(model)).
 model = loom.setup_module(model)
@@ -190,9 +248,9 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
 
 text = load_text(args.text_bytes)
 split = int(0.9 * len(text))
-# Each rank reads batch_size / world_size sequences of every global batch. drop_last: every global batch is full,
+# Each rank reads batch_size / data_parallel sequences of every global batch. drop_last: every global batch is full,
 # so they are the same batches at any world size.
-per_rank = args.batch_size // loom.world_size
+per_rank = args.batch_size // data_parallel
 train_loader, val_loader = loom.setup_dataloaders(
     DataLoader(Windows(text[:split], args.block_size), batch_size=per_rank, shuffle=True, drop_last=True),
     DataLoader(Windows(text[split:], args.block_size), batch_size=per_rank, drop_last=True),
@@ -295,5 +353,7 @@ def generate(prompt: bytes, length: int) -> bytes:
     return bytes(idx[0].tolist())
 
 
-sample = generate(b"def ", 200)  # every rank runs the forward: the sharded blocks need all of them
+sample = generate(
+    b"def ", args.sample_bytes
+)  # every rank runs the forward: the sharded blocks need all of them
 loom.print("sample:\n" + sample.decode("utf-8", errors="replace"))

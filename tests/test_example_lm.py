@@ -58,13 +58,27 @@ def _curve(out_dir, key: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r[key])) for r in _rows(out_dir) if r[key]]
 
 
+def _assert_same_curve(expected_dir, got_dir) -> None:
+    """The same logged steps, and values equal up to the order of summation (fp32)."""
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        expected, got = _curve(expected_dir, key), _curve(got_dir, key)
+        assert [s for s, _ in got] == [s for s, _ in expected], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-4), key
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted 2-process run, and one stopped after its checkpoint at step 3 (fsdp2)."""
-    root = tmp_path_factory.mktemp("lm")
-    whole, stopped = root / "whole", root / "stopped"
+def whole(tmp_path_factory):
+    """An uninterrupted 2-process run (fsdp2)."""
+    whole = tmp_path_factory.mktemp("lm") / "whole"
     out = _run(whole)
     assert "replicated on every rank" in out and "sample:" in out
+    return whole
+
+
+@pytest.fixture(scope="module")
+def runs(whole, tmp_path_factory):
+    """The uninterrupted run, and one stopped after its checkpoint at step 3 (fsdp2)."""
+    stopped = tmp_path_factory.mktemp("lm") / "stopped"
     _run(stopped, "--stop-at", "3")
     assert (stopped / "checkpoint").is_dir()  # sharded
     return whole, stopped
@@ -97,10 +111,7 @@ def test_resume_at_another_world_size_continues_the_curve(runs, tmp_path, device
     shutil.copytree(stopped, split)
     resumed = _run(split, "--resume", devices=devices)
     assert "at step 3" in resumed and f"({devices} rank" in resumed
-    for key in ("train_loss", "val_loss", "grad_norm"):
-        expected, got = _curve(whole, key), _curve(split, key)
-        assert [s for s, _ in got] == [s for s, _ in expected], key
-        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-4), key
+    _assert_same_curve(whole, split)
 
 
 def test_global_batch_must_divide_over_the_ranks(tmp_path):
@@ -115,3 +126,21 @@ def test_fsdp1_flavour_trains(tmp_path):
     assert "4 FullyShardedDataParallel unit(s)" not in out and "2 FullyShardedDataParallel unit(s)" in out
     losses = [float(r["val_loss"]) for r in _rows(tmp_path) if r["val_loss"]]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(900)
+def test_tensor_parallel_reproduces_the_fsdp2_curve(whole, tmp_path):
+    # --tp 2 on 4 processes: 2 data-parallel ranks, as in the 2-process fsdp2 run, so the same global batches split
+    # the same way; each block's attention and MLP are split over a tensor-parallel pair of ranks that read the
+    # same batch. The curve is the same up to the order of summation (fp32). A short sample: every token is a
+    # forward with collectives on 4 ranks sharing 2 cores.
+    out = _run(tmp_path, "--tp", "2", "--sample-bytes", "8", devices=4)
+    assert "2 fully_shard unit(s)" in out and "sample:" in out
+    assert (tmp_path / "checkpoint").is_dir()
+    _assert_same_curve(whole, tmp_path)
+
+
+def test_tensor_parallel_size_must_divide_the_devices(tmp_path):
+    result = _job(tmp_path, 3, "--tp", "2")
+    assert result.returncode != 0
+    assert "--devices 3 must be a number of processes divisible by --tp 2" in result.stdout
