@@ -365,6 +365,19 @@ def _body(rank: int, world_size: int) -> dict:
         _launch(2, 2, fn=parallelize_tp_only).setup_module(Net())
     except MisuseError as error:
         out["tp_outside_units_error"] = str(error)
+    # ---- a loader saved at (dp 2, tp 2) resumes at (dp 4, tp 1): the same global batches -------------------------
+    numbers = torch.utils.data.TensorDataset(torch.arange(24))
+    uninterrupted = loom.setup_dataloaders(torch.utils.data.DataLoader(numbers, batch_size=2, shuffle=True))
+    out["uninterrupted"] = [batch[0].tolist() for batch in uninterrupted]
+    saved = loom.setup_dataloaders(torch.utils.data.DataLoader(numbers, batch_size=2, shuffle=True))
+    batches = iter(saved)
+    for _ in range(2):
+        next(batches)
+    state = saved.state_dict()
+    wider = _launch(4, 1)  # twice the data-parallel ranks, half the per-rank batch: the same global batch
+    resumed = wider.setup_dataloaders(torch.utils.data.DataLoader(numbers, batch_size=1, shuffle=True))
+    resumed.load_state_dict(state)
+    out["resumed"] = [batch[0].tolist() for batch in resumed]
     return out
 
 
@@ -414,6 +427,15 @@ def test_data_split_over_data_parallel_ranks_only(results):
     assert batches[0] == batches[1] and batches[2] == batches[3]  # one tensor-parallel group: the same batch
     seen = sorted(i for b in batches[0] + batches[2] for i in b)
     assert seen == list(range(16))  # the two data-parallel ranks: every sample once
+
+
+def test_a_loader_resumes_at_another_data_parallel_degree(results):
+    # Saved after 2 global batches of 4 at (dp 2, tp 2); resumed at (dp 4, tp 1) with a per-rank batch of 1.
+    steps = len(results[0]["uninterrupted"])
+    assert steps == 6 and results[1]["uninterrupted"] == results[0]["uninterrupted"]  # one tp group, one batch
+    expected = [sorted(results[0]["uninterrupted"][s] + results[2]["uninterrupted"][s]) for s in range(2, steps)]
+    got = [sorted(sum((results[r]["resumed"][s] for r in range(4)), [])) for s in range(steps - 2)]
+    assert got == expected
 
 
 def test_iterable_dataset_position_is_one_per_data_parallel_replica(results):
