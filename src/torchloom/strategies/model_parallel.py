@@ -54,7 +54,8 @@ class ModelParallelStrategy(FSDP2Strategy):
             two must be the world size.
         save_distributed_checkpoint: True: each rank writes its shard (a directory); False: rank 0 writes one
             file with the full state.
-        process_group_backend, timeout: see `ParallelStrategy`.
+        process_group_backend: see `ParallelStrategy`.
+        timeout: see `ParallelStrategy`.
         data_parallel_replicate_size: torchloom's addition for HSDP: split the data-parallel ranks into
             `replicate x shard`; the mesh then also has the dims "data_parallel_replicate" and
             "data_parallel_shard" (shard with `fully_shard(mesh=device_mesh["data_parallel_replicate",
