@@ -31,7 +31,8 @@ each pair's torchloom step, as if the step made RECORDED_PER_STEP Loom collectiv
 
 A step is forward, MSE loss, backward (with gradient sync), AdamW step, zero_grad. Both sides of a pair live in
 the same two processes and run alternately (ABBA), `--steps` steps per measurement after warm-up; the ratio
-torchloom/raw is taken per repeat. Goal: median ratio <= 1.03. By default a measurement is one step and there
+torchloom/raw is taken per repeat, of the wall time, of the CPU time of both processes and of the CPU time of
+their main threads (where the Python of both sides runs: the least disturbed by other jobs). Goal: median ratio <= 1.03. By default a measurement is one step and there
 are 80 of them per side: each torchloom step is compared with the raw step right next to it, so the other jobs
 on a shared machine disturb both sides of a ratio alike (blocks of 7 steps per measurement moved the medians
 by +-5% between runs).
