@@ -42,7 +42,8 @@ each pair's torchloom step, as if the step made RECORDED_PER_STEP Loom collectiv
 
 A step is forward, MSE loss, backward (with gradient sync), AdamW step, zero_grad. Both sides of a pair live in
 the same two processes and run alternately (ABBA), `--steps` steps per measurement after warm-up; the ratio
-torchloom/raw is taken per repeat. Goal: median ratio <= 1.03. By default a measurement is one step and there
+torchloom/raw is taken per repeat, of the wall time, of the CPU time of both processes and of the CPU time of
+their main threads (where the Python of both sides runs: the least disturbed by other jobs). Goal: median ratio <= 1.03. By default a measurement is one step and there
 are 80 of them per side: each torchloom step is compared with the raw step right next to it, so the other jobs
 on a shared machine disturb both sides of a ratio alike (blocks of 7 steps per measurement moved the medians
 by +-5% between runs).
@@ -385,12 +386,12 @@ def _accumulating_steps(
 
 def _own_python_time(step: Any, steps: int) -> float:
     """Seconds per step spent in torchloom's own Python code (cProfile's tottime of functions in torchloom's
-    files: not the torch calls they make, which the raw loop makes too). Independent of other jobs on the
-    machine; cProfile inflates it, so it is an upper bound."""
+    files: not the torch calls they make, which the raw loop makes too), timed by the thread's CPU clock so that
+    other jobs on the machine do not count; cProfile inflates it, so it is an upper bound."""
     import torchloom
 
     package = str(Path(torchloom.__file__).resolve().parent)
-    profile = cProfile.Profile()
+    profile = cProfile.Profile(time.thread_time)
     dist.barrier()
     profile.enable()
     for _ in range(steps):

@@ -214,3 +214,82 @@ def test_a_failure_on_one_rank_only_is_an_error_on_the_others(flavour):
     assert r1 == "own: boom in backward", r1
     assert r0.startswith("peer: 1 other rank(s) failed their backward pass"), r0
     assert "retried on every rank or on none" in r0
+
+
+# ---- per-backward host work and the parameter count ---------------------------------------------------------
+class _Sum(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(n))
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
+
+
+class _Wide(nn.Module):
+    """`n` small layers in one FSDP2 unit (made by hand) and `n` small leftover layers outside every unit."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.unit = _Sum(n)
+        self.leftovers = _Sum(n)
+
+    def forward(self, x):
+        return self.leftovers(x + self.unit(x))
+
+
+def _python_work_body(rank: int, world_size: int, n: int) -> dict:
+    """For one backward of `_Wide(n)`: how many times the leftovers' sync tried to launch buckets, and how many
+    Python lines the FSDP2 strategy ran in `_sharded.py` besides its per-parameter gradient hook."""
+    import sys
+
+    from torch.distributed.fsdp import fully_shard
+
+    from torchloom.strategies import _sharded
+
+    launches = []
+    launch = _replicated.ReplicatedGradSync._launch
+
+    def counted(self, *args, **kwargs):
+        launches.append(1)
+        return launch(self, *args, **kwargs)
+
+    _replicated.ReplicatedGradSync._launch = counted
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
+    loom.launch()
+    lines = []
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        if code.co_filename != _sharded.__file__ or code.co_name in ("_mark_grad", "_mark_run"):
+            return None
+        if event == "line":
+            lines.append(1)
+        return tracer
+
+    torch.manual_seed(0)
+    model = _Wide(n)
+    fully_shard(model.unit)
+    model = loom.setup_module(model)
+    loss = model(torch.randn(3, 2)).square().mean()
+    launches.clear()
+    sys.settrace(tracer)
+    try:
+        loom.backward(loss)
+    finally:
+        sys.settrace(None)
+    assert all(p.grad is not None for p in model.parameters())
+    return {"launches": len(launches), "lines": len(lines)}
+
+
+@pytest.mark.timeout(240)
+def test_per_backward_python_work_does_not_grow_with_the_parameter_count():
+    """Issue 24: with thousands of parameter tensors (MoE models) torchloom's host work per backward grew with
+    their count: the FSDP2 gradient-agreement check built, converted and scanned Python lists of one flag per
+    parameter, and every replicated gradient's hook ran the bucket-launch loop. Now the flags are read as a
+    tensor in place (the lines the strategy runs per backward are the same for 20 and 80 unit parameters), and
+    the launch loop runs when a bucket completes and at the round's end (here one bucket: twice)."""
+    small, large = (run_ranks(_python_work_body, 2, n, timeout=150) for n in (10, 40))
+    for few, many in zip(small, large, strict=True):
+        assert few["launches"] == many["launches"] == 2, (few, many)
+        assert few["lines"] == many["lines"], (few, many)

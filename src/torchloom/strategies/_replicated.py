@@ -109,6 +109,8 @@ class ReplicatedGradSync:
         # Gradients become ready roughly in reverse order of definition, as in DDP.
         self.buckets = _buckets(list(reversed(trainable)), bucket_bytes or _BUCKET_BYTES)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        # How a bucket's all-reduced tensor splits: each parameter's gradient, then the flags (see `_launch`).
+        self._splits = [[p.numel() for p in bucket] + [len(bucket) + 1] for bucket in self.buckets]
         # Hooks run on autograd's threads (one per device): the round is shared between them.
         self._lock = threading.Lock()
         self._round: _Round | None = None
@@ -188,12 +190,17 @@ class ReplicatedGradSync:
         return current
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        # Runs once per replicated parameter per backward: kept to a few dictionary and list operations.
         if not self.enabled:
             return
         with self._lock:
-            current = self._plain_round()
-            current.missing[self._bucket_of[id(param)]] -= 1
-            self._launch(current, force=False)
+            current = self._round
+            if current is None or not current.managed:
+                current = self._plain_round()
+            index = self._bucket_of[id(param)]
+            current.missing[index] -= 1
+            if index == current.next and not current.missing[index]:
+                self._launch(current, force=False)  # buckets go strictly in order: only the next one can
 
     def _end_plain_backward(self) -> None:
         current, self._round = self._round, None
@@ -208,21 +215,20 @@ class ReplicatedGradSync:
             force or (current.next < last and current.missing[current.next] == 0)
         ):
             bucket = self.buckets[current.next]
-            if failed:
-                parts = [torch.zeros_like(p).reshape(-1) for p in bucket]
-            else:
-                parts = [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                    for p in bucket
-                ]
+            grads = [None if failed else p.grad for p in bucket]
             # One extra element per parameter records whether any rank produced a gradient for it, so a
             # parameter unused everywhere keeps grad=None as it would without torchloom; one more counts the
             # ranks whose backward failed.
-            flags = [0.0 if failed else float(p.grad is not None) for p in bucket]
+            flags = [float(g is not None) for g in grads]
             flags.append(float(failed and current.next == last))
-            flags_t = torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device)
-            flat = torch.cat([*parts, flags_t])
-            flat.div_(self.world_size)
+            with torch.no_grad():
+                parts = [
+                    (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                    for p, g in zip(bucket, grads, strict=True)
+                ]
+                parts.append(torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device))
+                flat = torch.cat(parts)
+                flat.div_(self.world_size)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             current.pending.append((bucket, flat, work))
             current.next += 1
@@ -245,15 +251,17 @@ class ReplicatedGradSync:
                 "agree first, e.g. `retry = loom.all_reduce(torch.tensor(float(failed)), reduce_op='max')`."
             )
         with torch.no_grad():
-            for bucket, flat, _ in current.pending:
+            for (bucket, flat, _), splits in zip(current.pending, self._splits, strict=True):
                 used = flat[-len(bucket) - 1 : -1].tolist()  # one device sync per bucket, not per parameter
-                offset = 0
-                for i, p in enumerate(bucket):
-                    averaged = flat[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
-                    if used[i] == 0:
+                pieces = flat.split(splits)
+                targets, averages = [], []
+                for p, piece, was_used in zip(bucket, pieces[:-1], used, strict=True):
+                    if not was_used:
                         continue
                     if p.grad is None:
-                        p.grad = averaged.clone()
+                        p.grad = piece.view_as(p).clone()
                     else:
-                        p.grad.copy_(averaged)
+                        targets.append(p.grad)
+                        averages.append(piece.view_as(p))
+                if targets:
+                    torch._foreach_copy_(targets, averages)  # one call, not one copy_ per parameter

@@ -681,13 +681,18 @@ class ShardedStrategy(ParallelStrategy):
             self._flags_group = dist.new_group(backend="gloo")
         return self._flags_group
 
-    def _agree(self, flags: list[int], names: list[str]) -> list[str]:
-        """The names whose flag is 1 on some ranks and 0 on others (one all-reduce: MAX over [flags, not flags])."""
-        both = torch.tensor(flags + [1 - f for f in flags], dtype=torch.int32)
+    def _agree(self, flags: bytearray, names: list[str]) -> list[str]:
+        """The names whose flag is 1 on some ranks and 0 on others (one all-reduce: MAX over [flags, not flags]).
+        Vectorised: the flags are read in place, and only the names of mixed flags are looked up, so the cost
+        per flag is a few bytes of tensor work, not Python (thousands of flags per backward in MoE models)."""
+        if not flags:
+            return []
+        mine = torch.frombuffer(flags, dtype=torch.uint8)
+        both = torch.cat([mine, 1 - mine]).to(torch.int32)  # gloo reduces int32 everywhere
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._flag_group())
-        agreed = both.tolist()  # one conversion: indexing a tensor element by element costs ~7 us each
         n = len(flags)
-        return [names[i] for i in range(n) if agreed[i] and agreed[n + i]]
+        mixed = torch.logical_and(both[:n], both[n:]).nonzero().flatten().tolist()
+        return [names[i] for i in mixed]
 
     def _check_unit_runs(self) -> None:
         """Every rank's units that ran since the last backward must be the same (see `_watch_unit_runs`)."""
@@ -952,17 +957,18 @@ class _UnitRuns:
         #: Which parameters fully_shard wrote a reduced gradient into since `start_backward`. Whether a
         #: gradient exists says nothing about this backward: it survives `zero_grad(set_to_none=False)` and
         #: accumulation from an earlier backward (and a unit's gradients share one version counter).
-        self.got = [0] * len(params)
-        self.ran = [0] * len(paths)
+        #: One byte per flag (set to 1 by the hooks), read as a tensor without a copy by `_agree`.
+        self.got = bytearray(len(params))
+        self.ran = bytearray(len(paths))
         #: False inside no_backward_sync (nothing is reduced, so nothing to agree on).
         self.checking = True
 
-    def take(self) -> list[int]:
-        ran, self.ran = self.ran, [0] * len(self.paths)
+    def take(self) -> bytearray:
+        ran, self.ran = self.ran, bytearray(len(self.paths))
         return ran
 
     def start_backward(self) -> None:
-        self.got = [0] * len(self.params)
+        self.got = bytearray(len(self.params))
 
 
 def _mark_run(watch: _UnitRuns, index: int, module: nn.Module, args: Any) -> None:
