@@ -16,6 +16,7 @@ tests below that meet one assert the difference, so that it stays what the page 
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -719,3 +720,55 @@ def test_all_reduce_leaving_its_input_alone_is_a_deliberate_difference(two_ranks
         mine = {"a": [float(rank + 1)], "b": [[float(10 * (rank + 1))]], "c": "text"}
         assert seen["fabric"]["all_reduce input afterwards"] == seen["fabric"]["all_reduce"] != mine
         assert seen["loom"]["all_reduce input afterwards"] == mine
+
+
+# ---- starting a script -----------------------------------------------------------------------------------------
+_STARTS_SCRIPT = """
+import sys
+import torch
+from torchloom import Loom
+
+
+class Job(Loom):
+    def run(self, x):
+        total = float(self.all_reduce(torch.ones(1), reduce_op="sum"))
+        print(f"RUN rank={self.global_rank} x={x} sum={total}", flush=True)
+
+
+job = Job(accelerator="cpu", devices=2, strategy=sys.argv[1])
+job.launch()
+job.run(5)
+"""
+
+
+def test_starting_a_script_either_way_is_a_deliberate_difference(tmp_path, monkeypatch):
+    """docs/fabric.md: where Fabric refuses `launch()` without a function under "ddp_spawn", and `launch()` or an
+    overridden `run()` under its command line, torchloom runs the same script: by running it again once per rank
+    (`python script.py`), or by joining the job its command line started."""
+    from harness import PYTHON, run_job, wait_no_strays
+
+    with pytest.raises(TypeError, match="needs to be called with a function"):
+        Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn").launch()
+    monkeypatch.setenv("LT_CLI_USED", "1")  # what `fabric run` sets for the script
+    with pytest.raises(RuntimeError, match="launched through the CLI"):
+        Fabric(accelerator="cpu", devices=1).launch()
+
+    class FabricJob(Fabric):
+        def run(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="Overriding `Fabric.run\\(\\)` and launching from the CLI"):
+        FabricJob()
+    monkeypatch.delenv("LT_CLI_USED")
+
+    script = tmp_path / "starts.py"
+    script.write_text(_STARTS_SCRIPT)
+    for cmd in (
+        [PYTHON, str(script), "ddp_spawn"],
+        [PYTHON, "-m", "torchloom", "run", "--accelerator=cpu", "--devices=2", str(script), "ddp"],
+    ):
+        result, token = run_job(cmd, timeout=120)
+        assert result.returncode == 0, result.stdout
+        found = sorted(re.findall(r"RUN rank=(\d) x=5 sum=([\d.]+)", result.stdout))
+        assert found == [("0", "2.0"), ("1", "2.0")], result.stdout
+        assert wait_no_strays(token) == []
