@@ -173,8 +173,9 @@ EXAMPLES = [
                 "train_fabric.py",
                 "    agent, optimizer = fabric.setup(agent, optimizer)\n",
                 "    agent, optimizer = fabric.setup(agent, optimizer)\n"
-                '    agent.mark_forward_method("get_action_and_value")\n',
-                "Fabric refuses the unmarked method the script calls (torchloom runs it unmarked too)",
+                '    agent.mark_forward_method("get_action_and_value")\n'
+                '    agent.mark_forward_method("estimate_returns_and_advantages")\n',
+                "Fabric refuses the two unmarked methods the script calls (torchloom runs them unmarked too)",
             )
         ],
         numbers=r"global_step=\d+, reward_env_\d+=[\d.]+",
