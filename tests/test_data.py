@@ -270,25 +270,33 @@ def test_an_iterable_dataset_without_state_is_refused():
 
 
 def test_a_custom_sampler_resumes_at_every_world_size():
-    """A custom sampler's draw for an epoch (seeded from seed + epoch) is split like the dataset order: after a
-    start, the ranks together continue the same draw, at any world size."""
+    """A custom sampler's draw (Fabric's DistributedSamplerWrapper rule: the user's sampler drawn whole) is
+    recorded: replayed from that record after a start, the ranks together continue the same draw, at any world
+    size, and the replay leaves the global generator as it was."""
     from torch.utils.data import WeightedRandomSampler
 
-    from torchloom.wrappers import ShardedSampler
+    from torchloom.data import WRAPPED
 
-    def parts(ws: int, start: int) -> list[int]:
+    weighted = WeightedRandomSampler([1.0] * 10 + [5.0] * 10, 20)
+
+    def parts(ws: int, start: int, record: dict) -> list[int]:
         out = []
         for r in range(ws):
-            sampler = ShardedSampler(WeightedRandomSampler([1.0] * 10 + [5.0] * 10, 20), ws, r, seed=4)
+            sampler = ResumableSampler(range(20), ws, r, sampler=weighted, rule=WRAPPED)
             sampler.set_epoch(1)
-            sampler.start = start
+            sampler.start, sampler.replay = start, record
             out.append(list(sampler))
         return [out[r][i] for i in range(len(out[0])) for r in range(ws)]
 
-    whole = parts(1, 0)
-    assert parts(2, 0) == whole and parts(1, 0) == whole  # the same draw at every world size
+    torch.manual_seed(4)
+    first = ResumableSampler(range(20), 1, 0, sampler=weighted, rule=WRAPPED)
+    whole, record = list(first), first.record
+    torch.manual_seed(4)
+    assert whole == list(weighted)  # the user's sampler's own draw from the global generator
+    after = torch.get_rng_state()
     for ws in (1, 2, 3):
-        assert parts(ws, 7)[:13] == whole[7:], ws
+        assert parts(ws, 7, record)[:13] == whole[7:], ws
+        assert torch.equal(torch.get_rng_state(), after)
 
 
 def _rebuilt_every_epoch(rank: int, world_size: int, ckpt: str, save_after: int | None, resume: bool):
@@ -303,7 +311,7 @@ def _rebuilt_every_epoch(rank: int, world_size: int, ckpt: str, save_after: int 
     model = loom.setup_module(nn.Linear(1, 1))
     first = 0
     if resume:
-        # No optimizer or loader in `state`: the loader count (part of the run's state) is asked for.
+        # No optimizer or loader in `state`: the random generators (part of the run's state) are asked for.
         first = loom.load(ckpt, {"model": model}, restore_run_state=True)["epoch"] + 1
     orders = []
     for epoch in range(first, 4):
@@ -321,28 +329,25 @@ def _rebuilt_every_epoch(rank: int, world_size: int, ckpt: str, save_after: int 
 
 
 @pytest.mark.timeout(300)
-def test_a_loader_set_up_again_every_epoch_gets_a_new_order_that_resumes(tmp_path):
-    """As a new DataLoader does in plain PyTorch, a loader set up again draws a new order: never its first
-    epoch's order again. The orders are the same at every world size, and a checkpoint keeps the count of loaders
-    set up, so a resumed run sets up the same orders as the uninterrupted one."""
+def test_a_loader_set_up_again_every_epoch_follows_fabric_and_resumes(tmp_path):
+    """As under Fabric (tests/test_fabric_data_order.py compares the two): a shuffled loader set up again under
+    DDP restarts DistributedSampler's order at epoch 0 for the global seed, so it repeats its order; a custom
+    sampler draws a new order from the global generator each time. The orders are the same at every world size
+    (every rank's generator seeded alike), and a run resumed from the checkpoint's generators sets up the same
+    orders as the uninterrupted one."""
     ckpt = str(tmp_path / "ckpt.pt")
     alone = _rebuilt_every_epoch(0, 1, ckpt, None, False)
     shuffled = [epoch[0] for epoch in alone]
     subsets = [epoch[1] for epoch in alone]
-    assert all(sorted(order) == list(range(12)) for order in shuffled)
-    assert all(sorted(order) == list(range(6)) for order in subsets)
-    assert len({tuple(o) for o in shuffled}) == 4, shuffled  # no epoch repeats another's order
-    assert len({tuple(o) for o in subsets}) == 4, subsets
-    # The first loader set up keeps DistributedSampler's order for the global seed.
     g = torch.Generator().manual_seed(3)
-    assert shuffled[0] == torch.randperm(12, generator=g).tolist()
+    assert shuffled == [torch.randperm(12, generator=g).tolist()] * 4  # DistributedSampler(seed=3), epoch 0
+    assert all(sorted(order) == list(range(6)) for order in subsets)
+    assert len({tuple(o) for o in subsets}) == 4, subsets  # a new draw each time
 
     two = run_ranks(_rebuilt_every_epoch, 2, ckpt, 1, False)
     assert two[0] == two[1] == alone  # world-size independent
     resumed = run_ranks(_rebuilt_every_epoch, 2, ckpt, None, True)
     assert resumed[0] == alone[2:]
-    # Resumed on another world size too.
-    assert _rebuilt_every_epoch(0, 1, ckpt, None, True) == alone[2:]
 
 
 def test_seeding_again_replays_the_same_loader_orders():
@@ -483,7 +488,9 @@ SCENARIOS = ("ragged", "own_generator", "iterable", "break", "exception", "dropp
 
 
 def _scenarios(rank: int, world_size: int, directory: str, resume_from: str | None) -> dict[str, list | str]:
-    loom = Loom(accelerator="cpu", devices=world_size)
+    # DDP on one process too: Fabric's distributed order rule at every world size (a single device keeps the
+    # loader's own sampler instead; see tests/test_fabric_data_order.py for resuming across the two).
+    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
     loom.launch()
     loom.seed_everything(0)
     out = {}
@@ -582,6 +589,20 @@ def test_a_users_sampler_with_its_own_generator_resumes_its_next_epoch():
         return loom.setup_dataloaders(
             DataLoader(TensorDataset(torch.arange(12)), batch_size=4, sampler=sampler),
             use_distributed_sampler=False,
+        )
+
+    _assert_saved_between_epochs_resumes_the_next(loader)
+
+
+def test_a_custom_samplers_own_generator_resumes_its_next_epoch():
+    """Set up by torchloom (its draw recorded per pass), saved between epochs: the sampler's own generator's
+    state comes back, so the next epoch draws what the uninterrupted run's did."""
+    from torch.utils.data import SubsetRandomSampler
+
+    def loader(loom):
+        sampler = SubsetRandomSampler(range(2, 12), generator=torch.Generator().manual_seed(5))
+        return loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(12)), batch_size=4, sampler=sampler)
         )
 
     _assert_saved_between_epochs_resumes_the_next(loader)

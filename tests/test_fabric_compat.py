@@ -637,10 +637,12 @@ def test_shuffle_seed_follows_lightnings_seed_everything(monkeypatch):
     data = torch.utils.data.TensorDataset(torch.arange(10))
     loader = loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True))
     assert loader.sampler.seed == 42
-    monkeypatch.setenv("TORCHLOOM_SEED", "3")  # torchloom's own seed_everything wins
-    # (A new Loom: a second loader set up on this one would get a seed of its own, derived from the seed.)
-    loader = Loom(accelerator="cpu").setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True))
-    assert loader.sampler.seed == 3
+    # Both libraries' seed_everything export PL_GLOBAL_SEED, so it holds the last seed either set: Fabric reads
+    # it, and so does torchloom (TORCHLOOM_SEED only without it).
+    monkeypatch.setenv("TORCHLOOM_SEED", "3")
+    assert loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True)).sampler.seed == 42
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert loom.setup_dataloaders(torch.utils.data.DataLoader(data, shuffle=True)).sampler.seed == 3
 
 
 # ---- `torchloom run` joins the group in Loom(), as `fabric run` does -------------------------------------------

@@ -1,44 +1,48 @@
-"""Data loading that can resume exactly, at any world size.
+"""Data loading in Fabric's order that can resume exactly, at any world size.
 
-An epoch has one *global order* of samples, the same at every world size: a permutation drawn from
-`seed + epoch` (or the dataset's own order, or one draw of a custom sampler). Each rank reads every
+Each pass over a set-up loader is an epoch with one *global order* of samples, made by the rule Fabric's
+`setup_dataloaders` would apply to the loader (`SEEDED`, `KEPT`, `WRAPPED` below): DistributedSampler's
+permutation of `seed + epoch` (DDP, FSDP), the user's own sampler (one device: a `RandomSampler` draws its seed
+from the global generator at every pass), or one draw of a custom sampler split across ranks. Each rank reads every
 `world_size`-th sample of it, as `DistributedSampler` does, so global batch b of an epoch is
-`order[b * G:(b + 1) * G]` for the global batch size G = world size x per-rank batch size. The loader counts the
-global samples handed out in the epoch; that count, the epoch and the seed are its state (with, for a custom
-sampler that has a generator of its own, that generator's state at the start of the epoch). Resuming from
-them continues the same global order from the first sample not yet handed out, on any number of ranks: with the
-same global batch size the resumed run sees exactly the global batches the uninterrupted run would have seen;
-with another, it still sees each remaining sample of the epoch once.
+`order[b * G:(b + 1) * G]` for the global batch size G = world size x per-rank batch size.
+
+The loader records what each pass's order came from instead of imposing another: the rule, the seed, the epoch,
+the global samples handed out, the state the DataLoader drew its workers' base seed from, and for a drawn order the
+states of the generators it was drawn from (torch's, Python's and NumPy's global ones and the sampler's own).
+Resuming from them rebuilds the same order without drawing from the global generators (they stay as the checkpoint
+restored them) and continues from the first sample not yet handed out, on any number of ranks: with the same
+global batch size the resumed run sees exactly the global batches the uninterrupted run would have seen; with
+another, it still sees each remaining sample of the epoch once. The saved rule is kept for the rest of the run, so
+later epochs continue the saved run's orders: exactly for DistributedSampler's, and for a drawn order as far as the
+generators it draws from are the saved run's (torchloom restores them at the same world size).
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator
+import random
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from torchloom._text import count
 from torchloom.errors import CheckpointError, MisuseError
 from torchloom.seed import seed_generators_from
 
 log = logging.getLogger("torchloom")
-
-
-def loader_seed(seed: int, number: int) -> int:
-    """The sampler seed of the `number`-th loader a Loom sets up (counting from 0), from the global `seed`.
-
-    The first keeps `seed` itself (the order `DistributedSampler(seed=seed)` gives). Later ones get a seed hashed
-    from both: a loader built again every epoch would otherwise repeat its first epoch's order forever, and
-    `seed + number` would make loader n's epoch e the order of loader n + 1's epoch e - 1."""
-    if number == 0:
-        return seed
-    digest = hashlib.blake2b(f"torchloom-loader/{seed}/{number}".encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
 
 
 def move_to_device(data: Any, device: torch.device) -> Any:
@@ -49,26 +53,77 @@ def move_to_device(data: Any, device: torch.device) -> Any:
     )
 
 
+# Where a pass's order comes from (Fabric's rule for the loader, kept by a checkpoint for the epoch it resumes):
+#: DistributedSampler's: a permutation of the dataset seeded from seed + epoch (or the dataset's order).
+SEEDED = "seeded"
+#: The user's sampler iterated as it is, as Fabric leaves it in one process (a RandomSampler draws its seed from
+#: the global generator at the first batch of every pass).
+KEPT = "kept"
+#: One draw of the user's whole sequence at the start of the pass, split across ranks, as Fabric's
+#: DistributedSamplerWrapper does with a custom sampler on several ranks.
+WRAPPED = "wrapped"
+RULES = (SEEDED, KEPT, WRAPPED)
+
+
 class ResumableSampler(DistributedSampler):
     """`DistributedSampler` (same order, padding and dropping, same `set_epoch`) that can start an epoch after
-    the first `start` samples of its global order, and that works in one process too."""
+    the first `start` samples of its global order, that works in one process too, and that can read the order
+    of the user's own sampler instead (`rule`, see `KEPT` and `WRAPPED`).
 
-    def __init__(self, dataset: Any, num_replicas: int, rank: int, **kwargs: Any) -> None:
+    A drawn order (`KEPT`, `WRAPPED`) comes from the user's `sampler`, drawing from whatever generators it
+    draws from (torch's, Python's and NumPy's global ones, or its own `generator`): their states just before the
+    draw are kept in `record`, so a resumed pass draws the same sequence again from them (`replay`), leaving the
+    global generators as they were. On several ranks every rank draws (its generators advance as under Fabric)
+    and rank 0's draw is broadcast: the ranks' parts always partition one draw, even if their generators differ
+    (under Fabric they would then overlap)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: int,
+        rank: int,
+        *,
+        sampler: Any = None,
+        rule: str = SEEDED,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, **kwargs)
+        #: The user's sampler (read by the drawn rules; kept under SEEDED, so a checkpoint may switch rules).
+        self.sampler = sampler
+        self.rule = rule
         #: Global samples of the current epoch's order already consumed (set by a resume, for one epoch).
         self.start = 0
         #: Hand out `SampleKey`s instead of indices (for a `SeededPerSample` dataset).
         self.keyed = False
+        #: Generator states the current epoch's draw came from (drawn rules; None before the pass draws).
+        self.record: dict[str, torch.Tensor] | None = None
+        #: Generator states the next draw must come from (set by a resume, for one epoch).
+        self.replay: dict[str, torch.Tensor] | None = None
+        self._warned_ranks = False
 
-    def _keys(self, positions: list[int], items: list[Any]) -> Iterator[Any]:
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        # Fabric calls the user's sampler's own set_epoch too (DistributedSamplerWrapper forwards it).
+        own = getattr(self.sampler, "set_epoch", None)
+        if callable(own):
+            own(epoch)
+
+    def _size(self) -> int:
+        """Length of the sequence split across ranks: the dataset, or one draw of the user's sampler."""
+        return len(self.dataset if self.rule == SEEDED else self.sampler)  # type: ignore[arg-type]
+
+    def _keys(self, positions: Iterable[int], items: Iterable[Any]) -> Iterator[Any]:
         if not self.keyed:
             return iter(items)
         return (
-            SampleKey(item, self.seed, self.epoch, pos) for pos, item in zip(positions, items, strict=True)
+            SampleKey(item, self.seed, self.epoch, pos) for pos, item in zip(positions, items, strict=False)
         )
 
-    def global_order(self) -> list[int]:
-        """This epoch's order of the whole dataset, the same on every rank and at every world size."""
+    def global_order(self) -> list[Any]:
+        """This epoch's order, the same on every rank: DistributedSampler's under SEEDED (the same at every world
+        size), else the user's sampler's draw (made now)."""
+        if self.rule != SEEDED:
+            return self._drawn()
         n = len(self.dataset)  # type: ignore[arg-type]
         if not self.shuffle:
             return list(range(n))
@@ -81,7 +136,7 @@ class ResumableSampler(DistributedSampler):
         size as DistributedSampler does. Padding repeats the epoch's first samples (cycling over the epoch), as
         DistributedSampler's does: a resumed epoch then ends as the uninterrupted one does at this world size,
         not on repeats of the first samples left at the resume."""
-        n = len(self.dataset)  # type: ignore[arg-type]
+        n = self._size()
         positions = list(range(self.start, n))
         ws = self.num_replicas
         if self.drop_last:
@@ -94,19 +149,134 @@ class ResumableSampler(DistributedSampler):
         return self._remaining()[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[Any]:
+        if self.rule == KEPT:
+            return self._kept()  # lazy, as the user's own sampler: it draws at the pass's first batch
+        # Eager, as DistributedSampler and DistributedSamplerWrapper: the draw happens at iter(sampler).
         order = self.global_order()
         mine = self._my_positions()
         return self._keys(mine, [order[p] for p in mine])
 
+    def _kept(self) -> Iterator[Any]:
+        if self.num_replicas == 1 and self.start == 0 and self.replay is None:
+            # Exactly what the user's loader does in one process, draws interleaved with the loop included.
+            self.record = _capture(_own_generator(self.sampler))
+            yield from self._keys(itertools.count(), self.sampler)
+            return
+        order = self._drawn()
+        mine = self._my_positions()
+        yield from self._keys(mine, [order[p] for p in mine])
+
+    def _drawn(self) -> list[Any]:
+        """One draw of the user's sampler: from the recorded states on a resumed pass, else from the generators
+        as they are now; on several ranks rank 0's draw (and record)."""
+        own = _own_generator(self.sampler)
+        replay, self.replay = self.replay, None
+        if replay is not None:
+            with _replaying(replay, own):
+                draw = list(self.sampler)
+            record = replay
+        else:
+            record = _capture(own)
+            draw = list(self.sampler)
+        if self.num_replicas > 1 and _group_of(self.num_replicas):
+            shared = [draw, record]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            if shared[0] != draw and not self._warned_ranks:
+                self._warned_ranks = True
+                log.warning(
+                    "The ranks' %s drew different sequences (their random generators differ): every rank reads "
+                    "its part of rank 0's draw, so the parts still cover it once (Fabric's "
+                    "DistributedSamplerWrapper would split each rank's own draw: overlapping, missing samples).",
+                    type(self.sampler).__name__,
+                )
+            draw, record = shared
+        self.record = record
+        if len(draw) != len(self.sampler):
+            raise MisuseError(
+                f"The dataloader's sampler ({type(self.sampler).__name__}) yielded {len(draw)} indices but its "
+                f"len() is {len(self.sampler)}: torchloom splits the draw by its length. Make __len__ match "
+                "what __iter__ yields."
+            )
+        return draw
+
     def __len__(self) -> int:
-        remaining = len(self.dataset) - self.start  # type: ignore[arg-type]
+        remaining = self._size() - self.start
         if self.drop_last:
             return remaining // self.num_replicas
         return math.ceil(remaining / self.num_replicas)
 
     def remaining_global(self) -> int:
         """Real (unpadded) samples of this epoch's order not yet consumed, before this epoch started."""
-        return max(len(self.dataset) - self.start, 0)  # type: ignore[arg-type]
+        return max(self._size() - self.start, 0)
+
+
+def _own_generator(sampler: Any) -> Any:
+    """The generator of its own a sampler draws from (its `generator`), if any."""
+    generator = getattr(sampler, "generator", None)
+    return None if generator is torch.default_generator else generator
+
+
+def _capture(own: Any) -> dict[str, torch.Tensor]:
+    """The states of torch's, Python's and NumPy's global generators (and of `own`, a torch.Generator), as
+    tensors (a checkpoint of any format holds them)."""
+    version, internal, gauss = random.getstate()
+    states = {
+        "torch": torch.default_generator.get_state(),
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor(math.nan if gauss is None else gauss, dtype=torch.float64),
+    }
+    try:
+        import numpy
+    except ImportError:
+        numpy = None  # type: ignore[assignment]
+    if numpy is not None:
+        _, keys, pos, has_gauss, cached = numpy.random.get_state()
+        states["numpy"] = torch.from_numpy(keys.astype(numpy.int64))
+        states["numpy_rest"] = torch.tensor([pos, has_gauss, cached], dtype=torch.float64)
+    if isinstance(own, torch.Generator):
+        states["own"] = own.get_state()
+    return states
+
+
+def _restore(states: dict[str, torch.Tensor], own: Any) -> None:
+    torch.default_generator.set_state(states["torch"])
+    python = states["python"].tolist()
+    gauss = float(states["python_gauss"])
+    random.setstate((python[0], tuple(python[1:]), None if math.isnan(gauss) else gauss))
+    if "numpy" in states:
+        import numpy
+
+        pos, has_gauss, cached = states["numpy_rest"].tolist()
+        numpy.random.set_state(
+            ("MT19937", states["numpy"].numpy().astype(numpy.uint32), int(pos), int(has_gauss), cached)
+        )
+    if "own" in states:
+        own.set_state(states["own"])
+
+
+@contextlib.contextmanager
+def _replaying(states: dict[str, torch.Tensor], own: Any) -> Iterator[None]:
+    """The generators set to `states` inside; the global ones back as they were on leaving (the sampler's own
+    generator stays where the replayed draw left it, as the interrupted pass left it)."""
+    if "own" in states and not isinstance(own, torch.Generator):
+        raise CheckpointError(
+            "The checkpoint holds the state of the loader's sampler's own generator, but this loader's sampler "
+            f"({type(own).__name__} generator) has no torch.Generator. Build the sampler as the saved run did "
+            "(with generator=...)."
+        )
+    before = _capture(None)
+    _restore(states, own)
+    try:
+        yield
+    finally:
+        _restore(before, None)
+
+
+def _group_of(world_size: int) -> bool:
+    """Whether a process group of `world_size` ranks is up (a sampler built by hand, as in a unit test, draws
+    alone)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
 
 
 class SampleKey(NamedTuple):
@@ -149,15 +319,16 @@ class SeededPerSample(Dataset):
 
 
 def order_generator(sampler: Any, batch_sampler: Any = None) -> torch.Generator | None:
-    """The generator of the user's own that a pass's order is drawn from, if any: a custom sampler split by
-    torchloom (`ShardedSampler`) draws with its inner sampler's `generator`, a sampler torchloom did not replace
-    with its own with its `generator`, and a batch sampler the loader uses as it is (a custom one, or a
-    `BatchSampler` given explicitly) with its own `generator` or its sampler's. None where the order comes from
+    """The generator of the user's own that a pass's order is drawn from, for a loader torchloom left with the
+    user's sampler (a `ResumableSampler` records its own draws): the sampler's `generator`, or that of a batch
+    sampler the loader uses as it is (a custom one) or of its sampler. None where the order comes from
     `seed + epoch` or from torch's global generator (restored with the other random generators)."""
+    if isinstance(sampler, ResumableSampler):
+        return None
     sources = [batch_sampler, getattr(batch_sampler, "sampler", None)] if batch_sampler is not None else []
     for source in (*sources, sampler):
         if isinstance(source, DistributedSampler):
-            source = getattr(source, "sampler", None)  # a ShardedSampler's custom sampler; else seed + epoch
+            continue  # seed + epoch
         generator = getattr(source, "generator", None)
         if generator is not None and generator is not torch.default_generator:
             return generator
@@ -193,7 +364,9 @@ class LoomDataLoader:
         self._epoch = 0  # the epoch the next pass will read
         self._current: int | None = None  # the epoch the live pass is reading
         self._consumed = 0  # global samples handed out in the current epoch
-        self._resume: tuple[int, int] | None = None
+        # (epoch, consumed, state the interrupted pass drew its base seed from) of a loaded checkpoint.
+        self._resume: tuple[int, int, torch.Tensor | None] | None = None
+        self._pass_base: torch.Tensor | None = None
         self._pass = 0  # number of the newest pass: only it moves the position
         self._interleaved = False  # an older pass handed out batches while the newest was live
         # The state of the sampler's own generator when the live pass began (see order_generator).
@@ -211,34 +384,40 @@ class LoomDataLoader:
 
     def __len__(self) -> int:
         if self._resume is not None and isinstance(self.sampler, ResumableSampler):
-            self._prepare_sampler(*self._resume)
+            self._prepare_sampler(*self._resume[:2])
         return len(self._loader)
 
     def _prepare_sampler(self, epoch: int, start: int) -> None:
-        sampler = self.sampler
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(epoch)
-            if getattr(self._loader, "_torchloom_generator", False):
-                self._loader.generator.manual_seed(sampler.seed + epoch)
-        if isinstance(sampler, ResumableSampler):
-            sampler.start = start
+        # As Fabric's loader: set_epoch on the sampler and on the batch sampler's sampler, whatever they are.
+        samplers = {id(self.sampler): self.sampler}
+        inner = getattr(self._loader.batch_sampler, "sampler", None)
+        if inner is not None:
+            samplers[id(inner)] = inner
+        for sampler in samplers.values():
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.start = start
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, start = self._resume if self._resume is not None else (self._epoch, 0)
-        if start == 0 and getattr(self._loader, "_torchloom_generator", False):
-            # The user's loader, without a generator of its own, would draw its workers' base seed from the
-            # global generator at the start of each pass (plain PyTorch and Fabric do). Ours reads its own
-            # generator, so draw that number here and discard it: dropout and every other random call in the
-            # loop then see the same stream as under Fabric. A pass resumed mid-epoch does not draw: the
-            # interrupted run drew before its checkpoint captured the generator's state.
-            torch.empty((), dtype=torch.int64).random_()
+        epoch, start, base = self._resume if self._resume is not None else (self._epoch, 0, None)
         self._prepare_sampler(epoch, start)
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.record = None  # this epoch's draw is not made yet
         generator = order_generator(self.sampler, self._loader.batch_sampler)
         # The sampler draws this pass's order from its own generator: a checkpoint taken during the pass keeps the
         # state it drew from, so that the resumed pass draws the same order.
         drawn_from = generator.get_state() if isinstance(generator, torch.Generator) else None
-        batches = iter(self._loader)  # before the position moves: a loader that fails to start keeps it
-        self._resume, self._pass_generator = None, drawn_from
+        # The DataLoader draws its workers' base seed from its generator, else torch's global one, when the pass
+        # starts (as under Fabric); a checkpoint taken during the pass keeps the state it drew from.
+        pass_base = (self._loader.generator or torch.default_generator).get_state()
+        batches = self._start(base)  # before the position moves: a loader that fails to start keeps it
+        self._resume, self._pass_generator, self._pass_base = (
+            None,
+            drawn_from,
+            pass_base if base is None else base,
+        )
         self._pass += 1
         self._epoch, self._current, self._consumed = epoch + 1, epoch, start
         self._interleaved, self._left = False, None
@@ -247,6 +426,24 @@ class LoomDataLoader:
         )
         per_batch = (self._loader.batch_size or 1) * self._world_size
         return _Pass(self, self._pass, batches, total, per_batch)
+
+    def _start(self, base: torch.Tensor | None) -> Iterator[Any]:
+        """The DataLoader's iterator. A pass resumed inside its epoch (`base`: the state its base seed was drawn
+        from) draws that seed again from a generator in that state, and nothing from the global generator: the
+        interrupted run drew before its checkpoint captured the generators."""
+        if base is None:
+            return iter(self._loader)
+        own = self._loader.generator
+        if own is not None:
+            own.set_state(base)
+            return iter(self._loader)
+        replay = torch.Generator()
+        replay.set_state(base)
+        self._loader.generator = replay
+        try:
+            return iter(self._loader)
+        finally:
+            self._loader.generator = None
 
     def _handed_out(self, number: int, total: int | None, per_batch: int) -> None:
         """Pass `number` hands out a batch. Counted before the batch is handed out: a checkpoint written while
@@ -263,7 +460,7 @@ class LoomDataLoader:
             return
         if not finished:
             self._left = (self._current, self._consumed)
-        self._current, self._consumed, self._pass_generator = None, 0, None
+        self._current, self._consumed, self._pass_generator, self._pass_base = None, 0, None, None
 
     # ---- resuming --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -281,7 +478,7 @@ class LoomDataLoader:
             return self._iterable_state(dataset)
         sampler = self.sampler
         if self._resume is not None:  # loaded, not yet iterated: still where the checkpoint said
-            epoch, consumed = self._resume
+            epoch, consumed = self._resume[:2]
         elif self._current is not None:  # inside a pass
             epoch, consumed = self._current, self._consumed
         else:
@@ -296,7 +493,9 @@ class LoomDataLoader:
         }
         if isinstance(sampler, DistributedSampler):
             state.update(seed=sampler.seed, shuffle=sampler.shuffle)
-        elif state["consumed"]:
+        if isinstance(sampler, ResumableSampler):
+            state.update(self._order_state(sampler, epoch, consumed))
+        elif not isinstance(sampler, DistributedSampler) and state["consumed"]:
             raise MisuseError(
                 f"This loader's sampler ({type(sampler).__name__}) was not set up by torchloom, so a position inside "
                 "an epoch cannot be restored. Call setup_dataloaders with use_distributed_sampler=True, or save "
@@ -305,6 +504,40 @@ class LoomDataLoader:
         generator = self._order_generator_state(epoch, consumed)
         if generator is not None:
             state["order_generator"] = generator
+        return state
+
+    def _order_state(self, sampler: ResumableSampler, epoch: int, consumed: int) -> dict[str, Any]:
+        """What the saved epoch's order came from: the rule; for a pass under way the state its base seed was
+        drawn from and (drawn rules) the generator states of its draw; else the state of the sampler's own
+        generator the next draw comes from."""
+        state: dict[str, Any] = {"rule": sampler.rule, "samples": sampler._size()}
+        if self._resume is not None:  # loaded, not yet iterated: pass the checkpoint's on
+            base, draw = self._resume[2], sampler.replay
+        elif self._current is not None:
+            base, draw = self._pass_base, sampler.record
+        else:
+            base, draw = None, None
+        if base is not None:
+            state["base"] = base
+        if sampler.rule == SEEDED:
+            return state
+        own = _own_generator(sampler.sampler)
+        if (
+            own is not None
+            and not isinstance(own, torch.Generator)
+            and (draw is not None or (epoch, consumed) != (0, 0))
+        ):
+            raise MisuseError(
+                f"This loader's sampler draws its order from a generator torchloom cannot save "
+                f"({type(own).__name__}, not a torch.Generator), so a resumed run would draw another order. "
+                "Give the sampler a torch.Generator, or save before the first pass."
+            )
+        if draw is not None:
+            state["draw"] = draw
+        elif consumed:
+            raise MisuseError("The loader handed out batches of a pass whose order it never drew.")  # a bug
+        elif isinstance(own, torch.Generator):
+            state["own_generator"] = own.get_state()  # the next draw's
         return state
 
     def _order_generator_state(self, epoch: int, consumed: int) -> torch.Tensor | None:
@@ -393,6 +626,8 @@ class LoomDataLoader:
                 f"({type(sampler).__name__}) cannot start there. Set the loader up with setup_dataloaders "
                 "(use_distributed_sampler=True)."
             )
+        if isinstance(sampler, ResumableSampler):
+            self._load_rule(sampler, state, consumed)
         self._load_order_generator(state, epoch, consumed)
         global_batch = (self._loader.batch_size or 1) * self._world_size
         if consumed and global_batch != state["global_batch"]:
@@ -413,8 +648,50 @@ class LoomDataLoader:
                 count(self._world_size, "rank"),
                 state["world_size"],
             )
-        self._resume = (epoch, consumed)
+        self._resume = (epoch, consumed, state.get("base"))
         self._epoch = epoch
+
+    @staticmethod
+    def _load_rule(sampler: ResumableSampler, state: dict[str, Any], consumed: int) -> None:
+        """The saved epoch's rule (kept for the rest of the run: later epochs continue the saved run's orders,
+        see the module docstring) and the states its draw came from."""
+        rule = state.get("rule")
+        if (
+            rule is None
+        ):  # an older torchloom: DistributedSampler's order, but its own split of custom samplers
+            if consumed and not isinstance(sampler.sampler, (RandomSampler, SequentialSampler)):
+                raise CheckpointError(
+                    "The checkpoint was saved inside an epoch by an older torchloom, which drew custom samplers "
+                    "from other seeds: the resumed pass cannot read the saved order. Load the checkpoint without "
+                    "the loader entry to start the data afresh."
+                )
+            rule = SEEDED
+        if rule not in RULES or (rule != SEEDED and sampler.sampler is None):
+            raise CheckpointError(
+                f"The checkpoint's loader order rule {rule!r} cannot be followed by this loader."
+            )
+        sampler.rule = rule
+        if "samples" in state and sampler._size() != int(state["samples"]):
+            raise CheckpointError(
+                f"The checkpoint's loader split a sequence of {count(int(state['samples']), 'sample')} per epoch, "
+                f"this one's sampler gives {sampler._size()}. Build the loader's sampler as the saved run did, or "
+                "load the checkpoint without the loader entry to start the data afresh."
+            )
+        if rule != SEEDED and consumed and "draw" not in state:
+            raise CheckpointError(
+                "The checkpoint was saved inside an epoch without the generator states its order was drawn from. "
+                "Load it without the loader entry to start the data afresh."
+            )
+        sampler.replay = state.get("draw")
+        if "own_generator" in state:
+            own = _own_generator(sampler.sampler)
+            if not isinstance(own, torch.Generator):
+                raise CheckpointError(
+                    "The checkpoint holds the state of the loader's sampler's own generator, but this loader's "
+                    f"sampler ({type(sampler.sampler).__name__}) has no torch.Generator. Build the sampler as the "
+                    "saved run did (with generator=...)."
+                )
+            own.set_state(state["own_generator"])
 
     def _load_order_generator(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         generator = order_generator(self.sampler, self._loader.batch_sampler)

@@ -26,7 +26,6 @@ from torchloom._layout import clean_name
 from torchloom._torch_compat import compiled_parts
 from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
-from torchloom.data import loader_seed
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import (
@@ -40,7 +39,7 @@ from torchloom.errors import (
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
 from torchloom.run import RUN_ENV
-from torchloom.seed import add_worker_seeding, global_seed, on_reseed, seed_everything
+from torchloom.seed import add_worker_seeding, sampler_seed, seed_everything
 from torchloom.strategies.base import Strategy
 from torchloom.strategies.parallel import ParallelStrategy
 from torchloom.wrappers import (
@@ -166,10 +165,7 @@ class Loom:
         )
         self._strategy = configure(accelerator, devices, num_nodes, strategy, precision, timeout)
         # Checkpoints are the Checkpointer's; it reaches the strategy and its precision through declared protocols.
-        # Loaders set up since the last seed_everything: each gets its own order (see setup_dataloaders); a
-        # checkpoint keeps the count.
-        self._counters = {"loaders": 0}
-        on_reseed(self)
+        self._counters: dict[str, int] = {}  # the run's counters a checkpoint keeps (none at present)
         self._checkpointer = Checkpointer(  # type: ignore[arg-type]
             self._strategy, self._strategy.precision, self._counters
         )
@@ -544,15 +540,17 @@ class Loom:
         """Give each rank its own part of the data (shuffle kept, epoch advanced per pass) and move batches to
         `loom.device`. Returns one loader, or a list of them (as Fabric does).
 
-        Each pass over a returned loader is a new epoch with a new order. A loader built again and set up again
-        (every epoch, every fold) gets a new order too, as a new `DataLoader` does in plain PyTorch: the n-th
-        loader set up on this Loom since the last `seed_everything` shuffles from a seed derived from the global
-        seed and n, the same on every rank and at every world size (seeding again replays the same orders), and
-        a checkpoint keeps n so a resumed run continues the same orders.
+        The order is Fabric's: in one process the loader's own sampler (a `RandomSampler` draws a new order from
+        the global generator at every pass); with DDP or FSDP `DistributedSampler`'s order for the seed of the
+        last `seed_everything` (the same for every loader; each set-up loader starts at epoch 0) in place of a
+        `RandomSampler` or `SequentialSampler`, and any other sampler drawn whole at the start of each pass and
+        split across ranks (rank 0's draw). Each pass is a new epoch. What each order came from is recorded, so a
+        checkpoint resumes the same order inside an epoch, at any world size (see `torchloom.data`).
 
-        Every DataLoader worker of every rank gets its own random seed (from the global seed, the rank and the
-        worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across workers or
-        ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)` turns this off."""
+        DataLoader workers: every worker of every rank gets its own random seed (from the global seed, the rank
+        and the worker id; see `torchloom.seed.seed_worker`), so random augmentations do not repeat across
+        workers or ranks; a `worker_init_fn` of your own runs after it. `seed_everything(seed, workers=False)`
+        turns this off."""
         if not dataloaders:
             raise MisuseValueError("setup_dataloaders needs at least one DataLoader.")
         out = []
@@ -567,11 +565,15 @@ class Loom:
                     f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
                 )
             if use_distributed_sampler:
-                # In one process too: the global order of an epoch is then the same at every world size, which
-                # is what lets a run saved on N ranks resume on M (see torchloom.data).
-                seed = loader_seed(global_seed(), self._counters["loaders"])
-                loader = with_distributed_sampler(loader, self.world_size, self.global_rank, seed=seed)
-            self._counters["loaders"] += 1
+                # In one process too (keeping the user's sampler's order there): a resumable sampler is what lets
+                # a checkpoint resume inside an epoch, also on another number of ranks (see torchloom.data).
+                loader = with_distributed_sampler(
+                    loader,
+                    self.world_size,
+                    self.global_rank,
+                    seed=sampler_seed(),
+                    distributed=self._distributed_order(),
+                )
             add_worker_seeding(loader, self.global_rank)
             out.append(
                 LoomDataLoader(
@@ -586,6 +588,15 @@ class Loom:
         # after the loaders themselves, whose mistakes (a sampler without len()) are named first.
         self._require_launch("setup_dataloaders")
         return out[0] if len(out) == 1 else out  # several: a list, as Fabric returns them
+
+    def _distributed_order(self) -> bool:
+        """Whether set-up loaders read DistributedSampler's order (Fabric's rule for its parallel strategies)
+        rather than the loader's own sampler (its one-device rule). Also a lone process started by torchrun or
+        `torchloom run`: its job may restart at another world size (elastic), and DistributedSampler's order is
+        the one a restart can continue exactly in every epoch (Fabric keeps the loader's sampler there)."""
+        return isinstance(self._strategy, ParallelStrategy) or isinstance(
+            self._strategy.cluster_environment, TorchElasticEnvironment
+        )
 
     # ---- training calls --------------------------------------------------------------------------------------
     def backward(
@@ -1003,9 +1014,6 @@ class Loom:
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
         """Seed Python, NumPy (if installed) and torch; returns the seed. See `torchloom.seed_everything`."""
         return seed_everything(seed, workers=workers, verbose=verbose)
-
-    def _reseeded(self) -> None:
-        self._counters["loaders"] = 0
 
     def __repr__(self) -> str:
         return (

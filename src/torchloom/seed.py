@@ -7,7 +7,6 @@ import hashlib
 import os
 import random
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,15 +18,6 @@ SEED_WORKERS_ENV = "TORCHLOOM_SEED_WORKERS"
 # Lightning's names for the same two values: Fabric scripts (and libraries written for them) read these.
 _LIGHTNING_SEED_ENV = "PL_GLOBAL_SEED"
 _LIGHTNING_WORKERS_ENV = "PL_SEED_WORKERS"
-
-# Objects told when `seed_everything` runs (their `_reseeded()` is called): a Loom numbers the loaders it sets up
-# from the last seeding, so seeding again replays the same orders, as it does in plain PyTorch.
-_RESEED_LISTENERS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def on_reseed(listener: Any) -> None:
-    """Call `listener._reseeded()` after every later `seed_everything` (held weakly)."""
-    _RESEED_LISTENERS.add(listener)
 
 
 def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
@@ -58,16 +48,23 @@ def seed_everything(seed: int | None = None, workers: bool | None = None, verbos
     except ImportError:
         pass
     torch.manual_seed(seed)
-    for listener in list(_RESEED_LISTENERS):
-        listener._reseeded()
     return seed
 
 
 def global_seed() -> int:
     """The seed the last `seed_everything` exported: torchloom's (`TORCHLOOM_SEED`), else Lightning's
-    (`PL_GLOBAL_SEED`, for a Fabric script that still calls `lightning.seed_everything`), else 0. Samplers set up
-    by `setup_dataloaders` shuffle with it, as Fabric's do with its own."""
-    for name in (SEED_ENV, _LIGHTNING_SEED_ENV):
+    (`PL_GLOBAL_SEED`, for a Fabric script that still calls `lightning.seed_everything`), else 0."""
+    return _seed_from(SEED_ENV, _LIGHTNING_SEED_ENV)
+
+
+def sampler_seed() -> int:
+    """The seed `setup_dataloaders` gives a `DistributedSampler`: Fabric's (`PL_GLOBAL_SEED`, which torchloom's
+    `seed_everything` exports too, so it is the last seed either library set), else `TORCHLOOM_SEED`, else 0."""
+    return _seed_from(_LIGHTNING_SEED_ENV, SEED_ENV)
+
+
+def _seed_from(*names: str) -> int:
+    for name in names:
         if name in os.environ:
             return int(os.environ[name])
     return 0

@@ -10,7 +10,6 @@ import contextlib
 import functools
 import inspect
 import os
-import random
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -25,6 +24,9 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 from torchloom._layout import unit_flavour
 from torchloom.data import (  # noqa: F401 - LoomDataLoader and move_to_device are part of this module's API
+    KEPT,
+    SEEDED,
+    WRAPPED,
     LoomDataLoader,
     ResumableSampler,
     SeededPerSample,
@@ -473,151 +475,71 @@ _LOADER_ARGS = (
 )
 
 
-class ShardedSampler(ResumableSampler):
-    """A custom sampler (`SubsetRandomSampler`, `WeightedRandomSampler`, your own) split across ranks: every
-    rank draws the sampler's whole sequence for the epoch, the ranks take rank 0's draw, and each takes every
-    num_replicas-th item of it, so the ranks' parts never overlap and together make one draw (padded like
-    DistributedSampler to equal length, or trimmed with `drop_last`).
-
-    Each epoch's draw is made with torch's, Python's and NumPy's global generators seeded from `seed + epoch`
-    (their states outside the draw are left as they were), so a sampler drawing from any of them draws the
-    same sequence in every epoch of every run, whatever else was drawn: a resumed pass draws the saved
-    epoch's sequence. A sampler with a torch generator of its own draws from it (a checkpoint keeps its state
-    at the start of the pass; see `torchloom.data.order_generator`). On several ranks, rank 0's draw is
-    broadcast at the start of each pass, so a sampler whose random numbers differ between ranks still splits
-    one sequence (every rank must iterate the loader, as training does)."""
-
-    def __init__(
-        self, sampler: Any, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False
-    ) -> None:
-        # The "dataset" being split is the sequence of positions in the sampler's draw.
-        super().__init__(
-            range(len(sampler)),
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=False,
-            seed=seed,
-            drop_last=drop_last,
-        )
-        self.sampler = sampler
-
-    def _draw(self) -> list[Any]:
-        epoch_seed = self.seed + self.epoch
-        # Not torch.manual_seed: it would reseed the GPUs' generators too, which fork_rng(devices=[]) keeps not.
-        with torch.random.fork_rng(devices=[]), _python_and_numpy_seeded(epoch_seed):
-            torch.default_generator.manual_seed(epoch_seed)
-            return list(self.sampler)
-
-    def __iter__(self) -> Iterator[Any]:
-        draw = self._draw()
-        if self.num_replicas > 1 and _group_of(self.num_replicas):
-            shared = [draw]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            draw = shared[0]
-        if len(draw) != len(self.dataset):  # type: ignore[arg-type]
-            raise MisuseError(
-                f"The dataloader's sampler ({type(self.sampler).__name__}) yielded {len(draw)} indices but its "
-                f"len() is {len(self.dataset)}: torchloom splits the draw by its length. Make __len__ match "  # type: ignore[arg-type]
-                "what __iter__ yields."
-            )
-        mine = self._my_positions()
-        return self._keys(mine, [draw[p] for p in mine])
-
-
-def _group_of(world_size: int) -> bool:
-    """Whether a process group of `world_size` ranks is up (a sampler built by hand, as in a unit test, draws
-    alone: with the seeding above its draw agrees with the other ranks' unless its random numbers differ)."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
-
-
-@contextlib.contextmanager
-def _python_and_numpy_seeded(seed: int) -> Iterator[None]:
-    """Python's and NumPy's global generators seeded from `seed` inside, their states restored on leaving
-    (torch's has `fork_rng`)."""
-    try:
-        import numpy
-    except ImportError:
-        numpy = None  # type: ignore[assignment]
-    python_state = random.getstate()
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    random.seed(f"torchloom-sampler/{seed}")
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
-    try:
-        yield
-    finally:
-        random.setstate(python_state)
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
-
-
 def _plain_order(sampler: Any) -> bool:
-    """Whether `sampler` reads the dataset once in order or in one uniform shuffle, which `ResumableSampler`
-    reproduces: a SequentialSampler, or a RandomSampler without replacement or num_samples (exact types: a
-    subclass may draw otherwise). Its own generator, if any, gives way to the loader's seed, as under Fabric."""
+    """Whether `sampler` reads the dataset once in order or in one uniform shuffle, which DistributedSampler's
+    order replaces as Fabric's does: a SequentialSampler, or a RandomSampler without replacement or num_samples
+    (exact types). Fabric also replaces subclasses and a RandomSampler with replacement or num_samples, silently
+    dropping what they draw; torchloom splits their own draw instead (a deliberate difference)."""
     if type(sampler) is SequentialSampler:
         return True
     return type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None
 
 
-def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, seed: int = 0) -> DataLoader:
-    """Rebuild `loader` so each rank reads its own 1/num_replicas of the data, keeping its shuffle setting, through
-    a sampler whose global order is the same at every world size (`torchloom.data.ResumableSampler`)."""
+def with_distributed_sampler(
+    loader: DataLoader, num_replicas: int, rank: int, seed: int = 0, distributed: bool = True
+) -> DataLoader:
+    """Rebuild `loader` to read through a `torchloom.data.ResumableSampler` that gives the order Fabric's
+    `setup_dataloaders` gives and can start an epoch part-way (see `torchloom.data`).
+
+    `distributed` (Fabric's parallel strategies, even on one process): a `RandomSampler` or `SequentialSampler`
+    becomes DistributedSampler's order for `seed` (shuffled for a RandomSampler), any other sampler is drawn
+    whole at the start of each pass and split across ranks (DistributedSamplerWrapper's). Otherwise (one device)
+    the user's sampler is iterated as it is."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return loader  # an iterable dataset shards itself
     if isinstance(loader.sampler, DistributedSampler):
         return loader
-    unsplittable = (
+    custom_batches = (
         loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler
-    ) or not hasattr(loader.sampler, "__len__")
-    if unsplittable and num_replicas == 1:
+    )
+    if (custom_batches or not hasattr(loader.sampler, "__len__")) and num_replicas == 1:
         return loader  # one process reads everything: nothing to split (but no mid-epoch resume either)
-    if loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler:
+    if custom_batches:
         raise MisuseError(
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
             "cannot split across ranks. Shard it yourself and pass use_distributed_sampler=False."
         )
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
-    user_sampler, drop_last = loader.sampler, bool(loader.drop_last)
+    user_sampler = loader.sampler
     if loader.batch_size is None and loader.batch_sampler is not None:
         # batch_sampler=BatchSampler(sampler, ...) given explicitly: loader.sampler is a placeholder the
         # DataLoader made (SequentialSampler) and loader.batch_size None; the order and the batching are the
         # BatchSampler's.
         user_sampler = loader.batch_sampler.sampler
-        kwargs["batch_size"], drop_last = (
-            loader.batch_sampler.batch_size,
-            bool(loader.batch_sampler.drop_last),
+        kwargs["batch_size"] = loader.batch_sampler.batch_size
+        kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
+    if not hasattr(user_sampler, "__len__"):
+        raise MisuseError(
+            f"The dataloader's custom sampler ({type(user_sampler).__name__}) has no len(), so torchloom "
+            "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
+            "use_distributed_sampler=False."
         )
-        kwargs["drop_last"] = drop_last
-    sampler: DistributedSampler
-    if _plain_order(user_sampler):
-        sampler = ResumableSampler(
-            loader.dataset,
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=isinstance(user_sampler, RandomSampler),
-            seed=seed,
-            drop_last=drop_last,
-        )
+    if not distributed:
+        rule = KEPT
+    elif _plain_order(user_sampler):
+        rule = SEEDED
     else:
-        # Any other sampler, a RandomSampler subclass or one drawing with replacement or num_samples included:
-        # its own draw, split across ranks.
-        if not hasattr(user_sampler, "__len__"):
-            raise MisuseError(
-                f"The dataloader's custom sampler ({type(user_sampler).__name__}) has no len(), so torchloom "
-                "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
-                "use_distributed_sampler=False."
-            )
-        sampler = ShardedSampler(
-            user_sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last
-        )
-    own_generator = kwargs.get("generator") is None
-    if own_generator:
-        # A DataLoader draws its workers' base seed from the global generator each time a pass starts, so a
-        # resumed pass would shift the stream dropout then draws from: give it a generator of its own, seeded
-        # per epoch by LoomDataLoader.
-        kwargs["generator"] = torch.Generator()
+        rule = WRAPPED
+    # drop_last stays the loader's (its last, short batch); Fabric's sampler pads, never drops.
+    sampler = ResumableSampler(
+        loader.dataset,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=isinstance(user_sampler, RandomSampler),
+        seed=seed,
+        sampler=user_sampler,
+        rule=rule,
+    )
     dataset = loader.dataset
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
@@ -625,9 +547,7 @@ def with_distributed_sampler(loader: DataLoader, num_replicas: int, rank: int, s
     elif os.environ.get(SEED_WORKERS_ENV) != "0":
         # Workers' random streams would depend on which batches each happened to load: seed every sample.
         dataset, sampler.keyed = SeededPerSample(dataset), True
-    rebuilt = _rebuild(loader, dataset, sampler, kwargs)
-    rebuilt._torchloom_generator = own_generator  # type: ignore[attr-defined]
-    return rebuilt
+    return _rebuild(loader, dataset, sampler, kwargs)
 
 
 def _rebuild(

@@ -29,7 +29,9 @@ AXES: dict[str, tuple[Any, ...]] = {
     "accum": ("none", "no_backward_sync", "plain"),  # 2 micro-batches per step, with or without the context
     "set_to_none": (True, False),
     "clip": ("none", "norm", "value"),
-    "loop": ("endless", "epoch", "break", "two_loaders"),
+    # "subset": epochs over a loader whose sampler is a SubsetRandomSampler with its own generator (one device
+    # reads it as it is, DDP and FSDP draw it whole each pass and split it, as Fabric's DistributedSamplerWrapper).
+    "loop": ("endless", "epoch", "break", "two_loaders", "subset"),
     "checkpoint": ("none", "full", "sharded", "async"),
     "save_step": (1, 3),
     "load_world_size": (1, 2, 3),

@@ -7,6 +7,8 @@ under test must agree on it independently.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -69,21 +71,40 @@ def loss_factor(scenario) -> float:
     return 1e-2 if scenario.precision == "16-mixed" else 1.0
 
 
+def loader_generator() -> torch.Generator:
+    """The main loader's own generator: a custom sampler (loop "subset") draws from it instead of the global
+    generator, so the order does not depend on the training's other draws (DistributedSampler's ignores it)."""
+    return torch.Generator().manual_seed(SEED)
+
+
 def global_batches(scenario, micro_batches: int) -> list[list[int]]:
-    """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one)."""
+    """The sample indices of each global micro-batch the scenario's loop reads, in order (sorted within one),
+    as plain torch gives them for Fabric's rule. Every scenario runs in ranks a launcher-like harness started, where
+    torchloom reads DistributedSampler's order even in one process (a lone launched process may be restarted
+    elastically at another world size): DistributedSampler's order for the seed (its global order is the
+    one-replica order); a custom sampler's draws pass after pass (split across ranks in order)."""
     bs = GLOBAL_BATCH
+    if scenario.loop == "subset":
+        subset = torch.utils.data.SubsetRandomSampler(range(N_A), generator=loader_generator())
+        plain = torch.utils.data.DataLoader(range(N_A), batch_size=bs, sampler=subset)
+    else:
+        sampler = torch.utils.data.DistributedSampler(
+            range(N_A), num_replicas=1, rank=0, shuffle=True, seed=SEED
+        )
+        plain = torch.utils.data.DataLoader(range(N_A), batch_size=bs, sampler=sampler)
 
     def epoch_a(epoch: int) -> list[list[int]]:
-        order = torch.randperm(N_A, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        return [sorted(order[i : i + bs]) for i in range(0, N_A, bs)]
+        if isinstance(plain.sampler, torch.utils.data.DistributedSampler):
+            plain.sampler.set_epoch(epoch)
+        # A pass left at the cap stops its sampler there too (a RandomSampler draws lazily: what it has not
+        # drawn yet, it never draws from the generator).
+        limit = BREAK_AT if scenario.loop == "break" else None
+        return [sorted(batch.tolist()) for batch in itertools.islice(plain, limit)]
 
     def stream_a():
         epoch = 0
         while True:
-            batches = epoch_a(epoch)
-            if scenario.loop == "break":
-                batches = batches[:BREAK_AT]
-            yield from batches
+            yield from epoch_a(epoch)
             epoch += 1
 
     def stream_b():

@@ -24,18 +24,20 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from .axes import Scenario
 from .model import (
     BREAK_AT,
     GLOBAL_BATCH,
+    N_A,
     SEED,
     STEPS,
     Net,
     accumulation,
     clip_arguments,
     dataset,
+    loader_generator,
     make_optimizers,
     make_schedulers,
     micro_loss,
@@ -101,7 +103,15 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
 
 def _loaders(loom, scenario: Scenario, world_size: int) -> list:
     per_rank = GLOBAL_BATCH // world_size
-    loaders = [DataLoader(TensorDataset(*dataset("a")), batch_size=per_rank, shuffle=True)]
+    if scenario.loop == "subset":
+        sampler = SubsetRandomSampler(range(N_A), generator=loader_generator())
+        loaders = [DataLoader(TensorDataset(*dataset("a")), batch_size=per_rank, sampler=sampler)]
+    else:
+        loaders = [
+            DataLoader(
+                TensorDataset(*dataset("a")), batch_size=per_rank, shuffle=True, generator=loader_generator()
+            )
+        ]
     if scenario.loop == "two_loaders":
         loaders.append(DataLoader(TensorDataset(*dataset("b")), batch_size=per_rank, shuffle=False))
     out = loom.setup_dataloaders(*loaders)
@@ -118,7 +128,7 @@ def _stream(scenario: Scenario, loaders: list, state: dict):
                 yield next(it)
             except StopIteration:
                 it = iter(loaders[0])
-    elif loop == "epoch":
+    elif loop in ("epoch", "subset"):
         while True:
             for batch in loaders[0]:
                 yield batch
