@@ -3,7 +3,7 @@
 A tool, not a test: the examples are not copied into this repository. For each of the seven examples of
 `examples/fabric/` (image_classifier, kfold_cv, language_model, build_your_own_trainer, dcgan,
 reinforcement_learning, meta_learning) the script extracts the example from a Lightning git repository
-(`--lightning-repo`, a bare or normal clone; read with `git show HEAD:...`) into two temporary folders, one per
+(`--lightning-repo`, a bare or normal clone, read with `git show HEAD:...`) into two temporary folders, one per
 framework, and runs both copies as the example's README says (`fabric run ...` / `python ...`; 2 CPU processes
 where the README starts several). In torchloom's copy only Fabric's import changes:
 
@@ -13,7 +13,9 @@ where the README starts several). In torchloom's copy only Fabric's import chang
   `from torchloom import unwrap as _unwrap_objects`;
 - `fabric run` becomes `torchloom run` with the same options.
 
-Both copies get the same edits besides, listed per example in `EXAMPLES` (each is asserted to apply, so a changed
+Both runs get `OMP_NUM_THREADS=1` (Fabric's CLI would set cpu_count // processes threads, torchrun 1, and sums
+over another number of threads round differently) and a free `--main-port` each. Both copies get the same edits
+besides, listed per example in `EXAMPLES` (each is asserted to apply, so a changed
 example fails loudly instead of running unedited): caps on steps (fewer epochs or iterations) so that a run takes
 a minute or two on a CPU, a print of values the example only shows in a progress bar, a fixed seed where the
 example has none (else neither framework repeats itself), and fixes the example needs under Lightning 2.6 and
@@ -26,8 +28,10 @@ gymnasium as gym` -> `import standin_gymnasium as gym`); WikiText-2 is a synthet
 minimal and synthetic, identical for both runs; their data are not the real data, so only the comparison means
 something, not the losses.
 
-The lines carrying numbers (a regular expression per example) are compared as printed; several ranks print in
-any interleaving, so lines are compared as multisets. An example "matches" when every compared line is equal.
+The printed records carrying numbers (a regular expression per example, found anywhere in the output: two ranks
+can print into one line) are compared as printed, as multisets (ranks interleave in any order). An example
+"matches" when every compared record is equal. The torchloom copy also runs with the stand-ins folder and the
+chosen torchloom sources first on PYTHONPATH; Fabric's copy with the stand-ins only.
 
     python benchmarks/fabric_examples.py --json benchmarks/results/fabric_examples.json \
         | tee benchmarks/results/fabric_examples.txt
@@ -291,7 +295,7 @@ def prepare(repo: Path, example: Example, kind: str, root: Path) -> Path:
 
 
 # ---- running and comparing ------------------------------------------------------------------------------------
-def command(example: Example, kind: str, port: int = 0) -> list[str]:
+def command(example: Example, kind: str, port: int | str = "FREE_PORT") -> list[str]:
     if example.launcher == "python":
         return [sys.executable, example.script, *example.script_args]
     # `fabric run` is the console script installed next to this Python; `torchloom run` is `python -m torchloom`
