@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import signal
 import sys
@@ -94,6 +95,16 @@ def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict
         return kwargs
     names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _takes_the_loom(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` accepts a first positional argument (the Loom launch passes it)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
 
 
 class Loom:
@@ -248,6 +259,12 @@ class Loom:
                 f"loom.launch(fn) needs a callable, got {'None' if fn is None else type(fn).__name__}. HINT: do `loom.launch(train)` instead of "
                 "`loom.launch(train(loom))`. Pass a function defined at module level, `loom.launch(train, *args)`, "
                 "which runs train(loom, *args) on every rank; or call loom.launch() without arguments."
+            )
+        if fn is not None and not _takes_the_loom(fn):
+            raise MisuseTypeError(
+                f"loom.launch({getattr(fn, '__qualname__', fn)}) needs a function that takes at least one "
+                "argument: every rank calls it as fn(loom, *args, **kwargs). Add the parameter, e.g. "
+                "`def train(loom): ...`."
             )
         self._launched = True
         env = self._strategy.cluster_environment
@@ -522,7 +539,7 @@ class Loom:
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
     ) -> Any:
         """Give each rank its own part of the data (shuffle kept, epoch advanced per pass) and move batches to
-        `loom.device`. Returns one loader or a tuple.
+        `loom.device`. Returns one loader, or a list of them (as Fabric does).
 
         The order is Fabric's: in one process the loader's own sampler (a `RandomSampler` draws a new order from
         the global generator at every pass); with DDP or FSDP `DistributedSampler`'s order for the seed of the
@@ -546,6 +563,11 @@ class Loom:
         if replicas != self.world_size:  # an iterable dataset's position: one per replica
             gather = functools.partial(gather_per_replica, gather, rank, replicas)
         for loader in dataloaders:
+            if isinstance(loader, LoomDataLoader):
+                raise MisuseValueError(
+                    "setup_dataloaders was given a loader it returned before; pass the DataLoader only once "
+                    "(Fabric raises the same ValueError)."
+                )
             if not isinstance(loader, DataLoader):
                 raise MisuseTypeError(
                     f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
@@ -570,7 +592,10 @@ class Loom:
                     all_gather_object=gather,
                 )
             )
-        return out[0] if len(out) == 1 else tuple(out)
+        # Before launch this process would split the data as rank 0 of a job that does not exist yet. Checked
+        # after the loaders themselves, whose mistakes (a sampler without len()) are named first.
+        self._require_launch("setup_dataloaders")
+        return out[0] if len(out) == 1 else out  # several: a list, as Fabric returns them
 
     def _distributed_order(self) -> bool:
         """Whether set-up loaders read DistributedSampler's order (Fabric's rule for its parallel strategies)

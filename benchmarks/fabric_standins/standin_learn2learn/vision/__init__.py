@@ -1,0 +1,1 @@
+from . import benchmarks, models  # noqa: F401
