@@ -600,11 +600,6 @@ def test_one_process_loader_sampler_is_the_users_object():
     assert loom[1] == fabric[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect, reported: rebuilding a DataLoader subclass that fixes its own dataset/batch_size raises "
-    "Python's TypeError from DataLoader.__init__; in one process Fabric returns the loader untouched",
-)
 def test_one_process_keeps_a_loader_subclass():
     fabric, loom = _both(lambda cls: [b.tolist() for b in _one(cls).setup_dataloaders(_TimesTen(2))])
     assert fabric == [[0, 10], [20, 30], [40]]
@@ -658,6 +653,10 @@ def _ranks_view(cls: type, rank: int) -> dict:
     shuffled = runner.setup_dataloaders(DataLoader(range(8), shuffle=True))
     out["shuffled epochs"] = [[b.tolist() for b in shuffled] for _ in range(2)]
     out["loader subclass"] = _outcome(lambda: [b.tolist() for b in runner.setup_dataloaders(_TimesTen(2))])
+    try:
+        runner.setup_dataloaders(_TimesTen(2))
+    except Exception as error:  # noqa: BLE001 - the message is what the user reads
+        out["loader subclass message"] = str(error)
     return out
 
 
@@ -698,14 +697,6 @@ def two_ranks() -> list[dict]:
         "all_reduce",
         "broadcast",
         "shuffled epochs",
-        pytest.param(
-            "loader subclass",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="defect, reported: Fabric refuses with a MisconfigurationException that names what it "
-                "cannot rebuild the subclass with; torchloom fails with Python's TypeError from DataLoader.__init__",
-            ),
-        ),
     ],
 )
 def test_what_each_rank_sees(two_ranks, item):
@@ -715,6 +706,17 @@ def test_what_each_rank_sees(two_ranks, item):
         assert rank["loom"][item] == rank["fabric"][item], (item, rank)
     if item == "grad without sync":  # the check can fail: the ranks' local gradients differ
         assert two_ranks[0]["fabric"][item] != two_ranks[1]["fabric"][item]
+
+
+def test_a_loader_subclass_that_cannot_be_rebuilt_is_refused_on_several_ranks(two_ranks):
+    """Both refuse a DataLoader subclass whose __init__ fixes its own dataset and batch size (it cannot be
+    rebuilt with a splitting sampler): Fabric with its MisconfigurationException, torchloom with a TypeError
+    (also a MisuseError) that names the class, what failed and the fix."""
+    for seen in two_ranks:
+        assert seen["fabric"]["loader subclass"] == ("raises", "MisconfigurationException")
+        assert seen["loom"]["loader subclass"] == ("raises", "TypeError")
+        message = seen["loom"]["loader subclass message"]
+        assert "_TimesTen" in message and "use_distributed_sampler=False" in message
 
 
 def test_all_reduce_leaving_its_input_alone_is_a_deliberate_difference(two_ranks):

@@ -32,7 +32,7 @@ from torchloom.data import (  # noqa: F401 - LoomDataLoader and move_to_device a
     SeededPerSample,
     move_to_device,
 )
-from torchloom.errors import MisuseError
+from torchloom.errors import MisuseError, MisuseTypeError
 from torchloom.precision import Precision
 from torchloom.seed import SEED_WORKERS_ENV
 
@@ -547,7 +547,14 @@ def with_distributed_sampler(
     elif os.environ.get(SEED_WORKERS_ENV) != "0":
         # Workers' random streams would depend on which batches each happened to load: seed every sample.
         dataset, sampler.keyed = SeededPerSample(dataset), True
-    return _rebuild(loader, dataset, sampler, kwargs)
+    try:
+        return _rebuild(loader, dataset, sampler, kwargs)
+    except MisuseError:
+        if num_replicas > 1:
+            raise
+        # One process reads everything: Fabric hands such a loader back untouched, and so does torchloom (it then
+        # has no mid-epoch resume, as for a custom batch_sampler; its state_dict says so inside an epoch).
+        return loader
 
 
 def _rebuild(
@@ -589,7 +596,15 @@ def _rebuild(
             "Accept and pass on the DataLoader's arguments (e.g. **kwargs), or shard the data yourself and pass "
             "use_distributed_sampler=False."
         )
-    rebuilt = cls(**args)
+    try:
+        rebuilt = cls(**args)
+    except TypeError as error:
+        raise MisuseTypeError(
+            f"setup_dataloaders must rebuild your {cls.__name__} with a sampler that splits the data across ranks, "
+            f"but {cls.__name__}(...) with the loader's own arguments ({', '.join(sorted(args))}) failed: {error}. "
+            "Make its __init__ take the DataLoader's arguments under their names and pass them on (no fixed "
+            "dataset or batch_size inside it), or shard the data yourself and pass use_distributed_sampler=False."
+        ) from error
     if rebuilt.sampler is not sampler:
         raise MisuseError(
             f"setup_dataloaders rebuilt your {cls.__name__} with a sampler that splits the data across ranks, but "
