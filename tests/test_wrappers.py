@@ -321,10 +321,14 @@ def test_a_dataloader_subclass_is_rebuilt_as_itself():
     ("cls", "says"), [(_Forgetful, "'factor' is not an attribute"), (_Fixed, "takes no 'sampler'")]
 )
 def test_a_dataloader_subclass_that_cannot_be_rebuilt_is_refused(cls, says):
+    """Refused where the data must be split (several ranks: the rebuild fails before any collective); handed
+    back untouched in one process, as Fabric does there, never replaced by a plain DataLoader."""
     from torchloom import Loom, MisuseError
+    from torchloom.wrappers import with_distributed_sampler
 
-    loom = Loom(accelerator="cpu", devices=1)
     loader = cls(torch.arange(8), 3) if cls is _Forgetful else cls(torch.arange(8))
     with pytest.raises(MisuseError, match=says):
-        loom.setup_dataloaders(loader)
+        with_distributed_sampler(loader, num_replicas=2, rank=0)
+    loom = Loom(accelerator="cpu", devices=1)
+    assert loom.setup_dataloaders(loader).loader is loader
     assert loom.setup_dataloaders(loader, use_distributed_sampler=False).loader is loader
