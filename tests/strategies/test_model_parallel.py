@@ -432,8 +432,12 @@ def test_data_split_over_data_parallel_ranks_only(results):
 def test_a_loader_resumes_at_another_data_parallel_degree(results):
     # Saved after 2 global batches of 4 at (dp 2, tp 2); resumed at (dp 4, tp 1) with a per-rank batch of 1.
     steps = len(results[0]["uninterrupted"])
-    assert steps == 6 and results[1]["uninterrupted"] == results[0]["uninterrupted"]  # one tp group, one batch
-    expected = [sorted(results[0]["uninterrupted"][s] + results[2]["uninterrupted"][s]) for s in range(2, steps)]
+    assert (
+        steps == 6 and results[1]["uninterrupted"] == results[0]["uninterrupted"]
+    )  # one tp group, one batch
+    expected = [
+        sorted(results[0]["uninterrupted"][s] + results[2]["uninterrupted"][s]) for s in range(2, steps)
+    ]
     got = [sorted(sum((results[r]["resumed"][s] for r in range(4)), [])) for s in range(steps - 2)]
     assert got == expected
 
