@@ -43,6 +43,21 @@ def refuse_options(owner: str, given: dict[str, Any], owned: dict[str, str]) -> 
 # first group and after it is destroyed.
 _NAMESPACE: str | None = None
 
+# The store of the last process group made here, kept after the group is destroyed. torch's env:// store is
+# shared by every store of this process on the same port while one of them lives (multi-tenant), so a Loom
+# launched after another one closed gets the same store server on rank 0. Without it, rank 0 destroys its
+# server some time after the ranks agreed to end the group: a faster peer that launches its next Loom at once
+# can connect to the server that is about to go and fail with "Connection was likely closed" (1 launch in 10).
+_STORE: dist.Store | None = None
+
+
+@atexit.register  # registered first, so it runs after every group's own teardown at exit
+def _release_store() -> None:
+    """Free the kept store while the interpreter is whole (its server thread is joined in the destructor)."""
+    global _STORE
+    _STORE = None
+
+
 # Where ranks other than 0 leave the random ids rank 0 answers (see `agree_on_namespace`).
 _JOINS = "torchloom/joins"
 _POLL_SECONDS = 0.01
@@ -176,11 +191,13 @@ class ParallelStrategy(Strategy):
         # for collectives, made start-up fail. So ranks first meet in the store, waiting as long as torch's
         # default group timeout (or the user's, if longer); the group is then made with the user's timeout.
         start_timeout = max(timeout, default_pg_timeout)
+        global _STORE
         store, _, _ = next(
             dist.rendezvous(
                 "env://", rank=env.global_rank(), world_size=env.world_size(), timeout=start_timeout
             )
         )
+        _STORE = store
         # The group's keys (gloo's addresses, the end-of-job marks) go under a namespace of this group's own:
         # the store may hold an earlier group's (a restarted attempt, or a script that closed a Loom and
         # started another), and a new group reading those would connect to closed sockets.
