@@ -328,3 +328,42 @@ def test_a_failed_async_save_raises_at_the_next_call_with_its_cause(tmp_path, mo
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__
     assert isinstance(cause, OSError) and cause.errno == 28
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_plain_dcp_checkpoints_values_load_inspect_and_consolidate(tmp_path):
+    # A checkpoint written by dcp.save (torchtitan's kind): its non-tensor entries are DCP byte items. They were
+    # dropped by consolidate and unknown to load ("no entries ['step']").
+    model = nn.Linear(4, 2)
+    saved = {
+        "model": model.state_dict(),
+        "step": 5,
+        "app": {"epoch": 3, "name": "run"},
+        "ema": {"w": torch.ones(2)},
+    }
+    dcp.save(saved, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    loom = Loom(accelerator="cpu", devices=1)
+    state = {"model": loom.setup_module(nn.Linear(4, 2)), "step": 0}
+    leftovers = loom.load(tmp_path / "plain", state)
+    assert state["step"] == 5 and torch.equal(state["model"].weight, model.weight)
+    assert leftovers["app"] == {"epoch": 3, "name": "run"} and torch.equal(
+        leftovers["ema"]["w"], torch.ones(2)
+    )
+    assert sorted(Loom(accelerator="cpu", devices=1).load(tmp_path / "plain")) == [
+        "app",
+        "ema",
+        "model",
+        "step",
+    ]
+
+    info = tools.inspect(tmp_path / "plain")
+    assert info["extra_entries"] == ["step", "app"] and info["values"]["step"] == 5
+
+    tools.consolidate(tmp_path / "plain", tmp_path / "one.pt")
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert one["step"] == 5 and one["app"] == {"epoch": 3, "name": "run"}
+    assert torch.equal(one["model"]["weight"], model.weight) and torch.equal(one["ema"]["w"], torch.ones(2))
+    assert sorted(tools.consolidate(tmp_path / "plain", tmp_path / "weights.pt", model_only=True)) == [
+        "ema",
+        "model",
+    ]

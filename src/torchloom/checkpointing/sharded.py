@@ -265,6 +265,18 @@ def tensor_entries(
     return out
 
 
+def entry_kinds(meta: dict[str, Any], md: Any) -> dict[str, str]:
+    """Entry -> kind ("module", "optimizer", "value", ...). torchloom's checkpoints record them; in a plain DCP
+    checkpoint (torchtitan's, `dcp.save`'s) an entry holding tensors is read as a module's state and any other
+    (a step count, a config) as a plain value, which DCP stored too (as byte items, not in extra.pt)."""
+    if meta.get("kinds") is not None:
+        return meta["kinds"]
+    tensors = tensor_entries(md)
+    planner_data = getattr(md, "planner_data", None) or {}
+    stored = dict.fromkeys(_entry_of(fqn, planner_data.get(fqn), []) for fqn in md.state_dict_metadata)
+    return {k: MODULE if k in tensors else VALUE for k in stored}
+
+
 def _entry_of(fqn: str, path: Any, names: list[str]) -> str:
     if isinstance(path, (tuple, list)) and path and fqn.startswith(f"{path[0]}."):
         return str(path[0])
@@ -350,7 +362,7 @@ def load(
     stored = tensor_entries(md, [k for k, kind in (known or {}).items() if kind in (MODULE, OPTIMIZER)])
     extra = read_extra(path, weights_only)
     run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
-    kinds = known or {k: MODULE for k in stored}
+    kinds = entry_kinds(meta, md)
     check_missing(entries, list(kinds), strict)
 
     template: dict[str, Any] = {}

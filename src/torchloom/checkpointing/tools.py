@@ -10,7 +10,7 @@ import torch
 
 from torchloom._text import count
 from torchloom.checkpointing import atomic, full, hf, record, sharded
-from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, MODULE
+from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, MODULE, VALUE
 from torchloom.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -87,7 +87,7 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
                         "bytes": numel * torch.empty((), dtype=dtype).element_size(),
                     }
                 )
-        kinds = meta.get("kinds") or {}
+        kinds = sharded.entry_kinds(meta, md)
         extra = [k for k, kind in kinds.items() if kind not in ("module", "optimizer")]
         info = {
             "format": "sharded",
@@ -96,6 +96,8 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
         # The plain entries live in extra.pt (plain data only with weights_only), memory-mapped like full files.
         values = _small_values(sharded.read_extra(path, weights_only, mmap=True), extra)
+        if meta.get("kinds") is None and extra:  # a plain DCP checkpoint keeps its values in DCP
+            values = _small_values(sharded.read_entries(path, extra, weights_only), extra)
     else:
         checkpoint = full.read(path, weights_only=weights_only)
         meta = checkpoint.get(META_KEY) or {}
@@ -183,7 +185,7 @@ def consolidate(
     _check_output(path, out, fmt)
     meta = sharded.read_meta(path)
     md = sharded.read_dcp_metadata(path, weights_only)
-    kinds = meta.get("kinds") or {k: MODULE for k in sharded.tensor_entries(md)}
+    kinds = sharded.entry_kinds(meta, md)
     wanted = [
         k
         for k, kind in kinds.items()
@@ -193,6 +195,10 @@ def consolidate(
     for key in _progress(wanted, "consolidating"):
         result.update(sharded.read_entries(path, keys=[key], weights_only=weights_only))
     if not model_only:
+        if meta.get("kinds") is None:  # a plain DCP checkpoint: its values are DCP items, not in extra.pt
+            values = [k for k, kind in kinds.items() if kind == VALUE]
+            if values:
+                result.update(sharded.read_entries(path, keys=values, weights_only=weights_only))
         extra = sharded.read_extra(path, weights_only)
         run_state = record.pop_from_extra(extra, meta.get("version", FORMAT_VERSION))
         result.update(extra)
