@@ -537,5 +537,54 @@ def test_save_onto_a_folder_is_refused_on_every_rank(tmp_path):
     assert _tree(folder) == before
 
 
+def _failed_sharded_saves(rank: int, world_size: int, root: str) -> dict:
+    """Sharded saves that fail after rank 0 made the temporary folder: DCP's write on rank 1 (a full disk), and
+    the swap on rank 0; each synchronous and async (whose failure surfaces at the next call)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    loom = _looms(world_size)["sharded"]
+    model = loom.setup_module(Net())
+    path = Path(root) / "ckpt"
+    loom.save(path, {"model": model, "step": 1})
+    out = {}
+    real_write, real_replace = FileSystemWriter.write_data, atomic.replace
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def swap_refused(*args, **kwargs):
+        raise PermissionError("swap refused")
+
+    for where, patch in (("write", full_disk), ("swap", swap_refused)):
+        for async_save in (False, True):
+            if where == "write" and rank == 1:
+                FileSystemWriter.write_data = patch
+            if where == "swap" and rank == 0:
+                atomic.replace = patch
+            try:
+                loom.save(path, {"model": model, "step": 2}, async_save=async_save)
+                loom.load(path, {})  # an async save's failure surfaces here
+                out[(where, async_save)] = None
+            except CheckpointError as error:
+                out[(where, async_save)] = str(error)
+            finally:
+                FileSystemWriter.write_data, atomic.replace = real_write, real_replace
+            loom.barrier()
+            out[(where, async_save, "left")] = sorted(os.listdir(root))
+            out[(where, async_save, "step")] = loom.load(path, {"model": model})["step"]
+    return out
+
+
+def test_a_failed_sharded_save_leaves_nothing_beside_the_checkpoint(tmp_path):
+    # The hidden temporary folder (a whole checkpoint's worth of shards) used to stay until the next save to the
+    # same path.
+    for result in run_ranks(_failed_sharded_saves, 2, str(tmp_path), timeout=150):
+        for where, cause in (("write", "No space left on device"), ("swap", "swap refused")):
+            for async_save in (False, True):
+                assert cause in (result[(where, async_save)] or ""), (where, async_save, result)
+                assert result[(where, async_save, "left")] == ["ckpt"], (where, async_save)
+                assert result[(where, async_save, "step")] == 1
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))

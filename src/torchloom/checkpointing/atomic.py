@@ -108,6 +108,13 @@ def remove_stale_temporaries(path: Path) -> None:
             _remove(stale)
 
 
+def discard(tmp: Path | None) -> None:
+    """Delete a failed save's temporary file or directory (nothing if it is not there): a save that raises
+    leaves the previous checkpoint as it was and nothing else beside it."""
+    if tmp is not None:
+        _remove(tmp)
+
+
 def _glob_escape(text: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 

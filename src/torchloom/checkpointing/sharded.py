@@ -128,6 +128,7 @@ def save(
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             own = exc
             failure = describe_failure(write_error(extra, path, exc), exc)
+            atomic.discard(tmp)
     if io.is_distributed:
         failure, tmp = io.broadcast((failure, tmp), src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)
@@ -153,14 +154,19 @@ def save(
                     atomic.replace(tmp, path, fsync=fsync)
                 done.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - surfaces at the next save
-                done.set_exception(exc)
+                if io.global_rank == 0:
+                    # DCP raised on every rank only after all of them stopped writing: nothing writes in it now.
+                    atomic.discard(tmp)
+                done.set_exception(_write_error(path, exc) if isinstance(exc, CheckpointException) else exc)
 
         future.add_done_callback(finish)
         return done
     try:
         dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(io))
-    except Exception as exc:
-        raise CheckpointError(f"Writing the sharded checkpoint {str(path)!r} failed: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        if io.global_rank == 0:
+            atomic.discard(tmp)  # DCP raises on every rank once all stopped writing
+        raise _write_error(path, exc) from exc
     failure, own = None, None
     if io.global_rank == 0:
         try:
@@ -172,6 +178,7 @@ def save(
             failure = describe_failure(
                 f"Cannot move the sharded checkpoint into place at {str(path)!r}: {exc}", exc
             )
+            atomic.discard(tmp)
     if io.is_distributed:
         failure = io.broadcast(failure, src=0)
     raise_shared_failure(failure, 0, own, CheckpointError)
@@ -470,6 +477,17 @@ def read_entries(path: Path, keys: list[str] | None = None, weights_only: bool =
     except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise _load_error(path, exc, "Reading") from exc
     return out
+
+
+def _write_error(path: Path, exc: BaseException) -> CheckpointError:
+    """The error of a failed DCP write, on every rank: each failed rank's own exception, not DCP's gathered
+    tracebacks."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else {}
+    causes = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}" for r, f in sorted(failures.items()))
+    return CheckpointError(
+        f"Writing the sharded checkpoint {str(path)!r} failed ({causes or exc}); the checkpoint that was there, "
+        "if any, is unchanged."
+    )
 
 
 def _load_error(path: Path, exc: BaseException, doing: str = "Loading") -> CheckpointError:
