@@ -264,6 +264,13 @@ def test_mixed_group_split_is_computed_once_per_set_of_groups(monkeypatch):
     opt.param_groups[1]["params"] = params[:1]  # replaced list: scanned again
     with wrappers._kinds_apart(opt):
         assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 1]
+    # A parameter swapped in place (same list, same length): the split groups hold the new one, so the step
+    # updates it and not the one it replaced.
+    swapped = nn.Parameter(torch.zeros(2))
+    opt.param_groups[0]["params"][3] = swapped
+    with wrappers._kinds_apart(opt):
+        assert any(p is swapped for p in opt.param_groups[1]["params"])
+        assert not any(p is params[3] for g in opt.param_groups for p in g["params"])
 
 
 # ---- a DataLoader subclass stays itself ------------------------------------------------------------------------
