@@ -26,12 +26,12 @@ demo: $(VENV)/.installed-test
 	$(PY) examples/train_lm.py --devices 2 --flavour fsdp2
 
 # With CUDA, this includes the GPU suite (tests/gpu, marked `cuda`); without, those tests are skipped and say why.
-# Three pytest-xdist workers: the suite mostly waits (process start-up, rendezvous, provoked timeouts), so three
-# files at a time fit on 2 cores; tests/conftest.py says which tests share a worker and which start first.
+# Three pytest-xdist workers, a test file each at a time (its module-scoped rank groups start once): the suite
+# waits much of the time (process start-up, rendezvous, provoked timeouts), so three files fit on 2 cores.
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The scenario engine's long run (tests/scenarios): a seeded random sample of user choices (strategy, layout,
 # world size, optimizer, precision, accumulation, clipping, loop, checkpoint and resume), each judged against

@@ -17,55 +17,8 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# `make test` runs the suite on 3 pytest-xdist workers (`-n 3 --dist loadgroup --no-loadscope-reorder`): most of
-# its time is waiting (process start-up, rendezvous, the timeouts tests provoke), not computing. A file is one unit
-# of work, so its module-scoped fixtures (rank groups shared by its tests) start once per run; a test marked
-# `own_processes` starts its own processes and shares nothing, so it is a unit of its own that any worker may take.
-#
-# The longest files start first (measured 2026-12-02: 190 s down to 30 s each under 3 workers), then the tests of
-# their own (5-40 s each), then the rest (under 30 s each), so that no long unit starts last while the other
-# workers idle.
-_LONGEST_FIRST = (
-    "test_example_lm.py",
-    "test_soak.py",
-    "test_atomic.py",
-    "test_misuse.py",
-    "test_data.py",
-    "test_fsdp_options.py",
-    "test_fabric_compat.py",
-    "test_resharding.py",
-    "test_model_parallel_checkpoints.py",
-    "test_scenarios.py",
-)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the `xdist_group` marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _schedule_for_xdist(items)
     _skip_cuda_tests(items)
-
-
-def _schedule_for_xdist(items: list[pytest.Item]) -> None:
-    """Under a pytest-xdist worker: one `xdist_group` per file for the tests not marked `own_processes`, and the
-    order in which the workers take the units (every worker collects the same order). A serial run is left as
-    it is."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-
-    def alone(item: pytest.Item) -> bool:
-        return item.get_closest_marker("own_processes") is not None
-
-    for item in items:
-        if not alone(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        if name in _LONGEST_FIRST and not alone(item):
-            return _LONGEST_FIRST.index(name)
-        return len(_LONGEST_FIRST) + (0 if alone(item) else 1)
-
-    items.sort(key=rank)  # stable: the tests of a file keep their order
 
 
 def _skip_cuda_tests(items: list[pytest.Item]) -> None:

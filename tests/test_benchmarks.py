@@ -9,9 +9,6 @@ import re
 import pytest
 from harness import PYTHON, REPO, run_job, wait_no_strays
 
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
-
 SCRIPTS = ("step_overhead", "memory", "checkpoint_io", "startup", "scaling", "hf_load")
 
 

@@ -17,9 +17,6 @@ import time
 import pytest
 from harness import PYTHON, TOKEN_ENV, free_port, kill_token, run_job, wait_no_strays
 
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
-
 TIMEOUT_S = 3
 
 SCRIPT = textwrap.dedent(

@@ -30,9 +30,6 @@ from harness import PYTHON, REPO, run_job, wait_no_strays
 import torchloom
 from torchloom.checkpointing import FORMAT_VERSION
 
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
-
 FENCE = re.compile(r"^\s*```python\s*$")
 MARKER = re.compile(r"^\s*<!--\s*([a-z-]+):\s*(.*?)\s*-->\s*$")
 

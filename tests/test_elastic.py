@@ -22,9 +22,6 @@ import pytest
 import torch
 from harness import PYTHON, REPO, TOKEN_ENV, free_port, kill_token, run_job, wait_no_strays
 
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
-
 TESTS = Path(__file__).resolve().parent
 JOB_TIMEOUT = 150
 STEPS = 4

@@ -6,13 +6,9 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 from harness import PYTHON, REPO, run_job, wait_no_strays
 from torch import nn
-
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
 
 STEPS = 150
 

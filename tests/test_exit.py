@@ -14,9 +14,6 @@ from harness import PYTHON, REPO, free_port, run_ranks
 
 from torchloom import Loom
 
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
-
 # Before the ranks agreed on the end of the job, about 1 run in 5 of this died of SIGABRT at exit. The suite runs
 # one job per (launch mode, strategy) pair below, so a path that fails at exit every time fails here, and a race
 # as frequent as the old one shows with 74% probability; the repetitions that bound a rarer race live in

@@ -23,9 +23,6 @@ from launch_helpers import READY_TAG, SCRIPT, failing_at, fn_fail, fn_ok, refere
 
 from torchloom import LaunchError, Loom, launcher
 
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
-
 TESTS = Path(__file__).resolve().parent
 JOB_TIMEOUT = 90
 

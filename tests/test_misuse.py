@@ -1147,7 +1147,6 @@ SAVE_ON_RANK_ZERO_ONLY = Case(
 )  # fmt: skip
 
 
-@pytest.mark.own_processes
 def test_save_on_rank_zero_only_fails_after_the_timeout_naming_save(tmp_path: Path) -> None:
     (error, text, seconds), skipped = run_ranks(_save_on_rank_zero_only, 2, tmp_path, timeout=60)
     assert skipped is None
@@ -1195,7 +1194,6 @@ SAVE_WHILE_OTHERS_TRAIN = Case(
 )  # fmt: skip
 
 
-@pytest.mark.own_processes
 @pytest.mark.parametrize("strategy_name", ["ddp", "fsdp", "fsdp2", "fsdp-full", "fsdp2-full"])
 def test_save_on_rank_zero_while_the_others_train_names_save_at_once(
     tmp_path: Path, strategy_name: str

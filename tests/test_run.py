@@ -7,11 +7,7 @@ import socket
 import subprocess
 import textwrap
 
-import pytest
 from harness import PYTHON, free_port, run_job, wait_no_strays
-
-# Each test starts its own processes and shares no fixture with the others: parallel workers may take it alone.
-pytestmark = pytest.mark.own_processes
 
 SCRIPT = textwrap.dedent(
     """

@@ -334,7 +334,9 @@ class Loom:
 
         It runs by itself when the interpreter exits normally, and at the end of `with Loom(...) as loom:`.
         Ending together matters: a rank that tears down its connections while a peer is still inside a
-        collective makes that peer abort, so a finished job would exit non-zero."""
+        collective makes that peer abort, so a finished job would exit non-zero. A later Loom in the same
+        processes makes a new group; without a launcher, rank 0 keeps serving the job's store (on
+        MASTER_PORT) until then or until it exits, so a peer that gets there first finds it."""
         if self._closed:
             return
         self._closed = True
