@@ -185,3 +185,42 @@ def test_a_later_loom_is_not_fooled_by_the_variables_an_unclosed_one_process_run
     launched(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
     assert TorchElasticEnvironment.detect()
     first.close()
+
+
+# ---- SLURM host lists ---------------------------------------------------------------------------------------
+# Each expansion written out by hand from SLURM's grammar (what `scontrol show hostnames` prints).
+HOSTLISTS = [
+    ("gpu1", ["gpu1"]),
+    ("node[07-08]", ["node07", "node08"]),
+    ("node[1,3,5-7]", ["node1", "node3", "node5", "node6", "node7"]),
+    ("node[08-11]", ["node08", "node09", "node10", "node11"]),  # the width of "08" kept past 9
+    ("n[9-11]x", ["n9x", "n10x", "n11x"]),  # no padding written: none added; text after the group kept
+    (
+        "rack[1-2]-node[01-04]",
+        [f"rack{r}-node0{n}" for r in (1, 2) for n in (1, 2, 3, 4)],  # the last group varies fastest
+    ),
+    ("a[1-2],b3", ["a1", "a2", "b3"]),
+    ("node[03-05,07],gpu1", ["node03", "node04", "node05", "node07", "gpu1"]),
+    ("r[2,1]n[1-2],x[5]", ["r2n1", "r2n2", "r1n1", "r1n2", "x5"]),  # the order as written, not sorted
+    ("c[001-002]-g[0-1]-s[7]", ["c001-g0-s7", "c001-g1-s7", "c002-g0-s7", "c002-g1-s7"]),
+]
+
+
+@pytest.mark.parametrize("hostlist,hosts", HOSTLISTS)
+def test_slurm_host_lists_expand_in_full(launched, hostlist, hosts):
+    from torchloom.environments import expand_slurm_hostlist
+
+    assert expand_slurm_hostlist(hostlist) == hosts
+    # The step's main address is its first host (before: "rack1-node[01-04]" for the third case).
+    _srun_task(launched, SLURM_STEP_NODELIST=hostlist)
+    assert SLURMEnvironment().main_address == hosts[0]
+
+
+@pytest.mark.parametrize(
+    "hostlist", ["node[1-", "node[2-1]", "node[[1]]", "node]1", "node[a]", "node[]", ","]
+)
+def test_a_malformed_slurm_host_list_is_refused_by_name(hostlist):
+    from torchloom.environments import expand_slurm_hostlist
+
+    with pytest.raises(ConfigurationError, match="SLURM host list"):
+        expand_slurm_hostlist(hostlist)

@@ -290,12 +290,70 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    # "node[03-05,07],gpu1" -> "node03"
-    first = re.split(r",(?![^\[]*\])", nodelist)[0]
-    match = re.match(r"^(.*?)\[(\d+)[^\]]*\](.*)$", first)
-    if match:
-        return f"{match.group(1)}{match.group(2)}{match.group(3)}"
-    return first
+    """The first host of a SLURM host list: the step's main address."""
+    return expand_slurm_hostlist(nodelist)[0]
+
+
+def expand_slurm_hostlist(hostlist: str) -> list[str]:
+    """Every host of a SLURM host list, in SLURM's order (what `scontrol show hostnames` prints).
+
+    The grammar: entries separated by commas outside brackets (`a[1-2],b3`); an entry is text with any number of
+    bracket groups (`rack[1-2]-node[01-04]`: every combination, the last group varying fastest); a group holds
+    numbers and ranges separated by commas (`[1,3,5-7]`), each range padded with zeros to the width of its lower
+    bound as written (`[08-10]`: 08, 09, 10)."""
+    hosts: list[str] = []
+    for entry in _split_outside_brackets(hostlist):
+        hosts += _expand_hostlist_entry(entry, hostlist)
+    if not hosts:
+        raise ConfigurationError(f"The SLURM host list {hostlist!r} names no host.")
+    return hosts
+
+
+def _split_outside_brackets(hostlist: str) -> list[str]:
+    entries, depth, current = [], 0, ""
+    for char in hostlist.strip():
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            raise ConfigurationError(
+                f"The SLURM host list {hostlist!r} has {'nested' if depth > 1 else 'unmatched'} brackets: expected "
+                "entries such as node[01-04] or rack[1-2]-node[1,3]."
+            )
+        if char == "," and depth == 0:
+            entries.append(current)
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise ConfigurationError(f"The SLURM host list {hostlist!r} has an unclosed '['.")
+    return [e.strip() for e in [*entries, current] if e.strip()]
+
+
+def _expand_hostlist_entry(entry: str, hostlist: str) -> list[str]:
+    hosts = [""]
+    for part in re.split(r"(\[[^\]]*\])", entry):
+        if part.startswith("["):
+            choices = _expand_bracket(part[1:-1], hostlist)
+        else:
+            choices = [part]
+        hosts = [host + choice for host in hosts for choice in choices]
+    return hosts
+
+
+def _expand_bracket(group: str, hostlist: str) -> list[str]:
+    out: list[str] = []
+    for item in group.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
+        if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
+            raise ConfigurationError(
+                f"The SLURM host list {hostlist!r} has {item!r} in brackets: expected numbers or increasing ranges "
+                "separated by commas, such as [1,3,5-7] or [01-04]."
+            )
+        low, high = match.group(1), match.group(2) or match.group(1)
+        out += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+    return out
 
 
 def detect_environment(num_processes: int, num_nodes: int) -> ClusterEnvironment:
