@@ -721,9 +721,8 @@ def test_exit_for_restart_requeues_the_slurm_job_when_asked(tmp_path, monkeypatc
         assert stopped.value.code == 75 and calls.read_text() == "requeue 4242\n"
         monkeypatch.delenv("SLURM_JOB_ID")
         outside = Loom(accelerator="cpu", devices=1)
-        outside.on_preempt(requeue=True)
         with pytest.raises(ConfigurationError, match="not a SLURM job"):
-            outside.exit_for_restart()
+            outside.on_preempt(requeue=True)  # at the call, not when the job is already stopping
         plain = Loom(accelerator="cpu", devices=1)
         plain.on_preempt()
         with pytest.raises(SystemExit):
@@ -732,3 +731,28 @@ def test_exit_for_restart_requeues_the_slurm_job_when_asked(tmp_path, monkeypatc
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _requeue_outside_slurm(rank: int, world_size: int) -> str:
+    from torchloom import ConfigurationError, Loom
+
+    os.environ.pop("SLURM_JOB_ID", None)
+    loom = Loom(accelerator="cpu", devices=world_size)
+    loom.launch()
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        loom.on_preempt(requeue=True)
+    except ConfigurationError as error:
+        assert signal.getsignal(signal.SIGUSR1) == before  # nothing installed by a refused call
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_requeue_outside_slurm_is_refused_at_the_call_on_every_rank():
+    """Before, every rank accepted `on_preempt(requeue=True)` and only rank 0 failed, in `exit_for_restart()`,
+    after the preemption checkpoint."""
+    from harness import run_ranks
+
+    for message in run_ranks(_requeue_outside_slurm, 2, timeout=60):
+        assert "SLURM_JOB_ID is not set" in message, message

@@ -899,7 +899,16 @@ class Loom:
 
         `requeue=True`: under SLURM, `exit_for_restart()` also puts the job back in SLURM's queue (rank 0 runs
         `scontrol requeue $SLURM_JOB_ID`; the job must be requeueable, `sbatch --requeue`), so it starts again
-        and resumes from its newest checkpoint (`torchloom.latest_checkpoint`)."""
+        and resumes from its newest checkpoint (`torchloom.latest_checkpoint`). Outside a SLURM job it is refused
+        here, on every rank (not when the job is already stopping)."""
+        if requeue and not os.environ.get("SLURM_JOB_ID"):
+            # Refused at the call, where every rank sees the same environment: at exit_for_restart only rank 0
+            # would fail, after the preemption checkpoint, with the job already ending.
+            raise ConfigurationError(
+                "on_preempt(requeue=True) requeues a SLURM job, but SLURM_JOB_ID is not set: this is not a SLURM "
+                "job. Leave requeue out (under torchrun, --max-restarts restarts the ranks after "
+                "exit_for_restart())."
+            )
         self._requeue = bool(requeue)
         for sig in signals:
             signal.signal(sig, self._note_preemption)

@@ -135,8 +135,10 @@ class ModelParallelStrategy(FSDP2Strategy):
             )
             raise ConfigurationError(
                 f"ModelParallelStrategy({given}) makes a mesh of {dp} x {tp} = {dp * tp} ranks, but this job has "
-                f"{count(world, 'process')}. data_parallel_size x tensor_parallel_size must equal the world size "
-                f"(devices x num_nodes): e.g. {fix}."
+                f"{count(world, 'process')} on {count(self.num_nodes, 'node')}. data_parallel_size x "
+                f"tensor_parallel_size must equal the world size (devices x num_nodes): e.g. {fix}. Where the "
+                "node count can change between attempts (an elastic job), leave data_parallel_size='auto' (the "
+                "number of nodes) and set tensor_parallel_size to the processes per node."
             )
         rep = self.data_parallel_replicate_size
         if dp % rep:
@@ -144,6 +146,14 @@ class ModelParallelStrategy(FSDP2Strategy):
                 f"ModelParallelStrategy(data_parallel_replicate_size={rep}) must divide data_parallel_size={dp}: "
                 "the data-parallel ranks are split into replicate x shard groups."
             )
+
+    def setup_environment(self) -> None:
+        # The launching process checked the mesh against the world it expected; a rank learns the world of its
+        # attempt only now (an elastic agent may have started it on another number of nodes). Checked again on
+        # every rank, before joining the group, so each one fails with the same clear error instead of inside
+        # init_device_mesh, or hanging in a collective of a mesh that does not fit.
+        self.validate()
+        super().setup_environment()
 
     def start_diagnostics(self) -> None:
         super().start_diagnostics()
