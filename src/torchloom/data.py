@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     Dataset,
     DistributedSampler,
@@ -371,11 +372,18 @@ class LoomDataLoader:
         world_size: int = 1,
         rank: int = 0,
         all_gather_object: Callable[[Any], list[Any]] | None = None,
+        *,
+        global_rank: int = 0,
+        ranks: int | None = None,
     ) -> None:
         self._loader = loader
         self._device = device
+        #: The replicas reading different data (the data-parallel ones), and this one's number among them.
         self._world_size = world_size
         self._rank = rank
+        #: The job's ranks (more than the replicas under tensor parallelism), and this process's: it logs on 0 only.
+        self._ranks = world_size if ranks is None else ranks
+        self._global_rank = global_rank
         self._all_gather_object = all_gather_object
         self._epoch = 0  # the epoch the next pass will read
         self._current: int | None = None  # the epoch the live pass is reading
@@ -505,22 +513,63 @@ class LoomDataLoader:
             "consumed": consumed,
             "dataset_len": len(dataset),  # type: ignore[arg-type]
             "global_batch": (self._loader.batch_size or 1) * self._world_size,
-            "world_size": self._world_size,
+            "world_size": self._world_size,  # the data-parallel replicas
+            "ranks": self._ranks,
         }
         if isinstance(sampler, DistributedSampler):
             state.update(seed=sampler.seed, shuffle=sampler.shuffle)
         if isinstance(sampler, ResumableSampler):
             state.update(self._order_state(sampler, epoch, consumed))
-        elif not isinstance(sampler, DistributedSampler) and state["consumed"]:
+        elif state["consumed"]:
+            # Refused here, while the run can still choose: a load in the next job could only refuse too.
             raise MisuseError(
-                f"This loader's sampler ({type(sampler).__name__}) was not set up by torchloom, so a position inside "
-                "an epoch cannot be restored. Call setup_dataloaders with use_distributed_sampler=True, or save "
-                "between epochs."
+                f"This loader cannot save its position inside epoch {epoch} ({count(consumed, 'sample')} read): "
+                f"{self._why_no_position()}"
             )
         generator = self._order_generator_state(epoch, consumed)
         if generator is not None:
             state["order_generator"] = generator
         return state
+
+    def _why_no_position(self) -> str:
+        """Why this loader (not read through a `ResumableSampler`) has no position inside an epoch, and what
+        works instead."""
+        loader, sampler = self._loader, self.sampler
+        between = (
+            "save between epochs (after the loop over the loader ends; the run then resumes at the next one)"
+        )
+        batches = loader.batch_sampler
+        if batches is not None and type(batches) is not BatchSampler:
+            return (
+                f"its batch_sampler ({type(batches).__name__}) is your own, and torchloom cannot tell where it "
+                f"stands inside a pass. Either {between}, or build the DataLoader with sampler=... and "
+                "batch_size=... instead: setup_dataloaders (use_distributed_sampler=True) then resumes it exactly."
+            )
+        name = type(sampler).__name__
+        if isinstance(sampler, DistributedSampler):
+            if type(sampler) is not DistributedSampler:
+                return (
+                    f"its sampler ({name}) subclasses DistributedSampler, so its order is its own. Either "
+                    f"{between}, or use torch's DistributedSampler itself (resumed exactly, at any world size), "
+                    "or give the DataLoader an undistributed sampler and let setup_dataloaders split it "
+                    "(use_distributed_sampler=True)."
+                )
+            return (
+                f"torchloom could not rebuild your {type(loader).__name__} around a resumable copy of its "
+                f"DistributedSampler. Either {between}, or make the loader rebuildable (its __init__ takes the "
+                "DataLoader's arguments under their names and passes them on)."
+            )
+        if not hasattr(sampler, "__len__"):
+            return (
+                f"its sampler ({name}) has no len(), so torchloom cannot replay its order. Either {between}, or "
+                "give the sampler __len__ (setup_dataloaders with use_distributed_sampler=True then resumes it)."
+            )
+        return (
+            f"its sampler ({name}) is read as it is (set up with use_distributed_sampler=False, or a "
+            f"{type(loader).__name__} torchloom could not rebuild). Either {between}, or set the loader up with "
+            "use_distributed_sampler=True, which splits and resumes the sampler's order (give it a sampler that "
+            "does not split the data itself)."
+        )
 
     def _order_state(self, sampler: ResumableSampler, epoch: int, consumed: int) -> dict[str, Any]:
         """What the saved epoch's order came from: the rule; for a pass under way the state its base seed was
@@ -638,15 +687,32 @@ class LoomDataLoader:
         epoch, consumed = int(state["epoch"]), int(state["consumed"])
         if consumed and not isinstance(sampler, ResumableSampler):
             raise CheckpointError(
-                "The checkpoint was saved in the middle of an epoch, but this loader's sampler "
-                f"({type(sampler).__name__}) cannot start there. Set the loader up with setup_dataloaders "
-                "(use_distributed_sampler=True)."
+                f"The checkpoint was saved inside epoch {epoch}, but this loader cannot start there: "
+                f"{self._why_no_position()} Or load the checkpoint without the loader entry to start the data "
+                "afresh."
             )
         if isinstance(sampler, ResumableSampler):
             self._load_rule(sampler, state, consumed)
+            if (
+                consumed
+                and sampler.rule == SEEDED
+                and bool(state.get("shuffle", sampler.shuffle)) != sampler.shuffle
+            ):
+                raise CheckpointError(
+                    f"The checkpoint's loader read the dataset {'shuffled' if state['shuffle'] else 'in order'}, "
+                    f"this one {'shuffles' if sampler.shuffle else 'reads it in order'}: its position inside epoch "
+                    f"{epoch} means nothing in the other order. Build the sampler as the saved run did "
+                    "(shuffle=...), or load without the loader entry to start the data afresh."
+                )
         self._load_order_generator(state, epoch, consumed)
+        if consumed and self._global_rank == 0:  # once per job, not once per rank
+            self._log_resume(state, epoch, consumed)
+        self._resume = (epoch, consumed, state.get("base"))
+        self._epoch = epoch
+
+    def _log_resume(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         global_batch = (self._loader.batch_size or 1) * self._world_size
-        if consumed and global_batch != state["global_batch"]:
+        if global_batch != state["global_batch"]:
             log.warning(
                 "Resuming epoch %d after %d of its %s with a global batch of %d (it was %d): "
                 "the remaining samples are each read once, but batch boundaries differ from the uninterrupted run.",
@@ -656,16 +722,18 @@ class LoomDataLoader:
                 global_batch,
                 state["global_batch"],
             )
-        elif consumed and self._world_size != state["world_size"]:
+        elif self._world_size != state["world_size"]:
+            # The data is split over the data-parallel replicas: under tensor parallelism (now or in the saved
+            # run) they are fewer than the ranks.
+            saved_ranks = int(state.get("ranks", state["world_size"]))
+            plain = self._ranks == self._world_size and saved_ranks == state["world_size"]
             log.info(
                 "Resuming epoch %d after %s on %s (saved on %d): same global batches.",
                 epoch,
                 count(consumed, "sample"),
-                count(self._world_size, "rank"),
+                count(self._world_size, "rank" if plain else "data-parallel replica"),
                 state["world_size"],
             )
-        self._resume = (epoch, consumed, state.get("base"))
-        self._epoch = epoch
 
     @staticmethod
     def _load_rule(sampler: ResumableSampler, state: dict[str, Any], consumed: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from torchloom import launcher
 from torchloom._convert import numbers_to_tensors, reduce_op_name
@@ -52,6 +52,7 @@ from torchloom.wrappers import (
     state_module,
     unwrap_optimizer,
     with_distributed_sampler,
+    with_users_distributed_sampler,
 )
 from torchloom.wrappers import (
     move_to_device as move_data_to_device,
@@ -584,14 +585,22 @@ class Loom:
                     seed=sampler_seed(),
                     distributed=self._distributed_order(),
                 )
+            else:
+                # The user's own DistributedSampler, kept (same order), made resumable inside an epoch.
+                loader = with_users_distributed_sampler(loader)
             add_worker_seeding(loader, rank)
+            # A DistributedSampler of the user's splits the data over its own replicas (a global position counts
+            # its batches over those).
+            own = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
             out.append(
                 LoomDataLoader(
                     loader,
                     self.device if move_to_device else None,
-                    replicas,
-                    rank=rank,
+                    replicas if own is None else own.num_replicas,
+                    rank=rank if own is None else own.rank,
                     all_gather_object=gather,
+                    global_rank=self.global_rank,
+                    ranks=self.world_size,
                 )
             )
         # Before launch this process would split the data as rank 0 of a job that does not exist yet. Checked

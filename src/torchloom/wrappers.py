@@ -498,8 +498,8 @@ def with_distributed_sampler(
     the user's sampler is iterated as it is."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return loader  # an iterable dataset shards itself
-    if isinstance(loader.sampler, DistributedSampler):
-        return loader
+    if isinstance(loader.sampler, DistributedSampler) or users_distributed_sampler(loader) is not None:
+        return with_users_distributed_sampler(loader)
     custom_batches = (
         loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler
     )
@@ -556,6 +556,51 @@ def with_distributed_sampler(
         # One process reads everything: Fabric hands such a loader back untouched, and so does torchloom (it then
         # has no mid-epoch resume, as for a custom batch_sampler; its state_dict says so inside an epoch).
         return loader
+
+
+def users_distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
+    """The user's own torch `DistributedSampler` the loader reads through (as its sampler, or inside a
+    `BatchSampler` given as batch_sampler), if any. Only torch's class itself: a subclass may order otherwise."""
+    sampler = loader.sampler
+    if loader.batch_size is None and type(loader.batch_sampler) is torch.utils.data.BatchSampler:
+        sampler = loader.batch_sampler.sampler
+    return sampler if type(sampler) is DistributedSampler else None
+
+
+def with_users_distributed_sampler(loader: DataLoader) -> DataLoader:
+    """`loader`, rebuilt to read its user's `DistributedSampler` through a `ResumableSampler` of the same
+    replicas, rank, seed, shuffle and drop_last: the same samples on this rank, in the same order, every epoch
+    (its order is a function of those and the epoch), and a position inside an epoch that a checkpoint can
+    resume, at the same world size or another (the global order is the same at every world size). Done with or
+    without `use_distributed_sampler`: the sampler is kept as it is, only made resumable. A loader that cannot
+    be rebuilt (or a subclass of DistributedSampler) is returned as it is: it saves between epochs only."""
+    user = users_distributed_sampler(loader)
+    if user is None:
+        return loader
+    kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
+    if loader.batch_size is None:
+        kwargs["batch_size"] = loader.batch_sampler.batch_size
+        kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
+    sampler = ResumableSampler(
+        user.dataset,
+        num_replicas=user.num_replicas,
+        rank=user.rank,
+        shuffle=user.shuffle,
+        seed=user.seed,
+        drop_last=user.drop_last,
+        sampler=user,  # its set_epoch is still called, as Fabric's loader calls it
+        rule=SEEDED,
+    )
+    dataset = loader.dataset
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    elif os.environ.get(SEED_WORKERS_ENV) != "0":
+        dataset, sampler.keyed = SeededPerSample(dataset), True
+    try:
+        return _rebuild(loader, dataset, sampler, kwargs)
+    except MisuseError:
+        return loader  # its own DistributedSampler still splits the data; state_dict refuses inside an epoch
 
 
 def _rebuild(
