@@ -683,7 +683,7 @@ def test_log_lines_have_one_prefix_and_agreeing_plurals():
         next(iterator)
         state = loader.state_dict()
         # As two ranks with one sample each per step would have saved it: the same global batch of 2.
-        state.update(world_size=2)
+        state.update(world_size=2, ranks=2)
         fresh = loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
         fresh.load_state_dict(state)
 
