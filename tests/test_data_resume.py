@@ -123,7 +123,14 @@ def _model_parallel_resume(rank: int, world_size: int, state: dict) -> tuple[lis
     strategy = ModelParallelStrategy(lambda m, mesh: m, data_parallel_size=1, tensor_parallel_size=2)
     loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
     loom.launch()
-    loader = loom.setup_dataloaders(DataLoader(TensorDataset(torch.arange(24)), batch_size=G, shuffle=True))
+    data = TensorDataset(torch.arange(24))
+    # A DistributedSampler of the user's built for the whole world would feed the two ranks of the
+    # tensor-parallel group different samples: refused, naming the split that works.
+    try:
+        loom.setup_dataloaders(DataLoader(data, batch_size=G, sampler=DistributedSampler(data)))
+    except MisuseError as error:
+        shown.append(str(error))
+    loader = loom.setup_dataloaders(DataLoader(data, batch_size=G, shuffle=True))
     loader.load_state_dict(state)
     steps = [sorted(idx.tolist()) for (idx,) in loader]
     logging.getLogger("torchloom").removeHandler(handler)
@@ -156,6 +163,8 @@ def test_the_resume_log_is_said_once_in_data_parallel_replicas():
     assert lines == [
         "Resuming epoch 0 after 6 samples on 1 data-parallel replica (saved on 2): same global batches."
     ]
+    for _, shown in ranks:
+        assert any("DistributedSampler(dataset, num_replicas=1, rank=0)" in line for line in shown), shown
 
 
 # ---- what cannot be placed inside an epoch is refused when saving, with advice that works -------------------

@@ -592,6 +592,21 @@ class Loom:
             # A DistributedSampler of the user's splits the data over its own replicas (a global position counts
             # its batches over those).
             own = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+            if (
+                own is not None
+                and replicas != self.world_size
+                and (own.num_replicas, own.rank) != (replicas, rank)
+            ):
+                # Tensor-parallel ranks compute on one batch together: different samples on them is silently wrong.
+                raise MisuseError(
+                    f"The dataloader's {type(own).__name__} splits the data over {own.num_replicas} replicas (this "
+                    f"rank reads part {own.rank}), but under {type(self._strategy).__name__} the ranks of one "
+                    f"tensor-parallel group must read the same samples: the data is split over the {replicas} "
+                    f"data-parallel replicas (this rank is replica {rank}). Build it as "
+                    f"DistributedSampler(dataset, num_replicas={replicas}, rank={rank}) "
+                    "(**loom.strategy.distributed_sampler_kwargs), or give the DataLoader an undistributed sampler "
+                    "and let setup_dataloaders split it."
+                )
             out.append(
                 LoomDataLoader(
                     loader,
