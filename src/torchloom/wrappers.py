@@ -578,7 +578,7 @@ def with_users_distributed_sampler(loader: DataLoader) -> DataLoader:
     if user is None:
         return loader
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
-    if loader.batch_size is None:
+    if loader.batch_size is None and loader.batch_sampler is not None:
         kwargs["batch_size"] = loader.batch_sampler.batch_size
         kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
     sampler = ResumableSampler(
