@@ -209,6 +209,11 @@ def _refused_loaders(data: TensorDataset) -> dict[str, tuple[DataLoader, bool, s
             True,
             "use torch's DistributedSampler itself",
         ),
+        "subclass_in_batch_sampler": (
+            DataLoader(data, batch_sampler=BatchSampler(_OwnOrder(data, num_replicas=1, rank=0), 4, False)),
+            True,
+            "use torch's DistributedSampler itself",
+        ),
         "kept": (
             DataLoader(data, batch_size=4, sampler=_Reversed(12)),
             False,

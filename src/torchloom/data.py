@@ -545,6 +545,8 @@ class LoomDataLoader:
                 f"stands inside a pass. Either {between}, or build the DataLoader with sampler=... and "
                 "batch_size=... instead: setup_dataloaders (use_distributed_sampler=True) then resumes it exactly."
             )
+        if batches is not None and loader.batch_size is None:
+            sampler = batches.sampler  # a BatchSampler given as batch_sampler: its sampler orders the data
         name = type(sampler).__name__
         if isinstance(sampler, DistributedSampler):
             if type(sampler) is not DistributedSampler:

@@ -49,6 +49,7 @@ from torchloom.wrappers import (
     LoomModule,
     LoomOptimizer,
     _explain_skipped_call,
+    ordering_sampler,
     state_module,
     unwrap_optimizer,
     with_distributed_sampler,
@@ -591,7 +592,8 @@ class Loom:
             add_worker_seeding(loader, rank)
             # A DistributedSampler of the user's splits the data over its own replicas (a global position counts
             # its batches over those).
-            own = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+            own = ordering_sampler(loader)
+            own = own if isinstance(own, DistributedSampler) else None
             if (
                 own is not None
                 and replicas != self.world_size

@@ -498,7 +498,8 @@ def with_distributed_sampler(
     the user's sampler is iterated as it is."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return loader  # an iterable dataset shards itself
-    if isinstance(loader.sampler, DistributedSampler) or users_distributed_sampler(loader) is not None:
+    if isinstance(ordering_sampler(loader), DistributedSampler):
+        # The user's own split (a subclass too): kept, never split again.
         return with_users_distributed_sampler(loader)
     custom_batches = (
         loader.batch_sampler is not None and type(loader.batch_sampler) is not torch.utils.data.BatchSampler
@@ -558,12 +559,18 @@ def with_distributed_sampler(
         return loader
 
 
+def ordering_sampler(loader: DataLoader) -> Any:
+    """The sampler that orders the loader's samples: its sampler, or that of a `BatchSampler` given as
+    batch_sampler (the loader's own `sampler` is then a placeholder)."""
+    if loader.batch_size is None and type(loader.batch_sampler) is torch.utils.data.BatchSampler:
+        return loader.batch_sampler.sampler
+    return loader.sampler
+
+
 def users_distributed_sampler(loader: DataLoader) -> DistributedSampler | None:
     """The user's own torch `DistributedSampler` the loader reads through (as its sampler, or inside a
     `BatchSampler` given as batch_sampler), if any. Only torch's class itself: a subclass may order otherwise."""
-    sampler = loader.sampler
-    if loader.batch_size is None and type(loader.batch_sampler) is torch.utils.data.BatchSampler:
-        sampler = loader.batch_sampler.sampler
+    sampler = ordering_sampler(loader)
     return sampler if type(sampler) is DistributedSampler else None
 
 
