@@ -97,6 +97,15 @@ def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict
     return {k: v for k, v in kwargs.items() if k in names}
 
 
+def _named_parameters(method: Callable[..., Any]) -> set[str]:
+    """The parameters `method` names (that a keyword can fill); empty where it has no signature to read."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def _takes_the_loom(fn: Callable[..., Any]) -> bool:
     """Whether `fn` accepts a first positional argument (the Loom launch passes it)."""
     try:
@@ -266,8 +275,17 @@ class Loom:
                 "argument: every rank calls it as fn(loom, *args, **kwargs). Add the parameter, e.g. "
                 "`def train(loom): ...`."
             )
-        self._launched = True
         env = self._strategy.cluster_environment
+        start_method = getattr(self._strategy, "start_method", "spawn")
+        if fn is None and start_method == "fork" and not (self._rank_ready or env.creates_processes_externally):
+            # Fabric's TypeError for its forking strategies, on one device too (the same notebook then fails the
+            # same way at devices=1 and devices=2). A forked rank runs a function: there is no script to re-run.
+            raise MisuseTypeError(
+                f"strategy={self._strategy.name!r} with start_method='fork' (what 'ddp_fork' and 'ddp_notebook' "
+                "pick) forks ranks that run a function, so loom.launch() needs one: call loom.launch(train), "
+                "with train(loom, ...) defined anywhere, even in a notebook cell."
+            )
+        self._launched = True
         # With elastic options the rendezvous decides the world, so even one local process gets an agent.
         alone = env.world_size() == 1 and self._elastic is None
         if self._rank_ready or env.creates_processes_externally or alone:
@@ -276,7 +294,6 @@ class Loom:
             return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
-        start_method = getattr(self._strategy, "start_method", "spawn")
         if start_method == "fork":
             launcher.check_fork_is_safe(fn)
         if fn is None:
@@ -406,9 +423,26 @@ class Loom:
         return out if scheduler is None else (*out, scheduler)
 
     def _after_setup(self, module: LoomModule) -> None:
-        # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too:
-        # `on_after_setup(fabric, module)`, or `loom=` in torchloom's spelling.
-        self.call("on_after_setup", fabric=self, loom=self, module=module)
+        # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too.
+        self._call_builtin_hook("on_after_setup", {"fabric": self, "module": module}, {"loom": self})
+
+    def _call_builtin_hook(self, hook_name: str, kwargs: dict[str, Any], own_names: dict[str, Any]) -> None:
+        """A hook torchloom itself calls, as `call` does with Fabric's keywords (`kwargs`): a method that takes
+        `**kwargs` gets exactly Fabric's, so a callback written for Fabric, or a `Mock(wraps=...)` of one, that
+        forwards them to `def hook(self, fabric, module)` works unchanged. torchloom's own spellings
+        (`own_names`, e.g. `loom=`) go only to a method that names them."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                warn_user(
+                    f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
+                )
+                continue
+            named = _named_parameters(method)
+            extra = {k: v for k, v in own_names.items() if k in named and k not in kwargs}
+            method(**_accepted_kwargs(method, kwargs), **extra)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
         """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
@@ -459,8 +493,11 @@ class Loom:
             forward_module = self._strategy.setup_module(module, move_to_device=False)
         object.__setattr__(module, SETUP_MARK, True)
         if hasattr(module, "_fabric"):
-            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference.
+            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference, and,
+            # as Fabric does, it becomes a callback, so `loom.call("on_train_start")` reaches its hooks.
             module._fabric = self
+            if not any(c is module for c in self._callbacks):
+                self._callbacks.append(module)
         compiled_forward = compile_like(forward_module) if compiled is not None else None
         wrapped = LoomModule(forward_module, module, precision, compiled_forward=compiled_forward)
         self._modules.append(wrapped)

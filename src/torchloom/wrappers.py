@@ -277,7 +277,9 @@ class LoomOptimizer:
         self.__dict__["_precision"] = precision
         precision.track(optimizer)
         self.__dict__["_strategy"] = strategy
-        self.__dict__["_callbacks"] = list(callbacks)
+        # The Loom's own list, as Fabric shares its list: a callback registered later (a LightningModule set up
+        # after this optimizer) gets this optimizer's hooks too.
+        self.__dict__["_callbacks"] = callbacks if isinstance(callbacks, list) else list(callbacks)
         self.__class__ = type(f"Loom{type(optimizer).__name__}", (LoomOptimizer, type(optimizer)), {})
 
     @property
@@ -506,7 +508,8 @@ def with_distributed_sampler(
     if (custom_batches or not hasattr(loader.sampler, "__len__")) and num_replicas == 1:
         return loader  # one process reads everything: nothing to split (but no mid-epoch resume either)
     if custom_batches:
-        raise MisuseError(
+        # A TypeError too, as Fabric raises for a custom batch sampler it cannot re-instantiate.
+        raise MisuseTypeError(
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
             "cannot split across ranks. Shard it yourself and pass use_distributed_sampler=False."
         )
@@ -520,7 +523,8 @@ def with_distributed_sampler(
         kwargs["batch_size"] = loader.batch_sampler.batch_size
         kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
     if not hasattr(user_sampler, "__len__"):
-        raise MisuseError(
+        # A TypeError too: Fabric's DistributedSamplerWrapper fails on len() of such a sampler with one.
+        raise MisuseTypeError(
             f"The dataloader's custom sampler ({type(user_sampler).__name__}) has no len(), so torchloom "
             "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
             "use_distributed_sampler=False."
