@@ -350,7 +350,7 @@ def test_launch_without_a_function_where_ranks_are_forked_is_a_type_error(strate
     fabric, loom = _both(lambda cls: _launch_without_function(cls, strategy, devices))
     assert fabric == ("raises", "TypeError")
     assert loom == fabric
-    with pytest.raises(TypeError, match=r"needs one: call loom.launch\(train\)"):
+    with pytest.raises(TypeError, match=r"forks ranks that run a function: call loom.launch\(train\)"):
         Loom(accelerator="cpu", devices=devices, strategy=strategy).launch()
 
 

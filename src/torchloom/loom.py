@@ -281,9 +281,9 @@ class Loom:
             # Fabric's TypeError for its forking strategies, on one device too (the same notebook then fails the
             # same way at devices=1 and devices=2). A forked rank runs a function: there is no script to re-run.
             raise MisuseTypeError(
-                f"strategy={self._strategy.name!r} with start_method='fork' (what 'ddp_fork' and 'ddp_notebook' "
-                "pick) forks ranks that run a function, so loom.launch() needs one: call loom.launch(train), "
-                "with train(loom, ...) defined anywhere, even in a notebook cell."
+                "strategy='ddp_notebook' (or 'ddp_fork') forks ranks that run a function: call loom.launch(train) "
+                "with train(loom, ...) defined anywhere, even in a notebook cell (loom.launch() without a "
+                "function leaves them nothing to run)."
             )
         self._launched = True
         # With elastic options the rendezvous decides the world, so even one local process gets an agent.
