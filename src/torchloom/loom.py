@@ -49,6 +49,7 @@ from torchloom.wrappers import (
     LoomModule,
     LoomOptimizer,
     _explain_skipped_call,
+    joint_owner,
     state_module,
     unwrap_optimizer,
     with_distributed_sampler,
@@ -186,6 +187,7 @@ class Loom:
         self._requeue = False
         self._elastic = elastic
         self._modules: list[LoomModule] = []
+        self._joint_modules: dict[tuple[int, ...], nn.Module] = {}  # see _holder_of
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
         )
@@ -414,8 +416,10 @@ class Loom:
             self._after_setup(module)
             return module if scheduler is None else (module, scheduler)
         if self._strategy.replaces_parameters:
+            # Parameters of models set up before (one optimizer over several models) are sharded already.
+            earlier = {id(p) for m in self._modules if m is not module for p in m.module.parameters()}
             for optimizer in optimizers:
-                _rebind_optimizer(optimizer, names, module.module)
+                _rebind_optimizer(optimizer, names, module.module, earlier)
         out = (module, *self._setup_optimizers(optimizers))
         if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
             module.module._fabric_optimizers = list(out[1:])
@@ -538,8 +542,6 @@ class Loom:
                     "setup_module: `model = loom.setup_module(model); optimizer = torch.optim.AdamW(model.parameters())"
                     "`, or pass both to `loom.setup(model, optimizer)`, which rebinds a fresh optimizer for you."
                 )
-            if self._strategy.replaces_parameters:
-                self._check_one_owner(optimizer, params)
             wrapped = LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks)
             if stray and self._strategy.is_distributed:
                 # As in Fabric, the model may be set up after its optimizer (the parameters stay the same
@@ -559,20 +561,6 @@ class Loom:
                 "averaged and the ranks would drift apart. Set up the model they belong to (before or after the "
                 "optimizer, but before the first step)."
             )
-
-    def _check_one_owner(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
-        """Under sharding, an optimizer's state is saved and loaded by the parameter names of the one set-up
-        module that holds all its parameters; without one, each rank would have only its own shards of the state
-        to save positionally, and a checkpoint could not hold them all."""
-        ids = {id(p) for p in params}
-        if any(ids <= {id(p) for p in m.module.parameters()} for m in self._modules):
-            return
-        raise MisuseError(
-            f"The optimizer {type(optimizer).__name__} updates parameters of more than one module set up with "
-            f"loom.setup_module, which strategy {self._strategy.name!r} cannot checkpoint: optimizer state is "
-            "saved by the parameter names of one sharded module. Set up one module holding both (e.g. "
-            "loom.setup_module(nn.ModuleDict({'a': a, 'b': b}))), or make one optimizer per module."
-        )
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
@@ -683,6 +671,8 @@ class Loom:
             )
         forward_module = self._setup_of(module, "clip_gradients").forward_module
         optimizer = unwrap_optimizer(optimizer)
+        if self._strategy.replaces_parameters:
+            forward_module = self._holder_of(forward_module, optimizer)
         if max_norm is not None:
             return self._strategy.clip_gradients_norm(
                 forward_module,
@@ -693,6 +683,19 @@ class Loom:
             )
         self._strategy.clip_gradients_value(forward_module, optimizer, float(clip_val))  # type: ignore[arg-type]
         return None
+
+    def _holder_of(self, forward_module: nn.Module, optimizer: Optimizer) -> nn.Module:
+        """The module whose parameters `optimizer` updates, for the strategy's norm (it combines each sharded
+        gradient over that module's shard groups): `forward_module`, or, for an optimizer over several set-up
+        models, one `JointModule` of them (kept, so the strategy's per-module caches hold)."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if ids <= {id(p) for p in forward_module.parameters()}:
+            return forward_module
+        joint = joint_owner(optimizer, {str(i): m for i, m in enumerate(self._forward_modules())})
+        if joint is None:
+            return forward_module
+        key = tuple(id(m) for m in joint.children())
+        return self._joint_modules.setdefault(key, joint)
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: LoomModule, enabled: bool = True) -> Generator[None, None, None]:
@@ -1100,9 +1103,12 @@ def _check_fused_kernel(optimizer: Optimizer, params: list[torch.Tensor]) -> Non
         )
 
 
-def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:
-    """Point a not-yet-stepped optimizer at the parameters that sharding put in place of the originals."""
-    current = {id(p) for p in module.parameters()}
+def _rebind_optimizer(
+    optimizer: Optimizer, names: dict[int, str], module: nn.Module, earlier: set[int] = frozenset()
+) -> None:
+    """Point a not-yet-stepped optimizer at the parameters that sharding put in place of the originals
+    (`earlier`: those of other set-up models, left as they are)."""
+    current = {id(p) for p in module.parameters()} | earlier
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if all(id(p) in current for p in params):
         return
