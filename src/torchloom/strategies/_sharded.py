@@ -548,10 +548,10 @@ class ShardedStrategy(ParallelStrategy):
                 for name in (first, second)
             )
             fix = (
-                "Make one unit hold both modules: leave them out of the policy, so that the unit of their common "
+                "Keep every module that uses it in one unit: leave both out of the policy, so that the unit of their common "
                 "parent (the root) shards the tied weight once"
                 if made_by
-                else "Make one unit hold both modules: wrap neither, so that the unit of their common parent "
+                else "Keep every module that uses it in one unit: wrap neither, so that the unit of their common parent "
                 "shards the tied weight once (the root: unsharded_params='shard'), or make no unit of either "
                 "(they stay replicated)"
             )
