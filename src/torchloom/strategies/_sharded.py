@@ -548,18 +548,17 @@ class ShardedStrategy(ParallelStrategy):
                 for name in (first, second)
             )
             fix = (
-                "Keep every module that uses it in one unit: leave both out of the policy, so that the unit of their common "
-                "parent (the root) shards the tied weight once"
+                "leave both out of the policy, so that the unit of their common parent (the root) shards the "
+                "tied weight once"
                 if made_by
-                else "Keep every module that uses it in one unit: wrap neither, so that the unit of their common parent "
-                "shards the tied weight once (the root: unsharded_params='shard'), or make no unit of either "
-                "(they stay replicated)"
+                else "wrap neither, so that the unit of their common parent shards the tied weight once (the "
+                "root: unsharded_params='shard'), or make no unit of either (they stay replicated)"
             )
             raise MisuseError(
                 f"Parameters '{first}' and '{second}' are tied (the same tensor) but sit in two different FSDP "
                 f"units{' made by ' + made_by if made_by else ''}: {users}. Each unit shards its own copy, "
                 "so the tie would be broken: the copies would train apart (fully_shard) or the ranks would "
-                f"crash (FullyShardedDataParallel). {fix}. Both strategy='fsdp' and 'fsdp2' need this (torchloom "
+                f"crash (FullyShardedDataParallel). Keep every module that uses it in one unit: {fix}. Both strategy='fsdp' and 'fsdp2' need this (torchloom "
                 "does not take fully_shard([module_a, module_b]) as one unit)."
             )
         if not layout.split_ties:
