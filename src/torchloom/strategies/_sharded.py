@@ -558,8 +558,9 @@ class ShardedStrategy(ParallelStrategy):
                 f"Parameters '{first}' and '{second}' are tied (the same tensor) but sit in two different FSDP "
                 f"units{' made by ' + made_by if made_by else ''}: {users}. Each unit shards its own copy, "
                 "so the tie would be broken: the copies would train apart (fully_shard) or the ranks would "
-                f"crash (FullyShardedDataParallel). Keep every module that uses it in one unit: {fix}. Both strategy='fsdp' and 'fsdp2' need this (torchloom "
-                "does not take fully_shard([module_a, module_b]) as one unit)."
+                f"crash (FullyShardedDataParallel). Keep every module that uses it in one unit: {fix}. Both "
+                "strategy='fsdp' and 'fsdp2' need this (torchloom does not take fully_shard([module_a, "
+                "module_b]) as one unit)."
             )
         if not layout.split_ties:
             return
