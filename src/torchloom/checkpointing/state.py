@@ -216,12 +216,17 @@ def restore_entry(
 
 
 def _check_joint_names(key: str, owner: JointModule, saved: Any) -> None:
-    """An optimizer over several modules is keyed by each module's name (its key in `state`, or `moduleN`, its
-    place among the set-up modules): a checkpoint keyed otherwise would load no state at all, silently."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list):
+    if isinstance(groups, list):
+        check_joint_parts(key, owner, {str(n).split(".")[0] for g in groups for n in g.get("params", [])})
+
+
+def check_joint_parts(key: str, owner: nn.Module, saved_parts: set[str]) -> None:
+    """An optimizer over several modules is keyed by each module's name (its key in `state`, or `moduleN`, its
+    place among the set-up modules): a checkpoint keyed otherwise would load no state at all, silently.
+    `saved_parts`: the first segment of the parameter names the checkpoint holds the optimizer's state under."""
+    if not isinstance(owner, JointModule):
         return
-    saved_parts = {str(n).split(".")[0] for g in groups for n in g.get("params", [])}
     if saved_parts and not saved_parts <= set(owner._modules):
         raise CheckpointError(
             f"Entry {key!r} is an optimizer over the parameters of several modules, saved under the module names "
