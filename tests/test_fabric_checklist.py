@@ -338,6 +338,33 @@ def test_launch_of_a_function_without_parameters_names_the_fix():
         Loom(accelerator="cpu", devices=2).launch(lambda: 3)  # before any rank starts
 
 
+def _launch_without_function(cls: type, strategy: str, devices: int) -> Any:
+    return _outcome(lambda: cls(accelerator="cpu", devices=devices, strategy=strategy).launch())
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_notebook"])
+def test_launch_without_a_function_where_ranks_are_forked_is_a_type_error(strategy, devices):
+    """A forked rank runs a function: torchloom refused launch() without one with a RuntimeError on several
+    devices, and accepted it on one."""
+    fabric, loom = _both(lambda cls: _launch_without_function(cls, strategy, devices))
+    assert fabric == ("raises", "TypeError")
+    assert loom == fabric
+    with pytest.raises(TypeError, match=r"forks ranks that run a function: call loom.launch\(train\)"):
+        Loom(accelerator="cpu", devices=devices, strategy=strategy).launch()
+
+
+def test_launch_without_a_function_and_without_a_script_is_a_type_error(monkeypatch):
+    """`python -c` (or an interactive session): no script to run again per rank. Fabric's "ddp_spawn" refuses
+    launch() without a function with a TypeError; torchloom raised a RuntimeError."""
+    monkeypatch.setattr("sys.argv", ["-c"])
+    fabric, loom = _both(lambda cls: _launch_without_function(cls, "ddp_spawn", 2))
+    assert fabric == ("raises", "TypeError")
+    assert loom == fabric
+    with pytest.raises(TypeError, match=r"not started from a script.*loom.launch\(fn\)"):
+        Loom(accelerator="cpu", devices=2, strategy="ddp").launch()
+
+
 def _before_launch(cls: type) -> dict:
     runner = cls(accelerator="cpu", devices=2, strategy="ddp")  # no launch()
     cases = {
@@ -390,6 +417,95 @@ def _callbacks(cls: type) -> list:
 def test_callbacks_given_alone_or_in_a_list_and_hooks_they_lack():
     fabric, loom = _both(_callbacks)
     assert fabric == [[(("positional",), {"keyword": "keyword"})], [((), {})], [((), {})]]
+    assert loom == fabric
+
+
+class _SpecialCallback:
+    """Lightning's test_special_callbacks: hooks for Fabric's own events, written for Fabric."""
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        pass
+
+    def on_after_setup(self, fabric: Any, module: Any) -> None:
+        pass
+
+
+def _special_callbacks(cls: type) -> list:
+    from unittest.mock import Mock
+
+    callback = Mock(wraps=_SpecialCallback())  # a Mock takes **kwargs, and hands them on to the real hook
+    runner = _one(cls, callbacks=[callback])
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, wrapped_optimizer = runner.setup(model, optimizer)
+    model(torch.randn(2, 2)).sum().backward()
+    wrapped_optimizer.step()
+    identity = {"fabric": runner, "module": wrapped, "strategy": runner.strategy, "optimizer": optimizer}
+    return [
+        (name, sorted(kwargs), all(v is identity[k] for k, v in kwargs.items()))
+        for name, _, kwargs in callback.mock_calls
+    ]
+
+
+def test_hooks_fabric_calls_reach_a_callback_written_for_fabric():
+    """A `Mock(wraps=...)` of a callback written for Fabric (Lightning's own test) gets exactly Fabric's keywords;
+    torchloom passed `loom=` too, which the Mock handed on, and `on_after_setup(self, fabric, module)` raised
+    TypeError."""
+    fabric, loom = _both(_special_callbacks)
+    assert fabric == [
+        ("on_after_setup", ["fabric", "module"], True),
+        ("on_after_optimizer_step", ["optimizer", "strategy"], True),
+    ]
+    assert loom == fabric
+
+
+class _LoomSpelling:
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_after_setup(self, loom: Any, module: Any) -> None:
+        self.seen.append(("loom, module", loom, module))
+
+
+class _KeywordsAndLoom:
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_after_setup(self, loom: Any, **kwargs: Any) -> None:
+        self.seen.append(("loom, **kwargs", loom, sorted(kwargs)))
+
+
+def test_hooks_in_torchloom_spelling_keep_working():
+    """`loom=` goes to a hook that names it, beside Fabric's keywords."""
+    spelled, mixed = _LoomSpelling(), _KeywordsAndLoom()
+    loom = _one(Loom, callbacks=[spelled, mixed])
+    model = loom.setup(nn.Linear(2, 2))
+    assert spelled.seen == [("loom, module", loom, model)]
+    assert mixed.seen == [("loom, **kwargs", loom, ["fabric", "module"])]
+
+
+def _lightning_module_hooks(cls: type) -> list:
+    import lightning
+
+    class Lit(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+            self.events: list[str] = []
+
+        def on_train_start(self) -> None:
+            self.events.append("on_train_start")
+
+    runner = _one(cls)
+    lit = Lit()
+    runner.setup_module(lit)
+    runner.call("on_train_start")
+    return lit.events
+
+
+def test_a_set_up_lightning_module_is_a_callback():
+    fabric, loom = _both(_lightning_module_hooks)
+    assert fabric == ["on_train_start"]
     assert loom == fabric
 
 
@@ -617,6 +733,13 @@ class _EveryOther(Sampler):
         return (self.n + 1) // 2
 
 
+class _Endless(Sampler):
+    """A custom sampler without len(): neither can split its draw across ranks."""
+
+    def __iter__(self) -> Any:
+        return iter(range(6))
+
+
 def _ranks_view(cls: type, rank: int) -> dict:
     """What each public call shows on one rank of two."""
     runner = cls(accelerator="cpu", devices=2, strategy="ddp")
@@ -633,6 +756,8 @@ def _ranks_view(cls: type, rank: int) -> dict:
     custom = _EveryOther(6)
     kept = runner.setup_dataloaders(DataLoader(range(6), sampler=custom), use_distributed_sampler=False)
     out["custom sampler kept"] = (kept.sampler is custom, [b.tolist() for b in kept])
+    endless = DataLoader(range(6), sampler=_Endless())
+    out["sampler without len"] = _outcome(lambda: runner.setup_dataloaders(endless))
     # gradients stay local inside no_backward_sync, and are averaged by the next synced backward
     torch.manual_seed(0)
     net = runner.setup(nn.Linear(2, 1, bias=False))
@@ -691,6 +816,7 @@ def two_ranks() -> list[dict]:
         "standard sampler replaced",
         "unshuffled order",
         "custom sampler kept",
+        "sampler without len",
         "grad without sync",
         "grad after a synced backward",
         "all_gather",
@@ -704,6 +830,8 @@ def test_what_each_rank_sees(two_ranks, item):
     it joined and uses it."""
     for rank in two_ranks:
         assert rank["loom"][item] == rank["fabric"][item], (item, rank)
+    if item == "sampler without len":  # torchloom's MisuseError was not the TypeError Fabric raises
+        assert two_ranks[0]["fabric"][item] == ("raises", "TypeError")
     if item == "grad without sync":  # the check can fail: the ranks' local gradients differ
         assert two_ranks[0]["fabric"][item] != two_ranks[1]["fabric"][item]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom import _torch_compat
-from torchloom.errors import ConfigurationError, LaunchError, MisuseError
+from torchloom.errors import ConfigurationError, LaunchError, MisuseError, MisuseTypeError
 
 # Set in every process this module starts, so a rank knows it has a torchloom agent as parent.
 LAUNCHED_ENV = "TORCHLOOM_LAUNCHED"
@@ -233,7 +233,8 @@ def avoid_shared_rendezvous_store(rdzv_backend: str | None) -> None:
 def script_command() -> list[str]:
     """The interpreter arguments that re-run this process's script, e.g. ["-u", "train.py", "--lr", "3"]."""
     if not sys.argv or sys.argv[0] in ("", "-c"):
-        raise MisuseError(
+        # A TypeError too, as Fabric refuses launch() without a function where it cannot start ranks without one.
+        raise MisuseTypeError(
             "loom.launch() cannot re-run this program once per rank: it was not started from a script "
             "(interactive session or `python -c`). Use `loom.launch(fn)` with a function defined in a module, "
             "or `torchloom run script.py`."

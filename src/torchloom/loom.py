@@ -49,6 +49,7 @@ from torchloom.wrappers import (
     LoomModule,
     LoomOptimizer,
     _explain_skipped_call,
+    joint_owner,
     ordering_sampler,
     state_module,
     unwrap_optimizer,
@@ -97,6 +98,15 @@ def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict
         return kwargs
     names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _named_parameters(method: Callable[..., Any]) -> set[str]:
+    """The parameters `method` names (that a keyword can fill); empty where it has no signature to read."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _takes_the_loom(fn: Callable[..., Any]) -> bool:
@@ -179,6 +189,7 @@ class Loom:
         self._requeue = False
         self._elastic = elastic
         self._modules: list[LoomModule] = []
+        self._joint_modules: dict[tuple[int, ...], nn.Module] = {}  # see _holder_of
         self._loggers: list[Logger] = (
             [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
         )
@@ -268,8 +279,17 @@ class Loom:
                 "argument: every rank calls it as fn(loom, *args, **kwargs). Add the parameter, e.g. "
                 "`def train(loom): ...`."
             )
-        self._launched = True
         env = self._strategy.cluster_environment
+        start_method = getattr(self._strategy, "start_method", "spawn")
+        if fn is None and start_method == "fork" and not (self._rank_ready or env.creates_processes_externally):
+            # Fabric's TypeError for its forking strategies, on one device too (the same notebook then fails the
+            # same way at devices=1 and devices=2). A forked rank runs a function: there is no script to re-run.
+            raise MisuseTypeError(
+                "strategy='ddp_notebook' (or 'ddp_fork') forks ranks that run a function: call loom.launch(train) "
+                "with train(loom, ...) defined anywhere, even in a notebook cell (loom.launch() without a "
+                "function leaves them nothing to run)."
+            )
+        self._launched = True
         # With elastic options the rendezvous decides the world, so even one local process gets an agent.
         alone = env.world_size() == 1 and self._elastic is None
         if self._rank_ready or env.creates_processes_externally or alone:
@@ -278,7 +298,6 @@ class Loom:
             return fn(self, *args, **kwargs) if fn is not None else None
         num_processes = len(self._strategy.parallel_devices)
         where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
-        start_method = getattr(self._strategy, "start_method", "spawn")
         if start_method == "fork":
             launcher.check_fork_is_safe(fn)
         if fn is None:
@@ -399,8 +418,10 @@ class Loom:
             self._after_setup(module)
             return module if scheduler is None else (module, scheduler)
         if self._strategy.replaces_parameters:
+            # Parameters of models set up before (one optimizer over several models) are sharded already.
+            earlier = {id(p) for m in self._modules if m is not module for p in m.module.parameters()}
             for optimizer in optimizers:
-                _rebind_optimizer(optimizer, names, module.module)
+                _rebind_optimizer(optimizer, names, module.module, earlier)
         out = (module, *self._setup_optimizers(optimizers))
         if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
             module.module._fabric_optimizers = list(out[1:])
@@ -408,9 +429,26 @@ class Loom:
         return out if scheduler is None else (*out, scheduler)
 
     def _after_setup(self, module: LoomModule) -> None:
-        # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too:
-        # `on_after_setup(fabric, module)`, or `loom=` in torchloom's spelling.
-        self.call("on_after_setup", fabric=self, loom=self, module=module)
+        # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too.
+        self._call_builtin_hook("on_after_setup", {"fabric": self, "module": module}, {"loom": self})
+
+    def _call_builtin_hook(self, hook_name: str, kwargs: dict[str, Any], own_names: dict[str, Any]) -> None:
+        """A hook torchloom itself calls, as `call` does with Fabric's keywords (`kwargs`): a method that takes
+        `**kwargs` gets exactly Fabric's, so a callback written for Fabric, or a `Mock(wraps=...)` of one, that
+        forwards them to `def hook(self, fabric, module)` works unchanged. torchloom's own spellings
+        (`own_names`, e.g. `loom=`) go only to a method that names them."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                warn_user(
+                    f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
+                )
+                continue
+            named = _named_parameters(method)
+            extra = {k: v for k, v in own_names.items() if k in named and k not in kwargs}
+            method(**_accepted_kwargs(method, kwargs), **extra)
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
         """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
@@ -461,8 +499,11 @@ class Loom:
             forward_module = self._strategy.setup_module(module, move_to_device=False)
         object.__setattr__(module, SETUP_MARK, True)
         if hasattr(module, "_fabric"):
-            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference.
+            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference, and,
+            # as Fabric does, it becomes a callback, so `loom.call("on_train_start")` reaches its hooks.
             module._fabric = self
+            if not any(c is module for c in self._callbacks):
+                self._callbacks.append(module)
         compiled_forward = compile_like(forward_module) if compiled is not None else None
         wrapped = LoomModule(forward_module, module, precision, compiled_forward=compiled_forward)
         self._modules.append(wrapped)
@@ -503,8 +544,6 @@ class Loom:
                     "setup_module: `model = loom.setup_module(model); optimizer = torch.optim.AdamW(model.parameters())"
                     "`, or pass both to `loom.setup(model, optimizer)`, which rebinds a fresh optimizer for you."
                 )
-            if self._strategy.replaces_parameters:
-                self._check_one_owner(optimizer, params)
             wrapped = LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks)
             if stray and self._strategy.is_distributed:
                 # As in Fabric, the model may be set up after its optimizer (the parameters stay the same
@@ -524,20 +563,6 @@ class Loom:
                 "averaged and the ranks would drift apart. Set up the model they belong to (before or after the "
                 "optimizer, but before the first step)."
             )
-
-    def _check_one_owner(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
-        """Under sharding, an optimizer's state is saved and loaded by the parameter names of the one set-up
-        module that holds all its parameters; without one, each rank would have only its own shards of the state
-        to save positionally, and a checkpoint could not hold them all."""
-        ids = {id(p) for p in params}
-        if any(ids <= {id(p) for p in m.module.parameters()} for m in self._modules):
-            return
-        raise MisuseError(
-            f"The optimizer {type(optimizer).__name__} updates parameters of more than one module set up with "
-            f"loom.setup_module, which strategy {self._strategy.name!r} cannot checkpoint: optimizer state is "
-            "saved by the parameter names of one sharded module. Set up one module holding both (e.g. "
-            "loom.setup_module(nn.ModuleDict({'a': a, 'b': b}))), or make one optimizer per module."
-        )
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
@@ -672,6 +697,8 @@ class Loom:
             )
         forward_module = self._setup_of(module, "clip_gradients").forward_module
         optimizer = unwrap_optimizer(optimizer)
+        if self._strategy.replaces_parameters:
+            forward_module = self._holder_of(forward_module, optimizer)
         if max_norm is not None:
             return self._strategy.clip_gradients_norm(
                 forward_module,
@@ -682,6 +709,19 @@ class Loom:
             )
         self._strategy.clip_gradients_value(forward_module, optimizer, float(clip_val))  # type: ignore[arg-type]
         return None
+
+    def _holder_of(self, forward_module: nn.Module, optimizer: Optimizer) -> nn.Module:
+        """The module whose parameters `optimizer` updates, for the strategy's norm (it combines each sharded
+        gradient over that module's shard groups): `forward_module`, or, for an optimizer over several set-up
+        models, one `JointModule` of them (kept, so the strategy's per-module caches hold)."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if ids <= {id(p) for p in forward_module.parameters()}:
+            return forward_module
+        joint = joint_owner(optimizer, {str(i): m for i, m in enumerate(self._forward_modules())})
+        if joint is None:
+            return forward_module
+        key = tuple(id(m) for m in joint.children())
+        return self._joint_modules.setdefault(key, joint)
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: LoomModule, enabled: bool = True) -> Generator[None, None, None]:
@@ -1098,9 +1138,12 @@ def _check_fused_kernel(optimizer: Optimizer, params: list[torch.Tensor]) -> Non
         )
 
 
-def _rebind_optimizer(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:
-    """Point a not-yet-stepped optimizer at the parameters that sharding put in place of the originals."""
-    current = {id(p) for p in module.parameters()}
+def _rebind_optimizer(
+    optimizer: Optimizer, names: dict[int, str], module: nn.Module, earlier: set[int] = frozenset()
+) -> None:
+    """Point a not-yet-stepped optimizer at the parameters that sharding put in place of the originals
+    (`earlier`: those of other set-up models, left as they are)."""
+    current = {id(p) for p in module.parameters()} | earlier
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if all(id(p) in current for p in params):
         return

@@ -277,7 +277,9 @@ class LoomOptimizer:
         self.__dict__["_precision"] = precision
         precision.track(optimizer)
         self.__dict__["_strategy"] = strategy
-        self.__dict__["_callbacks"] = list(callbacks)
+        # The Loom's own list, as Fabric shares its list: a callback registered later (a LightningModule set up
+        # after this optimizer) gets this optimizer's hooks too.
+        self.__dict__["_callbacks"] = callbacks if isinstance(callbacks, list) else list(callbacks)
         self.__class__ = type(f"Loom{type(optimizer).__name__}", (LoomOptimizer, type(optimizer)), {})
 
     @property
@@ -453,6 +455,39 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LoomOptimizer) else optimizer
 
 
+class JointModule(nn.Module):
+    """Several set-up modules seen as one, each a child under its own name: what holds an optimizer over the
+    parameters of several set-up modules (as Fabric allows) for checkpoints (its state is keyed by `name.parameter`,
+    so a sharded state can be saved and loaded by name) and for clipping (the shard groups of every part). It is
+    never trained, wrapped or registered anywhere: the parts stay the user's."""
+
+    def __init__(self, parts: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, part in parts.items():
+            self.add_module(name, part)
+
+    @staticmethod
+    def valid_name(name: str) -> bool:
+        """Whether `name` can name a part (add_module's rules, and not an attribute every module has)."""
+        return bool(name) and "." not in name and not hasattr(nn.Module, name)
+
+
+def joint_owner(optimizer: Optimizer, named: dict[str, nn.Module]) -> JointModule | None:
+    """A `JointModule` of the modules of `named` that hold the optimizer's parameters, when they hold all of them
+    and no one of them does; else None."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    parts: dict[str, nn.Module] = {}
+    held: set[int] = set()
+    for name, module in named.items():
+        own = {id(p) for p in module.parameters()}
+        if ids & own and all(module is not m for m in parts.values()):
+            parts[name] = module
+            held |= own
+    if len(parts) < 2 or not ids <= held or not all(JointModule.valid_name(n) for n in parts):
+        return None
+    return JointModule(parts)
+
+
 def state_module(module: Any) -> nn.Module:
     """The module whose state dict is the model's: the forward module of a set-up model (it includes a wrapped
     FSDP root, which owns the root's parameters), else the module itself."""
@@ -507,7 +542,8 @@ def with_distributed_sampler(
     if (custom_batches or not hasattr(loader.sampler, "__len__")) and num_replicas == 1:
         return loader  # one process reads everything: nothing to split (but no mid-epoch resume either)
     if custom_batches:
-        raise MisuseError(
+        # A TypeError too, as Fabric raises for a custom batch sampler it cannot re-instantiate.
+        raise MisuseTypeError(
             f"The dataloader uses a custom batch_sampler ({type(loader.batch_sampler).__name__}), which torchloom "
             "cannot split across ranks. Shard it yourself and pass use_distributed_sampler=False."
         )
@@ -521,7 +557,8 @@ def with_distributed_sampler(
         kwargs["batch_size"] = loader.batch_sampler.batch_size
         kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
     if not hasattr(user_sampler, "__len__"):
-        raise MisuseError(
+        # A TypeError too: Fabric's DistributedSamplerWrapper fails on len() of such a sampler with one.
+        raise MisuseTypeError(
             f"The dataloader's custom sampler ({type(user_sampler).__name__}) has no len(), so torchloom "
             "cannot split its draw across ranks. Give it __len__, or make it rank-aware and pass "
             "use_distributed_sampler=False."

@@ -81,14 +81,6 @@ class KnownFailure:
 
 KNOWN_FAILURES: list[KnownFailure] = [
     KnownFailure(
-        name="FSDP1 tie across units aborts",
-        applies=lambda s: s.strategy == "fsdp" and s.tied and s.units == "hand" and not s.leftovers,
-        reason="FSDP1 units made by hand with wrap() around two modules sharing a weight: torch's "
-        "FullyShardedDataParallel constructor aborts rank 1 (gloo::EnforceNotMet, SIGABRT) inside "
-        "loom.init_module(), before setup_module can refuse the layout as it does under fsdp2",
-        runs=False,
-    ),
-    KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
         applies=lambda s: (
             s.strategy == "fsdp"

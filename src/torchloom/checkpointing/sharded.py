@@ -38,6 +38,7 @@ from torchloom.checkpointing.state import (
     VALUE,
     Entry,
     check_extra_state,
+    check_joint_parts,
     check_missing,
     check_module_keys,
     collect_state,
@@ -393,6 +394,12 @@ def load(
                     f"Entry {key!r} is an optimizer whose parameters belong to no module set up with this Loom, so "
                     "its state cannot be matched by parameter name. Set up its model first."
                 )
+            prefix = f"{key}.state."
+            check_joint_parts(
+                key,
+                entry.owner,
+                {k[len(prefix) :].split(".")[0] for k in md.state_dict_metadata if k.startswith(prefix)},
+            )
             template[key] = _stored_optimizer_state(
                 io.optimizer_state_dict(entry.owner, entry.obj, full=False, template=True), key, md
             )

@@ -23,7 +23,15 @@ from torch.optim import Optimizer
 
 from torchloom.checkpointing._interface import StateAccess
 from torchloom.errors import CheckpointError
-from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, state_module, unwrap_optimizer
+from torchloom.wrappers import (
+    JointModule,
+    LoomDataLoader,
+    LoomModule,
+    LoomOptimizer,
+    joint_owner,
+    state_module,
+    unwrap_optimizer,
+)
 
 META_KEY = "__torchloom__"
 # 2: a sharded checkpoint keeps the grad scaler and the random generators in extra.pt's `__torchloom__` record,
@@ -91,14 +99,22 @@ def resolve(state: dict[str, Any], modules: Iterable[nn.Module] = ()) -> dict[st
     """Classify every entry of `state`. An optimizer is matched by parameter name when all its parameters
     belong to one module: one of `state`'s own, or one of `modules` (those set up with the Loom)."""
     check_state_arg(state)
-    candidates = [state_module(v) for v in state.values() if is_module(v)] + list(modules)
+    in_state = {key: state_module(v) for key, v in state.items() if is_module(v)}
+    set_up = list(modules)
+    candidates = [*in_state.values(), *set_up]
     out: dict[str, Entry] = {}
     for key, value in state.items():
         if is_module(value):
             out[key] = Entry(MODULE, state_module(value))
         elif is_optimizer(value):
             optimizer = unwrap_optimizer(value)
-            owner = _owner_of(optimizer, candidates)
+            # Over the parameters of several modules (as Fabric allows): their union, each part named by its
+            # key in `state`, or, where one is not in `state`, by its place among the set-up modules.
+            owner = (
+                _owner_of(optimizer, candidates)
+                or joint_owner(optimizer, in_state)
+                or joint_owner(optimizer, {f"module{i}": m for i, m in enumerate(set_up)})
+            )
             if owner is None:
                 _check_unsharded(key, optimizer)
             out[key] = Entry(OPTIMIZER if owner is not None else POSITIONAL_OPTIMIZER, optimizer, owner)
@@ -192,9 +208,32 @@ def restore_entry(
         load_module(io, entry.obj, saved, strict, name=key, full=full)
     elif entry.kind == OPTIMIZER and not is_positional(saved):
         assert entry.owner is not None
+        if isinstance(entry.owner, JointModule):
+            _check_joint_names(key, entry.owner, saved)
         io.load_optimizer_state_dict(entry.owner, entry.obj, saved, full=full)
     elif entry.kind in (OPTIMIZER, POSITIONAL_OPTIMIZER, STATEFUL):
         entry.obj.load_state_dict(saved)
+
+
+def _check_joint_names(key: str, owner: JointModule, saved: Any) -> None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if isinstance(groups, list):
+        check_joint_parts(key, owner, {str(n).split(".")[0] for g in groups for n in g.get("params", [])})
+
+
+def check_joint_parts(key: str, owner: nn.Module, saved_parts: set[str]) -> None:
+    """An optimizer over several modules is keyed by each module's name (its key in `state`, or `moduleN`, its
+    place among the set-up modules): a checkpoint keyed otherwise would load no state at all, silently.
+    `saved_parts`: the first segment of the parameter names the checkpoint holds the optimizer's state under."""
+    if not isinstance(owner, JointModule):
+        return
+    if saved_parts and not saved_parts <= set(owner._modules):
+        raise CheckpointError(
+            f"Entry {key!r} is an optimizer over the parameters of several modules, saved under the module names "
+            f"{sorted(saved_parts)}, but here they are named {sorted(owner._modules)}. Name the modules in `state` "
+            "as when it was saved (their keys name the optimizer's parts), or leave them all out of `state` on "
+            "both sides (then the order in which they were set up names them)."
+        )
 
 
 def check_module_keys(

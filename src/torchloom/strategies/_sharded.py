@@ -472,6 +472,7 @@ class ShardedStrategy(ParallelStrategy):
         self._check_split_ties(layout)
         self._check_units(layout)
         pending_init = meta_modules(module)
+        by_policy = False
         if layout.units or not self._wraps_model_without_units:
             # The user chose the units: never wrap the root again, never apply a policy on top.
             if self.has_policy and not self._warned_policy:
@@ -497,10 +498,17 @@ class ShardedStrategy(ParallelStrategy):
             if self._checkpoint_before_sharding:
                 self._apply_activation_checkpointing(module)
             forward_module = self._shard_with_policy(module)
+            by_policy = True
             if not self._checkpoint_before_sharding:
                 self._apply_activation_checkpointing(forward_module)
         self._materialize(forward_module, pending_init)
         layout = analyze(forward_module)
+        if by_policy:
+            # Again on the units the policy made: a tie between two of them cannot be seen before
+            # (found with an auto_wrap_policy of nn.Linear and nn.Embedding under tied embeddings: FSDP1 left
+            # the head's unit empty and the head computed with the embedding's shard; FSDP2 fails at the first
+            # forward). Before any forward, so no rank dies in a collective.
+            self._check_split_ties(layout, made_by="the wrapping policy")
         self._place_outside_units(forward_module, layout)
         self._layouts[id(forward_module)] = layout
         self._watch_unit_runs(forward_module, layout)
@@ -528,18 +536,31 @@ class ShardedStrategy(ParallelStrategy):
     def _check_units(self, layout: Layout) -> None:
         """Refuse units the user made with options that cannot train correctly (the flavour knows which)."""
 
-    def _check_split_ties(self, layout: Layout) -> None:
+    def _check_split_ties(self, layout: Layout, made_by: str = "") -> None:
         """Refuse a tied parameter that a unit boundary splits (`tests/test_hf_models.py` found it with GPT-2's
         tied embeddings and head): FSDP2 silently trains two copies, FSDP1 crashes with a shape error. Also
-        one held by two units (the scenario engine found it): FSDP2 trains two copies, FSDP1 aborts the ranks."""
+        one held by two units (the scenario engine found it): FSDP2 trains two copies, FSDP1 aborts the ranks.
+        Runs on the user's units before sharding and again on those the policy made (`made_by`)."""
         if layout.ties_across_units:
             first, second = layout.ties_across_units[0]
+            users = " and ".join(
+                f"module '{_owner_path(name)}' (in unit '{_unit_path(layout, name) or '<root>'}')"
+                for name in (first, second)
+            )
+            fix = (
+                "leave both out of the policy, so that the unit of their common parent (the root) shards the "
+                "tied weight once"
+                if made_by
+                else "wrap neither, so that the unit of their common parent shards the tied weight once (the "
+                "root: unsharded_params='shard'), or make no unit of either (they stay replicated)"
+            )
             raise MisuseError(
                 f"Parameters '{first}' and '{second}' are tied (the same tensor) but sit in two different FSDP "
-                "units, e.g. tied input and output projections each made a unit. Each unit shards its own copy, "
-                "so the tie would be broken: the copies would train apart (fully_shard) or the ranks would crash "
-                "(FullyShardedDataParallel). Keep every module that uses it in one unit (e.g. the root: "
-                "unsharded_params='shard'), or make no unit of the shared modules (they stay replicated)."
+                f"units{' made by ' + made_by if made_by else ''}: {users}. Each unit shards its own copy, "
+                "so the tie would be broken: the copies would train apart (fully_shard) or the ranks would "
+                f"crash (FullyShardedDataParallel). Keep every module that uses it in one unit: {fix}. Both "
+                "strategy='fsdp' and 'fsdp2' need this (torchloom does not take fully_shard([module_a, "
+                "module_b]) as one unit)."
             )
         if not layout.split_ties:
             return
@@ -944,6 +965,17 @@ class ShardedStrategy(ParallelStrategy):
     def _warn(self, message: str) -> None:
         if self.global_rank == 0:
             warn_user(message)
+
+
+def _owner_path(param_name: str) -> str:
+    return param_name.rpartition(".")[0] or "<root>"
+
+
+def _unit_path(layout: Layout, param_name: str) -> str:
+    """The path of the innermost unit around the module that holds `param_name` ("" for a root unit)."""
+    module = param_name.rpartition(".")[0]
+    paths = [u.path for u in layout.units if not u.path or module == u.path or module.startswith(u.path + ".")]
+    return max(paths, key=len, default="")
 
 
 class _UnitRuns:

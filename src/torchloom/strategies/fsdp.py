@@ -179,7 +179,12 @@ class FSDPStrategy(ShardedStrategy):
         """What `wrap(m)` calls inside `loom.init_module()`."""
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        own = [*module.parameters(), *module.buffers()]
+        # Parameters another unit flattened already are its shards (of sizes that differ between ranks when the
+        # flat parameter does not split evenly), not this module's to broadcast: a weight tied with a module
+        # wrapped before (gloo aborted the ranks on the mismatched sizes, inside init_module, before
+        # setup_module could refuse the tie across the two units, as it now does), or a nested unit's.
+        params = [p for p in module.parameters() if not getattr(p, "_fsdp_flattened", False)]
+        own = [*params, *module.buffers()]
         if own and not any(t.is_meta for t in own):
             # A module built before init_module (on the CPU) may be wrapped here: FSDP moves it only after.
             broadcast_tensors(own, device=self.root_device)
