@@ -846,12 +846,16 @@ class ShardedStrategy(ParallelStrategy):
         order = {tuple(map(id, g)): g for g in groups.values()}  # first seen first, in parameter order
         # The local gradient pieces, by where their norms meet: each shard group, or None for the replicated.
         pieces: dict[tuple[int, ...] | None, list[torch.Tensor]] = {None: [], **{k: [] for k in order}}
+        split: dict[tuple[int, Any], tuple[dist.ProcessGroup, ...]] = {}  # (mesh, placements) -> groups
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if hasattr(p.grad, "to_local"):
-                    grad, shard_groups = p.grad.to_local(), _split_groups(p.grad)
+                    layout = (id(p.grad.device_mesh), p.grad.placements)
+                    if layout not in split:
+                        split[layout] = _split_groups(p.grad)
+                    grad, shard_groups = p.grad.to_local(), split[layout]
                 else:
                     grad, shard_groups = p.grad, groups.get(id(p))
                 if grad.numel() == 0:
