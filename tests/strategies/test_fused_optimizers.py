@@ -28,12 +28,13 @@ needs_defect = pytest.mark.skipif(
     not DROPS, reason="this torch's fused CPU SGD updates half-precision parameters"
 )
 
-# name -> (strategy, precision, optimizer class, options): on 2 ranks.
+# On 2 ranks. name -> (strategy, precision, SGD options): refused.
 REFUSED_CASES = {
     "fsdp-bf16-true": ("fsdp", "bf16-true", {"fused": True}),  # the scenario engine's find
     "fsdp-16-true": ("fsdp", "16-true", {"fused": True}),
     "ddp-bf16-true": ("ddp", "bf16-true", {"fused": True}),
 }
+# name -> (strategy, precision, optimizer class, options): trained.
 ACCEPTED_CASES = {
     "fsdp-32-true-sgd-fused": ("fsdp", "32-true", torch.optim.SGD, {"fused": True, "momentum": 0.9}),
     "fsdp-bf16-true-sgd-foreach": ("fsdp", "bf16-true", torch.optim.SGD, {"foreach": True, "momentum": 0.9}),
