@@ -808,6 +808,7 @@ class ShardedStrategy(ParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
+        _reduce_pending_grads(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = self._total_norm(module, optimizer, float(norm_type))
         if not torch.isfinite(total):
@@ -835,8 +836,10 @@ class ShardedStrategy(ParallelStrategy):
         """Clamp every gradient element to [-clip_val, clip_val]: elementwise, so each rank clamps its own local
         pieces. torch's `clip_grad_value_` hands sharded (DTensor) and replicated (plain) gradients to one
         foreach kernel, which refuses the mix (found by the scenario engine: FSDP2 units plus replicated
-        leftovers in one optimizer)."""
+        leftovers in one optimizer). A gradient whose pieces are pending partial sums is reduced first: clamping
+        each addend is not clamping their sum."""
         self.precision.unscale_gradients(optimizer)
+        _reduce_pending_grads(optimizer)
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -846,7 +849,11 @@ class ShardedStrategy(ParallelStrategy):
 
     def _total_norm(self, module: nn.Module, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
         """The norm of all gradients as if the model were not sharded: each sharded gradient's local pieces are
-        combined over its shard group, and replicated gradients (the same on every rank) are counted once."""
+        combined over its shard group, and replicated gradients (the same on every rank) are counted once.
+
+        Where a gradient's pieces meet is read from the gradient's own placements, which need not be its
+        parameter's: tensor parallel leaves e.g. a Replicate gradient on an embedding sharded by rows. Pending
+        partial sums must have been reduced (`_reduce_pending_grads`)."""
         groups = self._groups.get(id(module))
         if groups is None:
             # A gradient sharded over several mesh dims (tensor parallel inside FSDP2) has one group per dim: its
@@ -854,21 +861,31 @@ class ShardedStrategy(ParallelStrategy):
             groups = self._groups[id(module)] = {
                 pid: g if isinstance(g, tuple) else (g,) for pid, g in self._shard_groups(module).items()
             }
-        # Every rank must issue the same collectives in the same order, even where it holds no gradient.
+        # Every rank must issue the same collectives in the same order, even where it holds no gradient: the
+        # parameters' groups (the same on every rank) first, then any other group a gradient's placements name
+        # (placements are the same on every rank: they come from the same program).
         order = {tuple(map(id, g)): g for g in groups.values()}  # first seen first, in parameter order
         # The local gradient pieces, by where their norms meet: each shard group, or None for the replicated.
         pieces: dict[tuple[int, ...] | None, list[torch.Tensor]] = {None: [], **{k: [] for k in order}}
+        split: dict[tuple[int, Any], tuple[dist.ProcessGroup, ...]] = {}  # (mesh, placements) -> groups
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if hasattr(p.grad, "to_local"):
+                    layout = (id(p.grad.device_mesh), p.grad.placements)
+                    if layout not in split:
+                        split[layout] = _split_groups(p.grad)
+                    grad, shard_groups = p.grad.to_local(), split[layout]
+                else:
+                    grad, shard_groups = p.grad, groups.get(id(p))
                 if grad.numel() == 0:
                     continue
-                shard_groups = groups.get(id(p))
-                pieces[tuple(map(id, shard_groups)) if shard_groups is not None else None].append(
-                    grad.detach()
-                )
+                key = tuple(map(id, shard_groups)) if shard_groups else None
+                if key is not None and key not in order:
+                    order[key] = shard_groups
+                    pieces[key] = []
+                pieces[key].append(grad.detach())
         inf = math.isinf(norm_type)
 
         def contribution(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -1012,6 +1029,39 @@ def _mark_run(watch: _UnitRuns, index: int, module: nn.Module, args: Any) -> Non
 def _mark_grad(watch: _UnitRuns, index: int, param: torch.Tensor) -> None:
     # fully_shard calls a sharded parameter's post-accumulate-grad hooks after writing its reduced gradient.
     watch.got[index] = 1
+
+
+def _reduce_pending_grads(optimizer: Optimizer) -> None:
+    """Reduce every gradient that holds pending partial sums (a DTensor with a `Partial` placement), in place of
+    the gradient. Tensor parallel leaves them where a replicated parameter meets sharded activations: the norm
+    weights of a `SequenceParallel` plan each see one rank's share of the sequence, so their gradients are the
+    sum over the tensor-parallel ranks of what each holds. A norm or a clamp of the local pieces is then wrong.
+    The optimizer would reduce them itself (DTensor does, for every torch optimizer): reducing them here, once,
+    to the parameter's own placements, gives it the same values."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if not isinstance(grad, DTensor) or not any(pl.is_partial() for pl in grad.placements):
+                continue
+            if (
+                isinstance(p, DTensor)
+                and p.device_mesh == grad.device_mesh
+                and not any(pl.is_partial() for pl in p.placements)
+            ):
+                placements = p.placements  # e.g. a reduce-scatter straight into a sharded parameter's layout
+            else:
+                placements = tuple(Replicate() if pl.is_partial() else pl for pl in grad.placements)
+            with torch.no_grad():
+                p.grad = grad.redistribute(grad.device_mesh, placements)
+
+
+def _split_groups(grad: Any) -> tuple[dist.ProcessGroup, ...]:
+    """The groups of the mesh dims a DTensor gradient's local pieces are split over (anything but Replicate:
+    Shard, and the _StridedShard that fully_shard puts over a tensor-parallel Shard), in mesh order."""
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
 
 
 def _place_state_with_parameters(optimizer: Optimizer, param_ids: set[int]) -> None:
