@@ -416,7 +416,7 @@ def _with_order_advice(call: Callable[..., Any], where: str) -> Callable[..., An
                 raise
             raise _CompileOrderError(
                 f"{where!r} was checkpoint-wrapped and then compiled (torch.compile(checkpoint_wrapper(block))), "
-                "and torch's compiled autograd cannot save the tensor-parallel plan's device mesh for the "
+                "and torch.compile's AOT autograd cannot save the tensor-parallel plan's device mesh for the "
                 "recomputation. Compile first, then wrap: checkpoint_wrapper(torch.compile(block)), in "
                 "parallelize_fn after parallelize_module and before fully_shard (docs/model-parallel.md, "
                 f"'Activation checkpointing and torch.compile'). (torch's error: {str(error)[:200]})"
