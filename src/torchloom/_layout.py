@@ -183,7 +183,7 @@ def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: in
     unit parameters divided by `world_size`, leftovers whole on every rank.
     """
     layout = analyze(module)
-    if _distributed_params(module):
+    if _placed_beyond_fsdp(module, layout):
         return _describe_distributed(module, layout, world_size, optimizer_states)
     lines = []
     bytes_per = 4
@@ -219,9 +219,15 @@ def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: in
 
 
 # ---- the summary of a model holding DTensors (tensor parallel, FSDP2 over a named mesh) --------------------------
-def _distributed_params(module: nn.Module) -> bool:
+def _placed_beyond_fsdp(module: nn.Module, layout: Layout) -> bool:
+    """Whether some parameter is placed by more than 1-D FSDP2 sharding (tensor parallel, HSDP): a DTensor
+    outside every unit or on a mesh of 2+ dims. Plain FSDP2 keeps the shorter summary."""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in module.parameters())
+    if dtensor is None:
+        return False
+    if any(isinstance(p, dtensor.DTensor) for _, p in layout.leftovers):
+        return True
+    return any(isinstance(p, dtensor.DTensor) and p.device_mesh.ndim > 1 for p in module.parameters())
 
 
 def _placement_text(param: torch.Tensor) -> str:
