@@ -15,7 +15,6 @@ from torch import nn
 
 import torchloom
 from torchloom import Loom
-from torchloom.errors import MisuseError
 from torchloom.strategies import ModelParallelStrategy
 
 DIM, HEADS, VOCAB, SEQ = 8, 2, 16, 4
@@ -38,7 +37,11 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.attn_norm, self.attn = nn.LayerNorm(DIM), Attention()
-        self.mlp_norm, self.up, self.down = nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM), nn.Linear(3 * DIM, DIM)
+        self.mlp_norm, self.up, self.down = (
+            nn.LayerNorm(DIM),
+            nn.Linear(DIM, 3 * DIM),
+            nn.Linear(3 * DIM, DIM),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -283,7 +286,7 @@ def _check_summary(out: dict, mesh_text: str) -> None:
     placed = _section(summary, "placements")
     distributed = {name: v for name, v in params.items() if v[0]}
     assert distributed, params
-    for name, (_, placement, _, local) in distributed.items():
+    for name, (_, placement, _, _) in distributed.items():
         generic = re.sub(r"\.\d+\.", ".*.", name)
         line = next((line for line in placed if line.startswith(generic + " ")), None)
         assert line is not None, (name, summary)
@@ -324,7 +327,13 @@ def test_tensor_parallel_summary_errors_and_compile_order():
         # Plan keys that resolve to nothing: torch only warns and skips them.
         failure = out["unresolved key"]
         assert failure is not None and {"MisuseError", "ValueError"} <= set(failure["types"]), failure
-        for needle in ("'query'", "'blocks.0.attn'", "'lm_head'", "'<root>'", "children: embed, blocks, head"):
+        for needle in (
+            "'query'",
+            "'blocks.0.attn'",
+            "'lm_head'",
+            "'<root>'",
+            "children: embed, blocks, head",
+        ):
             assert needle in failure["message"], (needle, failure["message"])
 
         failure = out["checkpoint then compile"]

@@ -373,7 +373,7 @@ def _module_names(root: nn.Module, target: Any) -> str:
 
 
 def _module_summary(root: nn.Module, text: str) -> str:
-    """"'mlp' (MLP; children: up, down)" for the module whose repr torch's warning printed."""
+    """Where and what the module is whose repr torch's warning printed: "'mlp' (MLP; children: up, down)"."""
     kind = text.split("(", 1)[0].strip() or text[:40]
     children = re.findall(r"^  \(([^)]+)\):", text, re.M)
     # The warning holds only the module's repr: the modules of that class and repr are where the key was looked up.
@@ -400,7 +400,9 @@ def _explain_checkpoint_then_compile(root: nn.Module) -> None:
 
     for name, mod in root.named_modules():
         where = clean_name(name + ".")[:-1] if name else "<root>"
-        if isinstance(mod, eval_frame.OptimizedModule) and isinstance(mod._orig_mod, wrappers.CheckpointWrapper):
+        if isinstance(mod, eval_frame.OptimizedModule) and isinstance(
+            mod._orig_mod, wrappers.CheckpointWrapper
+        ):
             mod.forward = _with_order_advice(mod.forward, where)
         elif isinstance(mod, wrappers.CheckpointWrapper) and mod._compiled_call_impl is not None:
             mod._compiled_call_impl = _with_order_advice(mod._compiled_call_impl, where)
