@@ -7,6 +7,7 @@ ranks: 2 (tensor parallel 2) for the errors and the compile order, 4 (dp 2 x tp 
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,7 @@ def _parallelize(model: nn.Module, mesh) -> nn.Module:
         parallelize_module(block, mesh["tensor_parallel"], _tp_plan())
         if mesh["data_parallel"].size() > 1:
             fully_shard(block, mesh=mesh["data_parallel"])
+    warnings.warn("parallelize_fn's own warning", stacklevel=1)
     return model
 
 
@@ -234,8 +236,12 @@ def _placements(model: nn.Module) -> dict[str, tuple]:
 def _summary_case(rank: int, world_size: int, dp: int) -> dict:
     loom = _new_loom(_parallelize, world_size, dp)
     torch.manual_seed(0)
-    model = loom.setup_module(Net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = loom.setup_module(Net())
     out = {"summary": torchloom.describe(model), "params": _placements(model.module)}
+    # torchloom records the warnings of parallelize_fn to find skipped plan keys; the others reach the caller.
+    out["warnings"] = [str(w.message) for w in caught]
     loom.close()
     return out
 
@@ -297,6 +303,7 @@ def _check_summary(out: dict, mesh_text: str) -> None:
     for name, (is_dtensor, *_rest) in params.items():
         assert (name + " ") in replicated + " " or is_dtensor, (name, summary)
         assert not (is_dtensor and (name + " ") in replicated + " "), (name, summary)
+    assert "parallelize_fn's own warning" in out["warnings"], out["warnings"]
     total = sum(v[2] for v in params.values())
     local = sum(v[3] for v in params.values())
     assert f"per rank: {local:,} of {total:,} parameter elements" in summary, (local, total, summary)

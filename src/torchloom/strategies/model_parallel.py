@@ -222,23 +222,18 @@ class ModelParallelStrategy(FSDP2Strategy):
         with warnings.catch_warnings(record=True) as caught:
             # Shown every time: torch's own registry would hide the second Loom's skipped entry.
             warnings.filterwarnings("always", message=_PLAN_KEY_WARNING.pattern, category=UserWarning)
+            failure: Exception | None = None
             try:
                 result = self.parallelize_fn(module, self.device_mesh)
             except Exception as error:
-                explained = self._explain_fully_shard_failure(error, module, fn_name)
-                if explained is None:
-                    raise
-                raise explained from error
-        skipped = []
-        for record in caught:
-            found = _PLAN_KEY_WARNING.match(str(record.message))
-            if found is None:
-                # Already past the caller's filters: show it as it would have been shown.
-                warnings.showwarning(
-                    record.message, record.category, record.filename, record.lineno, record.file, record.line
-                )
-            elif found.groups() not in skipped:
-                skipped.append(found.groups())
+                failure = error
+        # Outside the recording context, so that the other warnings reach the caller's own handler.
+        skipped = _show_other_warnings(caught)
+        if failure is not None:
+            explained = self._explain_fully_shard_failure(failure, module, fn_name)
+            if explained is None:
+                raise failure
+            raise explained from failure
         if skipped:
             entries = "; ".join(
                 f"key {key!r}: no child matching {token!r} in {_module_summary(module, where)}"
@@ -342,6 +337,21 @@ _PLAN_KEY_WARNING = re.compile(
 )
 
 
+def _show_other_warnings(caught: list[warnings.WarningMessage]) -> list[tuple[str, ...]]:
+    """Show the recorded warnings other than unresolved plan keys as they would have been shown (they already
+    passed the caller's filters); return the plan keys' (key, token, module repr), each once."""
+    skipped: list[tuple[str, ...]] = []
+    for record in caught:
+        found = _PLAN_KEY_WARNING.match(str(record.message))
+        if found is None:
+            warnings.showwarning(
+                record.message, record.category, record.filename, record.lineno, record.file, record.line
+            )
+        elif found.groups() not in skipped:
+            skipped.append(found.groups())
+    return skipped
+
+
 def _misuse_like(error: Exception) -> type[MisuseError]:
     """torchloom's misuse error that is also the built-in type torch raised, so `except TypeError` still works."""
     if isinstance(error, TypeError):
@@ -383,7 +393,7 @@ def _module_summary(root: nn.Module, text: str) -> str:
 
 
 class _CompileOrderError(MisuseError, AssertionError):
-    """A block checkpoint-wrapped and then compiled failed in torch's compiled autograd (an AssertionError there)."""
+    """A block checkpoint-wrapped and then compiled failed in torch.compile's AOT autograd (an AssertionError)."""
 
 
 def _explain_checkpoint_then_compile(root: nn.Module) -> None:
