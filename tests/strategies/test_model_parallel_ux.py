@@ -133,6 +133,18 @@ def _tensor_parallel_mesh(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def _own_mesh(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mine = init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("dp",))  # not sliced from the strategy's
+    for block in model.blocks:
+        parallelize_module(block, mesh["tensor_parallel"], _tp_plan())
+        fully_shard(block, mesh=mine)
+    return model
+
+
 def _unresolved_key(model: nn.Module, mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -251,6 +263,7 @@ def _tp2_body(rank: int, world_size: int) -> dict:
     for name, fn in {
         "default mesh": _default_mesh,
         "tensor-parallel mesh": _tensor_parallel_mesh,
+        "own mesh": _own_mesh,
         "unresolved key": _unresolved_key,
     }.items():
         out[name] = _failure(fn, world_size)
@@ -330,6 +343,12 @@ def test_tensor_parallel_summary_errors_and_compile_order():
         assert failure is not None and {"MisuseError", "RuntimeError"} <= set(failure["types"]), failure
         assert "overlapping meshes" in failure["cause"], failure
         assert "fully_shard(blocks.0)" in failure["message"] and "overlap" in failure["message"], failure
+
+        # A mesh made in parallelize_fn instead of sliced from the one it receives.
+        failure = out["own mesh"]
+        assert failure is not None and "MisuseError" in failure["types"], failure
+        assert "fully_shard(blocks.0)" in failure["message"], failure
+        assert "not sliced from the strategy's" in failure["message"], failure
 
         # Plan keys that resolve to nothing: torch only warns and skips them.
         failure = out["unresolved key"]
