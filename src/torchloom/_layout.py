@@ -183,6 +183,8 @@ def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: in
     unit parameters divided by `world_size`, leftovers whole on every rank.
     """
     layout = analyze(module)
+    if _placed_beyond_fsdp(module, layout):
+        return _describe_distributed(module, layout, world_size, optimizer_states)
     lines = []
     bytes_per = 4
     sharded = sum(u.numel for u in layout.units)
@@ -214,3 +216,121 @@ def describe_layout(module: nn.Module, world_size: int = 1, optimizer_states: in
         f"optimizer state {mib * optimizer_states:.2f} MiB"
     )
     return "\n".join(lines)
+
+
+# ---- the summary of a model holding DTensors (tensor parallel, FSDP2 over a named mesh) --------------------------
+def _placed_beyond_fsdp(module: nn.Module, layout: Layout) -> bool:
+    """Whether some parameter is placed by more than 1-D FSDP2 sharding (tensor parallel, HSDP): a DTensor
+    outside every unit or on a mesh of 2+ dims. Plain FSDP2 keeps the shorter summary."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return False
+    if any(isinstance(p, dtensor.DTensor) for _, p in layout.leftovers):
+        return True
+    return any(isinstance(p, dtensor.DTensor) and p.device_mesh.ndim > 1 for p in module.parameters())
+
+
+def _placement_text(param: torch.Tensor) -> str:
+    """'data_parallel Shard(0), tensor_parallel Shard(0)': the placement on each dim of the parameter's mesh."""
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    dims = mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(mesh.ndim))
+    parts = []
+    for dim, placement in zip(dims, param.placements, strict=True):  # type: ignore[attr-defined]
+        if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+            # FSDP2 over a tensor-parallel Shard is a _StridedShard: to the reader, a Shard of that tensor dim.
+            text = f"Shard({placement.dim})"
+        elif placement.is_replicate():
+            text = "Replicate"
+        else:
+            text = type(placement).__name__.lstrip("_")
+        parts.append(f"{dim} {text}")
+    return ", ".join(parts)
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    dtensor = sys.modules["torch.distributed.tensor"]
+    return param.to_local().numel() if isinstance(param, dtensor.DTensor) else param.numel()
+
+
+def _describe_distributed(module: nn.Module, layout: Layout, world_size: int, optimizer_states: int) -> str:
+    """The summary for DTensor parameters: each parameter's placement on its mesh, the units, the tensor-parallel
+    parameters outside every unit and the plain (replicated) ones, with this rank's element counts beside the
+    totals (this rank's: an uneven split gives the last ranks less)."""
+    import re
+
+    dtensor = sys.modules["torch.distributed.tensor"]
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    meshes: dict[str, int] = {}
+    named = []  # (clean name, parameter), each parameter once
+    seen: set[int] = set()
+    for name, param in module.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        named.append((clean_name(name), param))
+        if isinstance(param, dtensor.DTensor) and param.device_mesh.mesh_dim_names:
+            for dim, size in zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape, strict=True):
+                meshes.setdefault(dim, size)
+    total = sum(_global_numel(p) for _, p in named)
+    local = sum(_local_numel(p) for _, p in named)
+    mesh_text = " x ".join(f"{dim} {size}" for dim, size in meshes.items())
+    lines = [
+        f"Sharding summary ({world_size} rank{'s' if world_size != 1 else ''}, mesh {mesh_text}; "
+        f"'per rank' counts are rank {rank}'s):"
+    ]
+    # One line per parameter name with the block index as '*': a 32-layer model gives one line per weight kind.
+    groups: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], int] = {}
+    for name, param in named:
+        if isinstance(param, dtensor.DTensor):
+            key = (
+                re.sub(r"\.\d+\.", ".*.", name),
+                tuple(param.shape),
+                tuple(param.to_local().shape),
+                _placement_text(param),
+            )
+            groups[key] = groups.get(key, 0) + 1
+    lines.append("  placements (global shape -> this rank's piece: placement on each mesh dim):")
+    for (name, shape, piece, placement), n in groups.items():
+        lines.append(f"    {name}{f' x{n}' if n > 1 else ''} {shape} -> {piece}: {placement}")
+    if layout.units:
+        root = "the root is a unit" if layout.root_is_unit else "the root is not a unit"
+        lines.append(f"  {len(layout.units)} fully_shard unit(s), {root}:")
+        for unit in layout.units:
+            own = [p for p in unit.module.parameters() if _owner_unit(layout, unit, p)]
+            lines.append(
+                f"    {unit.path or '<root>'}: {unit.num_params} parameters, {unit.numel:,} elements, "
+                f"{sum(_local_numel(p) for p in own):,} per rank"
+            )
+    else:
+        lines.append("  no FSDP units")
+    split = [(n, p) for n, p in layout.leftovers if isinstance(p, dtensor.DTensor)]
+    plain = [(n, p) for n, p in layout.leftovers if not isinstance(p, dtensor.DTensor)]
+    if split:
+        lines.append(
+            f"  tensor-parallel outside all units (split as placed above, not sharded further): {len(split)} "
+            f"parameters, {sum(_global_numel(p) for _, p in split):,} elements, "
+            f"{sum(_local_numel(p) for _, p in split):,} per rank"
+        )
+    if plain:
+        lines.append(
+            f"  replicated on every rank (outside all units): {len(plain)} parameters, "
+            f"{sum(p.numel() for _, p in plain):,} elements"
+        )
+        for name, param in plain[:12]:
+            lines.append(f"    {name} {tuple(param.shape)}")
+        if len(plain) > 12:
+            lines.append(f"    ... and {len(plain) - 12} more")
+    lines.append(f"  per rank: {local:,} of {total:,} parameter elements")
+    mib = local * 4 / 2**20
+    lines.append(
+        f"  per rank (fp32): parameters {mib:.2f} MiB, gradients {mib:.2f} MiB, "
+        f"optimizer state {mib * optimizer_states:.2f} MiB"
+    )
+    return "\n".join(lines)
+
+
+def _owner_unit(layout: Layout, unit: Unit, param: torch.Tensor) -> bool:
+    """Whether `unit` itself manages `param` (not a unit nested inside it)."""
+    inner = [u for u in layout.units if u is not unit and any(m is u.module for m in unit.module.modules())]
+    return not any(any(q is param for q in u.module.parameters()) for u in inner)

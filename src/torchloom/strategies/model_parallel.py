@@ -10,6 +10,10 @@ data-parallel ranks only (the ranks of one tensor-parallel group read the same b
 
 from __future__ import annotations
 
+import functools
+import re
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -22,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchloom import diagnostics
 from torchloom._layout import Layout, unit_flavour
 from torchloom._text import count
-from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.errors import ConfigurationError, MisuseError, MisuseTypeError, MisuseValueError
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies.fsdp2 import FSDP2Strategy
 
@@ -210,7 +214,7 @@ class ModelParallelStrategy(FSDP2Strategy):
         broadcast_tensors(
             [t for t in (*module.parameters(), *module.buffers()) if _is_plain(t)], device=self.root_device
         )
-        result = self.parallelize_fn(module, self.device_mesh)
+        result = self._call_parallelize_fn(module)
         if not isinstance(result, nn.Module):
             raise MisuseError(
                 f"parallelize_fn {getattr(self.parallelize_fn, '__name__', self.parallelize_fn)!r} returned "
@@ -218,7 +222,84 @@ class ModelParallelStrategy(FSDP2Strategy):
                 "parallelized)."
             )
         self._check_meshes(result)
+        _explain_checkpoint_then_compile(result)
         return super().setup_module(result)
+
+    def _call_parallelize_fn(self, module: nn.Module) -> nn.Module:
+        """Run the user's `parallelize_fn`, turning what torch reports there in its own terms (an invariant deep in
+        `fully_shard`, a plan entry skipped with a warning) into errors that name the module and the fix."""
+        fn_name = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
+        with warnings.catch_warnings(record=True) as caught:
+            # Shown every time: torch's own registry would hide the second Loom's skipped entry.
+            warnings.filterwarnings("always", message=_PLAN_KEY_WARNING.pattern, category=UserWarning)
+            failure: Exception | None = None
+            try:
+                result = self.parallelize_fn(module, self.device_mesh)
+            except Exception as error:
+                failure = error
+        # Outside the recording context, so that the other warnings reach the caller's own handler.
+        skipped = _show_other_warnings(caught)
+        if failure is not None:
+            explained = self._explain_fully_shard_failure(failure, module, fn_name)
+            if explained is None:
+                raise failure
+            raise explained from failure
+        if skipped:
+            entries = "; ".join(
+                f"key {key!r}: no child matching {token!r} in {_module_summary(module, where)}"
+                for key, token, where in skipped
+            )
+            raise MisuseValueError(
+                f"parallelize_fn {fn_name!r}: parallelize_module's plan has entries that match no submodule "
+                f"({entries}). torch skips such an entry with a warning, which leaves the layer you meant "
+                "unsharded: it would be trained as a plain replicated layer. A plan key is a dotted path from "
+                "the module passed to parallelize_module (e.g. 'mlp.up' for model.mlp.up; '*' matches any "
+                "child name): fix the key, or drop the entry."
+            )
+        return result
+
+    def _explain_fully_shard_failure(
+        self, error: Exception, root: nn.Module, fn_name: str
+    ) -> Exception | None:
+        """An error for a `fully_shard` call inside `parallelize_fn` that failed on a mesh other than the
+        data-parallel one, naming the module and the mesh to use; None for any other failure (re-raised as is)."""
+        call = _innermost_fully_shard_call(error)
+        if call is None:
+            return None
+        target, mesh = call
+        ours = self.device_mesh
+        data_dims = {DATA_PARALLEL, REPLICATE, SHARD}
+        names = mesh.mesh_dim_names if mesh is not None else None
+        if mesh is not None and names and set(names) <= data_dims and _sliced_from(mesh, ours):
+            return None  # the right mesh: torch failed for another reason, which its own message explains
+        where = _module_names(root, target)
+        dims = ", ".join(f"{d} ({n})" for d, n in self.mesh_shape.items())
+        fix = (
+            f"shard it over the data-parallel ranks only: fully_shard({where.split(',')[0]}, "
+            "mesh=device_mesh['data_parallel']), or fully_shard(..., **loom.strategy.unit_kwargs()), which also "
+            "passes torchloom's mixed-precision policy"
+        )
+        if names is None:
+            problem = (
+                f"ran with fully_shard's default mesh (a 1-D mesh over all {count(self.world_size, 'rank')}), "
+                f"not one sliced from the strategy's device mesh [{dims}]"
+            )
+        elif not _sliced_from(mesh, ours):
+            problem = (
+                f"ran on a device mesh {mesh} that is not sliced from the strategy's [{dims}]: its process "
+                "groups are unknown to torchloom's clipping, checkpoints and data split"
+            )
+        else:
+            problem = (
+                f"ran on the mesh dims {list(names)}, which overlap the tensor-parallel dim its parameters are "
+                "already sharded on"
+            )
+        message = (
+            f"parallelize_fn {fn_name!r}: fully_shard({where}) failed: it {problem}. For a module that "
+            f"parallelize_module made tensor-parallel (over device_mesh['tensor_parallel']), {fix}. "
+            f"(torch's error: {type(error).__name__}: {error})"
+        )
+        return _misuse_like(error)(message)
 
     def _check_meshes(self, module: nn.Module) -> None:
         """DTensor parameters must live on this strategy's mesh (or a slice of it): a mesh made elsewhere has
@@ -255,6 +336,115 @@ class ModelParallelStrategy(FSDP2Strategy):
             )
         plain = [(name, p) for name, p in layout.leftovers if not isinstance(p, DTensor)]
         super()._replicate_leftovers(module, replace(layout, leftovers=plain))
+
+
+# The warning parallelize_module gives for a plan key it cannot resolve, before skipping the entry (torch 2.13,
+# torch/distributed/tensor/parallel/api.py).
+_PLAN_KEY_WARNING = re.compile(
+    r"Parallelize plan key '(.*)' could not be resolved: no submodule matching token '(.*)' in module "
+    r"(.*), skipping this plan entry",
+    re.DOTALL,
+)
+
+
+def _show_other_warnings(caught: list[warnings.WarningMessage]) -> list[tuple[str, ...]]:
+    """Show the recorded warnings other than unresolved plan keys as they would have been shown (they already
+    passed the caller's filters); return the plan keys' (key, token, module repr), each once."""
+    skipped: list[tuple[str, ...]] = []
+    for record in caught:
+        found = _PLAN_KEY_WARNING.match(str(record.message))
+        if found is None:
+            warnings.showwarning(
+                record.message, record.category, record.filename, record.lineno, record.file, record.line
+            )
+        elif found.groups() not in skipped:
+            skipped.append(found.groups())
+    return skipped
+
+
+def _misuse_like(error: Exception) -> type[MisuseError]:
+    """torchloom's misuse error that is also the built-in type torch raised, so `except TypeError` still works."""
+    if isinstance(error, TypeError):
+        return MisuseTypeError
+    if isinstance(error, ValueError):
+        return MisuseValueError
+    return MisuseError
+
+
+def _innermost_fully_shard_call(error: BaseException) -> tuple[Any, DeviceMesh | None] | None:
+    """(module argument, mesh) of the innermost `fully_shard` frame the error passed through, or None."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "fully_shard" and "fsdp" in frame.f_code.co_filename:
+            found = (frame.f_locals.get("module"), frame.f_locals.get("mesh"))
+        tb = tb.tb_next
+    return found
+
+
+def _module_names(root: nn.Module, target: Any) -> str:
+    """The name(s) of `target` (a module or a list of them) inside `root`, as the user's model spells them."""
+    from torchloom._layout import clean_name
+
+    names = {id(m): clean_name(n + ".")[:-1] if n else "<root>" for n, m in root.named_modules()}
+    modules = list(target) if isinstance(target, (list, tuple)) else [target]
+    return ", ".join(names.get(id(m), f"<a {type(m).__name__}>") for m in modules)
+
+
+def _module_summary(root: nn.Module, text: str) -> str:
+    """Where and what the module is whose repr torch's warning printed: "'mlp' (MLP; children: up, down)"."""
+    kind = text.split("(", 1)[0].strip() or text[:40]
+    children = re.findall(r"^  \(([^)]+)\):", text, re.M)
+    # The warning holds only the module's repr: the modules of that class and repr are where the key was looked up.
+    paths = [n or "<root>" for n, m in root.named_modules() if type(m).__name__ == kind and repr(m) == text]
+    where = f"{', '.join(repr(p) for p in paths[:3])}{' ...' if len(paths) > 3 else ''} " if paths else ""
+    return f"{where}({kind}; children: {', '.join(children) or 'none'})"
+
+
+class _CompileOrderError(MisuseError, AssertionError):
+    """A block checkpoint-wrapped and then compiled failed in torch.compile's AOT autograd (an AssertionError)."""
+
+
+def _explain_checkpoint_then_compile(root: nn.Module) -> None:
+    """Give the blocks that `parallelize_fn` checkpoint-wrapped and then compiled a clear error, should torch fail
+    on them. torch 2.13 compiles such a block, but a block whose tensor-parallel plan redistributes inside it (an
+    attention block under sequence parallelism) fails in its first training forward with an AssertionError about
+    `tensors_saved_with_vc_check` holding a DeviceMesh; the same block compiled first and wrapped second works.
+    Blocks that do not hit it (an MLP block) keep training, so only the failure itself is translated."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrappers = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    if eval_frame is None or wrappers is None:
+        return  # nothing was compiled or checkpoint-wrapped in this process
+    from torchloom._layout import clean_name
+
+    for name, mod in root.named_modules():
+        where = clean_name(name + ".")[:-1] if name else "<root>"
+        if isinstance(mod, eval_frame.OptimizedModule) and isinstance(
+            mod._orig_mod, wrappers.CheckpointWrapper
+        ):
+            mod.forward = _with_order_advice(mod.forward, where)
+        elif isinstance(mod, wrappers.CheckpointWrapper) and mod._compiled_call_impl is not None:
+            mod._compiled_call_impl = _with_order_advice(mod._compiled_call_impl, where)
+
+
+def _with_order_advice(call: Callable[..., Any], where: str) -> Callable[..., Any]:
+    @functools.wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except AssertionError as error:
+            if "tensors_saved_with_vc_check" not in str(error) or "DeviceMesh" not in str(error):
+                raise
+            raise _CompileOrderError(
+                f"{where!r} was checkpoint-wrapped and then compiled (torch.compile(checkpoint_wrapper(block))), "
+                "and torch.compile's AOT autograd cannot save the tensor-parallel plan's device mesh for the "
+                "recomputation. Compile first, then wrap: checkpoint_wrapper(torch.compile(block)), in "
+                "parallelize_fn after parallelize_module and before fully_shard (docs/model-parallel.md, "
+                f"'Activation checkpointing and torch.compile'). (torch's error: {str(error)[:200]})"
+            ) from error
+
+    return run
 
 
 def _is_plain(t: torch.Tensor) -> bool:
