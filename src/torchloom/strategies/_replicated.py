@@ -17,7 +17,7 @@ end of the round, so the ranks never wait in collectives that their peers will n
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,16 +94,28 @@ class _Round:
 
 
 class ReplicatedGradSync:
-    """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False.
+    """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False (with
+    `divisor`: sums them over `group` and divides by `divisor`).
 
     `begin()` before and `end(error)` after a backward make it one round (what `loom.backward` does). A plain
     `loss.backward()` also works: its first hook (on the model's output, see `watch_outputs`, or on a replicated
     parameter) starts a round and queues the end of it on autograd's engine.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int | None = None):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        bucket_bytes: int | None = None,
+        divisor: int | None = None,
+    ):
         self.group = group
         self.world_size = dist.get_world_size(group)
+        #: The summed gradients are divided by this: the group's size (the mean over it), or the number of
+        #: data-parallel replicas when each rank of a tensor-parallel group holds one part of a sum.
+        self.divisor = divisor or self.world_size
+        #: Called at the end of every round that reduced (`_end`, not failed), after the results are written.
+        self.after_round: Callable[[], None] | None = None
         self.enabled = True
         trainable = [p for p in params if p.requires_grad]
         # Gradients become ready roughly in reverse order of definition, as in DDP.
@@ -228,7 +240,7 @@ class ReplicatedGradSync:
                 ]
                 parts.append(torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device))
                 flat = torch.cat(parts)
-                flat.div_(self.world_size)
+                flat.div_(self.divisor)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             current.pending.append((bucket, flat, work))
             current.next += 1
@@ -242,7 +254,7 @@ class ReplicatedGradSync:
         if failed:
             return
         _, last_flat, _ = current.pending[-1]
-        peers_failed = round(last_flat[-1].item() * self.world_size)
+        peers_failed = round(last_flat[-1].item() * self.divisor)
         if peers_failed:
             raise PeerBackwardFailedError(
                 f"{peers_failed} other rank(s) failed their backward pass while this rank's succeeded, so the "
@@ -265,3 +277,5 @@ class ReplicatedGradSync:
                         averages.append(piece.view_as(p))
                 if targets:
                     torch._foreach_copy_(targets, averages)  # one call, not one copy_ per parameter
+        if self.after_round is not None:
+            self.after_round()

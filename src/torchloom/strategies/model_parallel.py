@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -24,6 +25,7 @@ from torchloom._layout import Layout, unit_flavour
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies._tp_leftovers import TensorParallelLeftovers
 from torchloom.strategies.fsdp2 import FSDP2Strategy
 
 DATA_PARALLEL = "data_parallel"
@@ -98,6 +100,7 @@ class ModelParallelStrategy(FSDP2Strategy):
         self._tensor_parallel_option = _size(tensor_parallel_size, "tensor_parallel_size")
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.save_distributed_checkpoint = bool(save_distributed_checkpoint)
+        self._leftover_dp_group: dist.ProcessGroup | None = None
 
     # ---- sizes and the mesh ------------------------------------------------------------------------------------
     @property
@@ -153,6 +156,7 @@ class ModelParallelStrategy(FSDP2Strategy):
 
     def teardown(self) -> None:
         diagnostics.RECORD.mesh = None
+        self._leftover_dp_group = None  # destroyed with the process group
         super().teardown()
 
     @property
@@ -245,6 +249,22 @@ class ModelParallelStrategy(FSDP2Strategy):
             )
         plain = [(name, p) for name, p in layout.leftovers if not isinstance(p, DTensor)]
         super()._replicate_leftovers(module, replace(layout, leftovers=plain))
+        tp = self.tensor_parallel_size
+        if tp == 1 or id(module) not in self._grad_syncs:
+            return  # the data-parallel group is every rank: the mean over all of them is right
+        # Which reduction each leftover needs depends on what its module sees on the tensor-parallel ranks,
+        # known in the first forward (see _tp_leftovers).
+        self._grad_syncs.pop(id(module)).remove()
+        grid = self.device_mesh.mesh.reshape(-1, tp)  # global ranks: (data-parallel replica, tp rank)
+        if self._leftover_dp_group is None:
+            # Groups of their own (made by every rank for every group), so these all-reduces never interleave
+            # with FSDP's collectives over the data-parallel mesh.
+            self._leftover_dp_group, _ = dist.new_subgroups_by_enumeration(
+                grid.t().tolist(), backend=self.backend
+            )
+        self._grad_syncs[id(module)] = TensorParallelLeftovers(  # type: ignore[assignment]
+            module, plain, self._replica_group, self._leftover_dp_group, grid, self.root_device
+        )
 
 
 def _is_plain(t: torch.Tensor) -> bool:
