@@ -62,6 +62,9 @@ class ModelParallelStrategy(FSDP2Strategy):
             `replicate x shard`; the mesh then also has the dims "data_parallel_replicate" and
             "data_parallel_shard" (shard with `fully_shard(mesh=device_mesh["data_parallel_replicate",
             "data_parallel_shard"])`); "data_parallel" is their flattening.
+        forward_sync_buffers: torchloom's addition: the buffers of modules outside every unit (a BatchNorm's
+            running statistics) take rank 0's values before each forward, as under DDP (default), or False: each
+            rank keeps its own (see `ShardedStrategy`).
 
     Parameters that `parallelize_fn` leaves plain (not DTensors) are replicated: identical on every rank (rank 0's
     values at setup) with gradients averaged after each synchronising backward.
@@ -79,6 +82,7 @@ class ModelParallelStrategy(FSDP2Strategy):
         timeout: timedelta | None = None,
         *,
         data_parallel_replicate_size: int = 1,
+        forward_sync_buffers: bool = True,
     ) -> None:
         if not callable(parallelize_fn):
             raise ConfigurationError(
@@ -94,6 +98,7 @@ class ModelParallelStrategy(FSDP2Strategy):
             state_dict_type="sharded" if save_distributed_checkpoint else "full",
             timeout=timeout,
             process_group_backend=process_group_backend,
+            forward_sync_buffers=forward_sync_buffers,
         )
         self.parallelize_fn = parallelize_fn
         self._data_parallel_option = _size(data_parallel_size, "data_parallel_size")
