@@ -18,27 +18,21 @@ from torchloom import Loom
 from torchloom.errors import MisuseError
 from torchloom.strategies import ModelParallelStrategy
 
-VOCAB, DIM, SEQ = 16, 8, 4
+VOCAB, DIM, SEQ, HEAD = 16, 8, 4, 4
 STEPS, ACCUM, GLOBAL = 3, 2, 4
 LR = 0.5
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
 class Net(nn.Module):
-    """A plain embedding, a tensor-parallel block, then a plain norm and head (leftovers)."""
+    """A plain embedding, a tensor-parallel MLP (two units), then a plain norm and head (leftovers). With
+    `heads`, a plain norm over each head of the MLP's hidden features (as a q/k norm over attention heads): on
+    each tensor-parallel rank it sees that rank's heads only."""
 
-    def __init__(self, tied: bool = False, direct: bool = False) -> None:
+    def __init__(self, tied: bool = False, direct: bool = False, heads: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.block = Block()
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        self.head_norm = nn.LayerNorm(HEAD) if heads else None
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
@@ -47,20 +41,25 @@ class Net(nn.Module):
         self.direct = direct
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.norm(self.block(self.embed(tokens)))
+        h = F.gelu(self.up(self.embed(tokens)))
+        if self.head_norm is not None:
+            h = self.head_norm(h.unflatten(-1, (-1, HEAD))).flatten(-2)
+        x = self.norm(self.down(h))
         return F.linear(x, self.head.weight) if self.direct else self.head(x)
 
 
 def parallelize(model: Net, device_mesh, sequence: bool, unit_kwargs: dict) -> Net:
-    """The block: column-wise then row-wise; with `sequence`, the row-wise output is the rank's shard of the
-    sequence (Shard(1), handed on as the local tensor), so the norm and head that follow see only it."""
+    """The MLP: column-wise then row-wise, each layer a unit; with `sequence`, the row-wise output is the rank's
+    shard of the sequence (Shard(1), handed on as the local tensor), so the norm and head that follow see only
+    it."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     down = RowwiseParallel(output_layouts=Shard(1)) if sequence else RowwiseParallel()
-    parallelize_module(model.block, device_mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": down})
-    fully_shard(model.block, **unit_kwargs)
+    parallelize_module(model, device_mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": down})
+    fully_shard(model.up, **unit_kwargs)
+    fully_shard(model.down, **unit_kwargs)
     return model
 
 
@@ -71,10 +70,10 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(heads: bool = False) -> dict[str, torch.Tensor]:
     """One process, the whole global batch, the mean cross-entropy over all its tokens."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net(heads=heads)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = data()
     for step in range(STEPS):
@@ -106,7 +105,7 @@ def _full(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(dp: int, tp: int, sequence: bool) -> dict:
+def _train(dp: int, tp: int, sequence: bool, heads: bool = False) -> dict:
     """Each data-parallel replica reads its rows of the global batch; with `sequence`, each tensor-parallel rank
     computes the loss of its shard of the sequence, as a sum over its tokens divided by the replica's token count
     (the parts of the replica's mean add up over the tensor-parallel group, as the block's gradients do)."""
@@ -114,7 +113,7 @@ def _train(dp: int, tp: int, sequence: bool) -> dict:
 
     loom = _launch(dp, tp, sequence)
     torch.manual_seed(0)
-    model = loom.setup_module(Net())
+    model = loom.setup_module(Net(heads=heads))
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
     mesh = loom.strategy.device_mesh
     dp_rank, tp_rank = mesh["data_parallel"].get_local_rank(), mesh["tensor_parallel"].get_local_rank()
@@ -159,7 +158,11 @@ def _refusal(dp: int, tp: int, **net) -> str:
 
 def _body(rank: int, world_size: int) -> dict:
     dp, tp = world_size // 2, 2
-    out = {"sequence": _train(dp, tp, sequence=True), "replicated": _train(dp, tp, sequence=False)}
+    out = {
+        "sequence": _train(dp, tp, sequence=True),
+        "replicated": _train(dp, tp, sequence=False),
+        "heads": _train(dp, tp, sequence=False, heads=True),
+    }
     if world_size == 2:
         out["tied"] = _refusal(dp, tp, tied=True)
         out["direct"] = _refusal(dp, tp, direct=True)
@@ -169,6 +172,11 @@ def _body(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def expected() -> dict[str, torch.Tensor]:
     return reference()
+
+
+@pytest.fixture(scope="module")
+def expected_heads() -> dict[str, torch.Tensor]:
+    return reference(heads=True)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "dp2xtp2"])
@@ -207,6 +215,17 @@ def test_head_after_a_replicated_region_reduces_over_data_parallel_ranks_only(re
         _assert_parity(run["params"], expected, f"rank {rank}")
         assert set(run["rules"].values()) == {"replicated"}
         assert run["reductions"] == [(dp, dp)]
+
+
+def test_norm_over_each_ranks_heads_sums_the_parts(results, expected_heads):
+    world, ranks = results
+    dp = world // 2
+    for rank, out in enumerate(ranks):
+        run = out["heads"]
+        _assert_parity(run["params"], expected_heads, f"rank {rank}")
+        assert run["rules"]["head_norm.weight"] == run["rules"]["head_norm.bias"] == "parts"
+        assert {run["rules"][n] for n in ("embed.weight", "norm.weight", "head.weight")} == {"replicated"}
+        assert run["reductions"] == sorted([(world, dp), (dp, dp)])
 
 
 def test_weight_tied_across_a_replicated_and_a_sharded_module_is_refused(results):
