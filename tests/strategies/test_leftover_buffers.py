@@ -62,14 +62,28 @@ def _stats(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _evaluate(model, inner: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+def _evaluate(model, inner: nn.Module, rank: int) -> dict:
     """An evaluation forward through `model`: under DDP's rule it starts with rank 0's buffers (the previous
-    forward trained). The statistics are read from `inner`, the user's module."""
+    forward trained). The statistics are read from `inner`, the user's module; "broadcasts" counts the
+    broadcasts the forward made."""
+    import torch.distributed as dist
+
+    calls = []
+    broadcast = dist.broadcast
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return broadcast(*args, **kwargs)
+
     model.eval()
-    with torch.no_grad():
-        model(data()[0][0, 0, rank])
+    dist.broadcast = counting
+    try:
+        with torch.no_grad():
+            model(data()[0][0, 0, rank])
+    finally:
+        dist.broadcast = broadcast
     model.train()
-    return _stats(inner)
+    return {**_stats(inner), "broadcasts": len(calls)}
 
 
 def _ddp(rank: int, sync: bool) -> dict:
@@ -142,6 +156,8 @@ def results():
 
 def _assert_same(got: dict, expected: dict, what: str) -> None:
     for name, value in expected.items():
+        if name == "broadcasts":
+            continue
         torch.testing.assert_close(got[name], value, atol=1e-6, rtol=0, msg=f"{what}: {name}")
 
 
@@ -153,6 +169,8 @@ def test_leftover_buffers_follow_ddp_rank_by_rank(results, kind):
         _assert_same(out[kind]["trained"], out["ddp"]["trained"], f"{kind} rank {rank} trained")
         _assert_same(out[kind]["evaluated"], out["ddp"]["evaluated"], f"{kind} rank {rank} evaluated")
         _assert_same(out[kind]["evaluated"], results[0][kind]["evaluated"], f"{kind} rank {rank} vs rank 0")
+        # One broadcast carries the float statistics and the int64 batch count together.
+        assert out[kind]["evaluated"]["broadcasts"] == 1
     # The data differ: without the broadcast the ranks' statistics would too.
     spread = (
         results[0]["ddp"]["trained"]["running_mean"] - results[1]["ddp"]["trained"]["running_mean"]
@@ -166,6 +184,7 @@ def test_opting_out_leaves_each_rank_its_own_statistics(results, kind):
         _assert_same(
             out[f"{kind}_opt_out"]["evaluated"], out["ddp_opt_out"]["evaluated"], f"{kind} rank {rank}"
         )
+    assert all(out[f"{kind}_opt_out"]["evaluated"]["broadcasts"] == 0 for out in results)
     mean = [out[f"{kind}_opt_out"]["evaluated"]["running_mean"] for out in results]
     assert (mean[0] - mean[1]).abs().max() > 0.01
 

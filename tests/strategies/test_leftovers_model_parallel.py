@@ -105,10 +105,11 @@ def _full(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(dp: int, tp: int, sequence: bool, heads: bool = False) -> dict:
+def _train(dp: int, tp: int, sequence: bool, heads: bool = False, plain: bool = False) -> dict:
     """Each data-parallel replica reads its rows of the global batch; with `sequence`, each tensor-parallel rank
     computes the loss of its shard of the sequence, as a sum over its tokens divided by the replica's token count
-    (the parts of the replica's mean add up over the tensor-parallel group, as the block's gradients do)."""
+    (the parts of the replica's mean add up over the tensor-parallel group, as the block's gradients do).
+    `plain`: `loss.backward()` instead of `loom.backward(loss)`."""
     import torch.distributed as dist
 
     loom = _launch(dp, tp, sequence)
@@ -131,7 +132,10 @@ def _train(dp: int, tp: int, sequence: bool, heads: bool = False) -> dict:
                     loss = loss / (per * SEQ)
                 else:
                     loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-                loom.backward(loss / ACCUM)
+                if plain:
+                    (loss / ACCUM).backward()  # the leftovers' rounds start at the model's output
+                else:
+                    loom.backward(loss / ACCUM)
         opt.step()
         opt.zero_grad()
     sync = loom.strategy._grad_syncs[id(model.module)]
@@ -161,7 +165,7 @@ def _body(rank: int, world_size: int) -> dict:
     out = {
         "sequence": _train(dp, tp, sequence=True),
         "replicated": _train(dp, tp, sequence=False),
-        "heads": _train(dp, tp, sequence=False, heads=True),
+        "heads": _train(dp, tp, sequence=False, heads=True, plain=True),
     }
     if world_size == 2:
         out["tied"] = _refusal(dp, tp, tied=True)

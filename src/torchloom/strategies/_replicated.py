@@ -37,35 +37,68 @@ def broadcast_tensors(
     group: dist.ProcessGroup | None = None,
     src: int = 0,
     device: torch.device | None = None,
+    packed: bool = False,
 ) -> None:
     """Overwrite `tensors` in place with rank `src`'s values, a few large broadcasts instead of one per tensor.
 
     `device`: where the group's backend communicates (this rank's GPU under NCCL). Tensors held elsewhere travel
     through it one bucket at a time: NCCL refuses CPU tensors, and a model built on the CPU is still there when
     the units are about to be made (FSDP moves each unit to the GPU only as it shards it), so its start-from-rank-0
-    broadcast would fail; moving the whole model first would need all of it in GPU memory at once."""
-    for bucket in _buckets([t for t in tensors if t.numel() > 0 and not t.is_meta]):
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+    broadcast would fail; moving the whole model first would need all of it in GPU memory at once.
+
+    `packed`: tensors of every dtype travel together as bytes, so a few small tensors of mixed kinds (a model's
+    BatchNorm statistics and their int64 batch counts, sent before every forward) take one broadcast."""
+    # Grouped by device and dtype (a stable sort: every rank orders the same list alike), so that interleaved
+    # kinds make one bucket each, not one per run.
+    kept = sorted(
+        (t for t in tensors if t.numel() > 0 and not t.is_meta), key=lambda t: (str(t.device), str(t.dtype))
+    )
+    src = dist.get_global_rank(group, src) if group is not None else src
+    for bucket in _buckets(kept, same_dtype=not packed):
+        if packed:
+            parts = []
+            for t in bucket:
+                parts.append(t.detach().reshape(-1).view(torch.uint8))
+                if pad := -_nbytes(t) % _ALIGN:
+                    parts.append(parts[-1].new_zeros(pad))
+            flat = torch.cat(parts)
+        else:
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         if device is not None and flat.device != device:
             flat = flat.to(device)
-        dist.broadcast(flat, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+        dist.broadcast(flat, src=src, group=group)
         offset = 0
         with torch.no_grad():
             for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))  # back to wherever `t` lives
-                offset += t.numel()
+                if packed:
+                    # Each tensor starts at a multiple of _ALIGN bytes, where a byte slice views as any dtype.
+                    t.copy_(flat[offset : offset + _nbytes(t)].view(t.dtype).view_as(t))
+                    offset += _nbytes(t) + (-_nbytes(t) % _ALIGN)
+                else:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))  # back to wherever `t` lives
+                    offset += t.numel()
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int = _BUCKET_BYTES) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same dtype/device tensors, each at most `limit` bytes (or one tensor)."""
+_ALIGN = 16  # bytes: the largest element size (complex128)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(
+    tensors: list[torch.Tensor], limit: int = _BUCKET_BYTES, same_dtype: bool = True
+) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same dtype (unless `same_dtype` is False) and device tensors, each at most `limit`
+    bytes (or one tensor)."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
+        nbytes = _nbytes(t)
         current = buckets[-1] if buckets else None
         if (
             current is None
-            or current[0].dtype != t.dtype
+            or (same_dtype and current[0].dtype != t.dtype)
             or current[0].device != t.device
             or size + nbytes > limit
         ):

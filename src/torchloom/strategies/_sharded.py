@@ -1027,7 +1027,7 @@ class _BufferSync:
         buffers = _plain_buffers(self.owners)
         if buffers:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
-                broadcast_tensors(buffers, group=self.group, device=self.device)
+                broadcast_tensors(buffers, group=self.group, device=self.device, packed=True)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.due = torch.is_grad_enabled() and self.syncing

@@ -44,6 +44,7 @@ _RTOL = 1e-4
 # (until each has been seen with a gradient on every rank).
 _VERIFY_ROUNDS = 16
 _SEEN, _COUNT, _ABS, _SUM, _SQUARES, _WEIGHTED = range(6)
+_CHUNK = 1 << 22
 
 
 def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -52,15 +53,17 @@ def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Ten
     out = torch.zeros(6, dtype=torch.float64, device=device)
     out[_SEEN] = 1
     for t in tensors:
-        x = t.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        if not x.numel():
-            continue
-        w = torch.arange(x.numel(), dtype=torch.float64, device=device).mul_(0.6180339887).frac_().sub_(0.5)
-        out[_COUNT] += x.numel()
-        out[_ABS] += x.abs().sum()
-        out[_SUM] += x.sum()
-        out[_SQUARES] += x.square().sum()
-        out[_WEIGHTED] += (x * w).sum()
+        flat = t.detach().reshape(-1)
+        # In pieces: a whole activation in float64 (and its weights) would double a large model's peak memory.
+        for start in range(0, flat.numel(), _CHUNK):
+            x = flat[start : start + _CHUNK].to(device=device, dtype=torch.float64)
+            w = torch.arange(start, start + x.numel(), dtype=torch.float64, device=device)
+            w.mul_(0.6180339887).frac_().sub_(0.5)
+            out[_COUNT] += x.numel()
+            out[_ABS] += x.abs().sum()
+            out[_SUM] += x.sum()
+            out[_SQUARES] += x.square().sum()
+            out[_WEIGHTED] += (x * w).sum()
     return out
 
 
