@@ -22,6 +22,11 @@ region) is refused: its gradient is partly a copy and partly a sum of parts. A p
 its gradient compared across the tensor-parallel group after its first reduction (one small all-gather): a
 difference means it was used on differing data outside its module's forward, or the ranks computed differently
 (different batches, different dropout masks), and no reduction can tell what the right gradient is: refused.
+
+Inputs that differ for other reasons than a split of the work (each tensor-parallel rank reading its own batch,
+drawing its own dropout masks in a replicated region) look like parts by their values and are summed; there
+the tensor-parallel layers already compute from inputs they assume equal, and no reduction of the leftovers
+makes the step right.
 """
 
 from __future__ import annotations
