@@ -48,10 +48,10 @@ class Net(nn.Module):
         return F.linear(x, self.head.weight) if self.direct else self.head(x)
 
 
-def parallelize(model: Net, device_mesh, sequence: bool, unit_kwargs: dict) -> Net:
+def parallelize(model: Net, device_mesh, sequence: bool, unit_kwargs: dict, norm_unit: bool = False) -> Net:
     """The MLP: column-wise then row-wise, each layer a unit; with `sequence`, the row-wise output is the rank's
     shard of the sequence (Shard(1), handed on as the local tensor), so the norm and head that follow see only
-    it."""
+    it. `norm_unit`: the norm over each head a unit of its own."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -60,6 +60,8 @@ def parallelize(model: Net, device_mesh, sequence: bool, unit_kwargs: dict) -> N
     parallelize_module(model, device_mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": down})
     fully_shard(model.up, **unit_kwargs)
     fully_shard(model.down, **unit_kwargs)
+    if norm_unit:
+        fully_shard(model.head_norm, **unit_kwargs)
     return model
 
 
@@ -85,10 +87,10 @@ def reference(heads: bool = False) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _launch(dp: int, tp: int, sequence: bool) -> Loom:
+def _launch(dp: int, tp: int, sequence: bool, norm_unit: bool = False) -> Loom:
     holder: list = []
     strategy = ModelParallelStrategy(
-        lambda m, mesh: parallelize(m, mesh, sequence, holder[0].unit_kwargs()), dp, tp
+        lambda m, mesh: parallelize(m, mesh, sequence, holder[0].unit_kwargs(), norm_unit), dp, tp
     )
     holder.append(strategy)
     loom = Loom(strategy=strategy, accelerator="cpu", devices=dp * tp)
@@ -147,8 +149,8 @@ def _train(dp: int, tp: int, sequence: bool, heads: bool = False, plain: bool = 
     }
 
 
-def _refusal(dp: int, tp: int, **net) -> str:
-    loom = _launch(dp, tp, sequence=True)
+def _refusal(dp: int, tp: int, norm_unit: bool = False, **net) -> str:
+    loom = _launch(dp, tp, sequence=not norm_unit, norm_unit=norm_unit)
     torch.manual_seed(0)
     model = loom.setup_module(Net(**net))
     x, y = data()
@@ -170,6 +172,7 @@ def _body(rank: int, world_size: int) -> dict:
     if world_size == 2:
         out["tied"] = _refusal(dp, tp, tied=True)
         out["direct"] = _refusal(dp, tp, direct=True)
+        out["norm_unit"] = _refusal(dp, tp, norm_unit=True, heads=True)
     return out
 
 
@@ -249,3 +252,16 @@ def test_weight_used_on_a_shard_outside_its_module_is_refused(results):
     for out in ranks:
         message = out["direct"]
         assert "'head.weight'" in message and "differs across the tensor-parallel ranks" in message, message
+
+
+def test_plain_weight_in_a_unit_on_each_ranks_heads_is_refused(results):
+    """Inside a fully_shard unit, a plain weight is averaged over the data-parallel ranks only: on each rank's
+    heads it would train one copy per tensor-parallel rank (measured: the norm's bias 0.13 off, the two copies
+    apart)."""
+    world, ranks = results
+    if world != 2:
+        pytest.skip("checked at tp 2")
+    for out in ranks:
+        message = out["norm_unit"]
+        assert "'head_norm.weight'" in message and "fully_shard unit" in message, message
+        assert "SequenceParallel(sequence_dim=...)" in message and "out of every unit" in message

@@ -109,9 +109,13 @@ class TensorParallelLeftovers:
         dp_group: dist.ProcessGroup,
         grid: torch.Tensor,
         device: torch.device,
+        unit_params: list[tuple[str, nn.Parameter]] = (),  # type: ignore[assignment]
     ) -> None:
         self.module = module
         self.leftovers = leftovers
+        #: Parameters in fully_shard units but not tensor-parallel: fully_shard averages their gradients over the
+        #: data-parallel ranks only, right for copies and wrong for parts (checked, refused).
+        self.unit_params = list(unit_params)
         self.world = world
         self.dp_group = dp_group
         self.grid = grid
@@ -121,7 +125,7 @@ class TensorParallelLeftovers:
         #: name -> "replicated" (mean over data-parallel ranks) or "parts" (sum over tp, mean over dp), once known
         self.rules: dict[str, str] = {}
         self._enabled = True
-        ids = {id(p) for _, p in leftovers}
+        ids = {id(p) for _, p in (*leftovers, *self.unit_params)}
         #: The modules holding leftovers as their own parameters, with their paths (the root: "").
         self.holders = [
             (path, mod)
@@ -205,17 +209,33 @@ class TensorParallelLeftovers:
                 kinds.append("replicated")
             else:
                 kinds.append("unseen")
-        replicated, parts = [], []
-        for name, param in self.leftovers:
-            users = [
+
+        def users(param: nn.Parameter) -> list[tuple[str, str]]:
+            return [
                 (path, kind)
                 for (path, mod), kind in zip(self.holders, kinds, strict=True)
                 if any(p is param for p in mod._parameters.values())
             ]
-            found = {kind for _, kind in users}
+
+        for name, param in self.unit_params:
+            split = next((path for path, kind in users(param) if kind == "parts"), None)
+            if split is not None:
+                raise MisuseError(
+                    f"Parameter {name!r} is in a fully_shard unit but not tensor-parallel, and the input of "
+                    f"{split or '<root>'!r} differs across the tensor-parallel ranks (a shard of the sequence after "
+                    "a sequence-parallel region, or the rank's own heads): fully_shard averages its gradient over "
+                    "the data-parallel ranks only, so each tensor-parallel rank would train its own copy on its "
+                    "part, silently. Put it in your plan, e.g. SequenceParallel(sequence_dim=...) for a norm over "
+                    "a sequence shard or over the rank's heads (its weight becomes a Replicate DTensor whose "
+                    f"gradient sums the ranks' parts), or keep {split or '<root>'!r} out of every unit (torchloom "
+                    "then sums its gradient over the tensor-parallel ranks)."
+                )
+        replicated, parts = [], []
+        for name, param in self.leftovers:
+            found = {kind for _, kind in users(param)}
             if {"replicated", "parts"} <= found:
-                same = next(path for path, kind in users if kind == "replicated")
-                split = next(path for path, kind in users if kind == "parts")
+                same = next(path for path, kind in users(param) if kind == "replicated")
+                split = next(path for path, kind in users(param) if kind == "parts")
                 raise MisuseError(
                     f"Leftover parameter {name!r} (outside every FSDP unit, not tensor-parallel) is used by "
                     f"{same or '<root>'!r}, whose input is the same on every tensor-parallel rank, and by "

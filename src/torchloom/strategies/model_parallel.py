@@ -255,11 +255,20 @@ class ModelParallelStrategy(FSDP2Strategy):
         plain = [(name, p) for name, p in layout.leftovers if not isinstance(p, DTensor)]
         super()._replicate_leftovers(module, replace(layout, leftovers=plain))
         tp = self.tensor_parallel_size
-        if tp == 1 or id(module) not in self._grad_syncs:
+        if tp == 1:
             return  # the data-parallel group is every rank: the mean over all of them is right
+        # Sharded by fully_shard over the data-parallel ranks only: a copy per tensor-parallel rank.
+        unit_params = [
+            (name, p)
+            for name, p in module.named_parameters()
+            if isinstance(p, DTensor) and TENSOR_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
+        ]
+        if id(module) not in self._grad_syncs and not unit_params:
+            return
         # Which reduction each leftover needs depends on what its module sees on the tensor-parallel ranks,
         # known in the first forward (see _tp_leftovers).
-        self._grad_syncs.pop(id(module)).remove()
+        if id(module) in self._grad_syncs:
+            self._grad_syncs.pop(id(module)).remove()
         grid = self.device_mesh.mesh.reshape(-1, tp)  # global ranks: (data-parallel replica, tp rank)
         if self._leftover_dp_group is None:
             # Groups of their own (made by every rank for every group), so these all-reduces never interleave
@@ -268,7 +277,13 @@ class ModelParallelStrategy(FSDP2Strategy):
                 grid.t().tolist(), backend=self.backend
             )
         self._grad_syncs[id(module)] = TensorParallelLeftovers(  # type: ignore[assignment]
-            module, plain, self._replica_group, self._leftover_dp_group, grid, self.root_device
+            module,
+            plain,
+            self._leftover_group(),
+            self._leftover_dp_group,
+            grid,
+            self.root_device,
+            unit_params,
         )
 
 
