@@ -189,12 +189,11 @@ class TensorParallelLeftovers:
     def _decide(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        for handle in self._probe:
-            handle.remove()
-        self._probe = []
         empty = torch.zeros(6, dtype=torch.float64, device=self.device)
         local = torch.stack([p if p is not None else empty for p in self._prints])
-        self._prints = []
+        # A refusal below leaves the probe in place: a caller that catches it gets it again at the next forward,
+        # never a step with unreduced leftovers.
+        self._prints = [None] * len(self.holders)
         # One all-gather over every rank, so every rank takes the same decision (a group that happens to see
         # equal inputs in its first batch follows the others).
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(self.world))]
@@ -246,6 +245,10 @@ class TensorParallelLeftovers:
                     "input_layouts=Shard(1)) for a head after a sequence-parallel region), or untie the weight."
                 )
             (parts if "parts" in found else replicated).append((name, param))
+        for handle in self._probe:
+            handle.remove()
+        self._probe = []
+        self._prints = []
         self.rules = {name: "parts" for name, _ in parts} | {name: "replicated" for name, _ in replicated}
         # Parts of a sum: summed over every rank (tp x dp), divided by the replicas. Copies: the mean over the
         # data-parallel group alone, the smallest group that gives it.
@@ -283,9 +286,7 @@ class TensorParallelLeftovers:
         bad = ((spread[..., 0] > 0) | (spread[..., 1:] > _RTOL * scale[..., 1:]).any(-1)).any(0)
         wrong = [name for (name, _), b in zip(self._unverified, bad.tolist(), strict=True) if b]
         if wrong:
-            self._unverified = []
-            for sync in self.syncs:
-                sync.after_round = None
+            # Checked again after every round: a caller that catches this gets it again, not a wrong step.
             raise MisuseError(
                 f"The gradient of the leftover parameter(s) {wrong[:5]}{' ...' if len(wrong) > 5 else ''} "
                 "(outside every FSDP unit, not tensor-parallel) differs across the tensor-parallel ranks of one "
