@@ -281,7 +281,11 @@ class Loom:
             )
         env = self._strategy.cluster_environment
         start_method = getattr(self._strategy, "start_method", "spawn")
-        if fn is None and start_method == "fork" and not (self._rank_ready or env.creates_processes_externally):
+        if (
+            fn is None
+            and start_method == "fork"
+            and not (self._rank_ready or env.creates_processes_externally)
+        ):
             # Fabric's TypeError for its forking strategies, on one device too (the same notebook then fails the
             # same way at devices=1 and devices=2). A forked rank runs a function: there is no script to re-run.
             raise MisuseTypeError(

@@ -190,7 +190,9 @@ def _two_modules_body(rank: int, world_size: int, strategy: str, root: str) -> d
 def test_one_optimizer_over_two_set_up_modules(tmp_path, strategy):
     for rank, r in enumerate(run_ranks(_two_modules_body, 2, strategy, str(tmp_path), timeout=180)):
         assert r["differ"] == [], (rank, r)
-        assert "saved under the module names ['a', 'b'], but here they are named ['x', 'y']" in r["renamed"], (
+        assert (
+            "saved under the module names ['a', 'b'], but here they are named ['x', 'y']" in r["renamed"]
+        ), (
             rank,
             r,
         )

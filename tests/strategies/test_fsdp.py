@@ -52,7 +52,9 @@ def _parity_body(rank: int, world_size: int, flavour: str, root: str) -> dict:
         form: _two_models_one_optimizer(rank, world_size, flavour, form, f"{root}/{form}")
         for form in ("setup_optimizers", "setup")
     }
-    out["ties"] = _ties_across_units(world_size, flavour)  # last: on the old code, FSDP1 aborted the ranks here
+    out["ties"] = _ties_across_units(
+        world_size, flavour
+    )  # last: on the old code, FSDP1 aborted the ranks here
     return out
 
 
@@ -191,7 +193,9 @@ def test_one_optimizer_over_two_set_up_models(parity_ranks):
                 torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5, msg=where)
                 # The resumed run needs the saved Adam state of both models to land here.
                 torch.testing.assert_close(got["resumed"][name], value, atol=1e-5, rtol=1e-5, msg=where)
-            torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(got["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=0
+            )
             assert got["resumed norms"] == got["norms"][2:], where
 
 
@@ -236,7 +240,9 @@ def _ties_across_units(world_size: int, flavour: str) -> dict:
 def test_a_weight_tied_across_two_units_is_refused_at_setup(parity_ranks):
     flavour, results = parity_ranks
     for rank, result in enumerate(results):
-        assert set(result["ties"]) == ({"policy", "wrap() in init_module"} if flavour == "fsdp" else {"policy"})
+        assert set(result["ties"]) == (
+            {"policy", "wrap() in init_module"} if flavour == "fsdp" else {"policy"}
+        )
         for case, message in result["ties"].items():
             where = (flavour, case, rank, message)
             assert "Parameters '0.weight' and '2.weight' are tied" in message, where

@@ -17,7 +17,7 @@ end of the round, so the ranks never wait in collectives that their peers will n
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,35 +37,68 @@ def broadcast_tensors(
     group: dist.ProcessGroup | None = None,
     src: int = 0,
     device: torch.device | None = None,
+    packed: bool = False,
 ) -> None:
     """Overwrite `tensors` in place with rank `src`'s values, a few large broadcasts instead of one per tensor.
 
     `device`: where the group's backend communicates (this rank's GPU under NCCL). Tensors held elsewhere travel
     through it one bucket at a time: NCCL refuses CPU tensors, and a model built on the CPU is still there when
     the units are about to be made (FSDP moves each unit to the GPU only as it shards it), so its start-from-rank-0
-    broadcast would fail; moving the whole model first would need all of it in GPU memory at once."""
-    for bucket in _buckets([t for t in tensors if t.numel() > 0 and not t.is_meta]):
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+    broadcast would fail; moving the whole model first would need all of it in GPU memory at once.
+
+    `packed`: tensors of every dtype travel together as bytes, so a few small tensors of mixed kinds (a model's
+    BatchNorm statistics and their int64 batch counts, sent before every forward) take one broadcast."""
+    # Grouped by device and dtype (a stable sort: every rank orders the same list alike), so that interleaved
+    # kinds make one bucket each, not one per run.
+    kept = sorted(
+        (t for t in tensors if t.numel() > 0 and not t.is_meta), key=lambda t: (str(t.device), str(t.dtype))
+    )
+    src = dist.get_global_rank(group, src) if group is not None else src
+    for bucket in _buckets(kept, same_dtype=not packed):
+        if packed:
+            parts = []
+            for t in bucket:
+                parts.append(t.detach().reshape(-1).view(torch.uint8))
+                if pad := -_nbytes(t) % _ALIGN:
+                    parts.append(parts[-1].new_zeros(pad))
+            flat = torch.cat(parts)
+        else:
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         if device is not None and flat.device != device:
             flat = flat.to(device)
-        dist.broadcast(flat, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+        dist.broadcast(flat, src=src, group=group)
         offset = 0
         with torch.no_grad():
             for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))  # back to wherever `t` lives
-                offset += t.numel()
+                if packed:
+                    # Each tensor starts at a multiple of _ALIGN bytes, where a byte slice views as any dtype.
+                    t.copy_(flat[offset : offset + _nbytes(t)].view(t.dtype).view_as(t))
+                    offset += _nbytes(t) + (-_nbytes(t) % _ALIGN)
+                else:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))  # back to wherever `t` lives
+                    offset += t.numel()
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int = _BUCKET_BYTES) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same dtype/device tensors, each at most `limit` bytes (or one tensor)."""
+_ALIGN = 16  # bytes: the largest element size (complex128)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(
+    tensors: list[torch.Tensor], limit: int = _BUCKET_BYTES, same_dtype: bool = True
+) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same dtype (unless `same_dtype` is False) and device tensors, each at most `limit`
+    bytes (or one tensor)."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
+        nbytes = _nbytes(t)
         current = buckets[-1] if buckets else None
         if (
             current is None
-            or current[0].dtype != t.dtype
+            or (same_dtype and current[0].dtype != t.dtype)
             or current[0].device != t.device
             or size + nbytes > limit
         ):
@@ -94,16 +127,28 @@ class _Round:
 
 
 class ReplicatedGradSync:
-    """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False.
+    """Averages the gradients of `params` over `group` after each backward, unless `enabled` is False (with
+    `divisor`: sums them over `group` and divides by `divisor`).
 
     `begin()` before and `end(error)` after a backward make it one round (what `loom.backward` does). A plain
     `loss.backward()` also works: its first hook (on the model's output, see `watch_outputs`, or on a replicated
     parameter) starts a round and queues the end of it on autograd's engine.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int | None = None):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        bucket_bytes: int | None = None,
+        divisor: int | None = None,
+    ):
         self.group = group
         self.world_size = dist.get_world_size(group)
+        #: The summed gradients are divided by this: the group's size (the mean over it), or the number of
+        #: data-parallel replicas when each rank of a tensor-parallel group holds one part of a sum.
+        self.divisor = divisor or self.world_size
+        #: Called at the end of every round that reduced (`_end`, not failed), after the results are written.
+        self.after_round: Callable[[], None] | None = None
         self.enabled = True
         trainable = [p for p in params if p.requires_grad]
         # Gradients become ready roughly in reverse order of definition, as in DDP.
@@ -228,7 +273,7 @@ class ReplicatedGradSync:
                 ]
                 parts.append(torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device))
                 flat = torch.cat(parts)
-                flat.div_(self.world_size)
+                flat.div_(self.divisor)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             current.pending.append((bucket, flat, work))
             current.next += 1
@@ -242,7 +287,7 @@ class ReplicatedGradSync:
         if failed:
             return
         _, last_flat, _ = current.pending[-1]
-        peers_failed = round(last_flat[-1].item() * self.world_size)
+        peers_failed = round(last_flat[-1].item() * self.divisor)
         if peers_failed:
             raise PeerBackwardFailedError(
                 f"{peers_failed} other rank(s) failed their backward pass while this rank's succeeded, so the "
@@ -265,3 +310,5 @@ class ReplicatedGradSync:
                         averages.append(piece.view_as(p))
                 if targets:
                     torch._foreach_copy_(targets, averages)  # one call, not one copy_ per parameter
+        if self.after_round is not None:
+            self.after_round()

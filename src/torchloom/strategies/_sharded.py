@@ -272,6 +272,12 @@ class ShardedStrategy(ParallelStrategy):
             (hybrid sharding, HSDP), a tuple (shard,), or a DeviceMesh of your own.
         state_dict_type: "sharded" (default) or "full", the checkpoint format `loom.save` writes.
         unsharded_params: what happens to parameters outside every unit: "replicate" (default), "shard", "error".
+        forward_sync_buffers: DDP's buffer semantics for the modules outside every unit (a BatchNorm's running
+            statistics): True (default, as DDP): before a forward, their buffers take rank 0's values when the
+            previous forward computed gradients outside `no_backward_sync` (and before the first); one bucketed
+            broadcast, none when there are no such buffers. False: each rank keeps its own after setup (DDP's
+            `forward_sync_buffers=False`, `broadcast_buffers=False` before torch 2.13). Buffers are always
+            broadcast from rank 0 at setup; buffers inside units are never synchronised (see docs/sharding.md).
         timeout, process_group_backend: see `ParallelStrategy`.
         **unit_options: passed to every unit torchloom makes (see `unit_kwargs`).
     """
@@ -302,6 +308,7 @@ class ShardedStrategy(ParallelStrategy):
         device_mesh: Any = None,
         state_dict_type: str = "sharded",
         unsharded_params: str = "replicate",
+        forward_sync_buffers: bool = True,
         timeout: timedelta | None = None,
         process_group_backend: str | None = None,
         **unit_options: Any,
@@ -339,6 +346,14 @@ class ShardedStrategy(ParallelStrategy):
         self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
         self.state_dict_type = state_dict_type
         self.unsharded_params = unsharded_params
+        if not isinstance(forward_sync_buffers, bool):
+            raise _OptionTypeError(
+                f"{owner}(forward_sync_buffers={forward_sync_buffers!r}) must be True (rank 0's buffers before "
+                "each forward, as DDP) or False (each rank keeps its own), got "
+                f"{type(forward_sync_buffers).__name__}."
+            )
+        self.forward_sync_buffers = forward_sync_buffers
+        self._buffer_syncs: dict[int, _BufferSync] = {}
         self._unit_options = unit_options
         self._layouts: dict[int, Layout] = {}
         self._unit_runs: dict[int, _UnitRuns] = {}
@@ -515,6 +530,7 @@ class ShardedStrategy(ParallelStrategy):
         self._replicate_leftovers(forward_module, layout)
         # Buffers are never sharded, and FSDP does not keep them in sync: one broadcast at setup does.
         broadcast_tensors([b for b in forward_module.buffers() if b is not None], device=self.root_device)
+        self._sync_leftover_buffers(forward_module, layout)
         if self.global_rank == 0:
             log.info("%s", describe_layout(forward_module, self.world_size))
         return forward_module
@@ -644,16 +660,33 @@ class ShardedStrategy(ParallelStrategy):
             )
         params = [p for _, p in layout.leftovers]
         broadcast_tensors(params, device=self.root_device)
-        if self._replica_group is None:
-            # A group of its own, so these all-reduces never interleave with FSDP's own collectives.
-            self._replica_group = dist.new_group(backend=self.backend)
-        sync = self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._replica_group)
+        sync = self._grad_syncs[id(module)] = ReplicatedGradSync(params, self._leftover_group())
         sync.watch_outputs(module)
+
+    def _leftover_group(self) -> dist.ProcessGroup:
+        if self._replica_group is None:
+            # A group of its own, so the leftovers' collectives never interleave with FSDP's own.
+            self._replica_group = dist.new_group(backend=self.backend)
+        return self._replica_group
+
+    def _sync_leftover_buffers(self, module: nn.Module, layout: Layout) -> None:
+        """DDP's `forward_sync_buffers` for the buffers of the modules outside every unit (see `_BufferSync`)."""
+        if not self.forward_sync_buffers or self.world_size == 1:
+            return
+        inside = {id(m) for unit in layout.units for m in unit.module.modules()}
+        owners = [m for m in module.modules() if id(m) not in inside and _plain_buffers([m])]
+        if owners:
+            self._buffer_syncs[id(module)] = _BufferSync(
+                module, owners, self._leftover_group(), self.root_device
+            )
 
     def teardown(self) -> None:
         for sync in self._grad_syncs.values():
             sync.remove()
         self._grad_syncs.clear()
+        for buffers in self._buffer_syncs.values():
+            buffers.remove()
+        self._buffer_syncs.clear()
         self._flags_group = None  # destroyed with the process group
         super().teardown()
 
@@ -789,8 +822,12 @@ class ShardedStrategy(ParallelStrategy):
         layout = self._layout_of(module)
         sync = self._grad_syncs.get(id(module))
         watch = self._unit_runs.get(id(module))
+        buffers = self._buffer_syncs.get(id(module))
         with contextlib.ExitStack() as stack:
             self._set_unit_sync(stack, layout.top_units)
+            if buffers is not None:
+                buffers.syncing = False
+                stack.callback(setattr, buffers, "syncing", True)
             if watch is not None:
                 watch.checking = False
                 stack.callback(setattr, watch, "checking", True)
@@ -991,8 +1028,60 @@ def _owner_path(param_name: str) -> str:
 def _unit_path(layout: Layout, param_name: str) -> str:
     """The path of the innermost unit around the module that holds `param_name` ("" for a root unit)."""
     module = param_name.rpartition(".")[0]
-    paths = [u.path for u in layout.units if not u.path or module == u.path or module.startswith(u.path + ".")]
+    paths = [
+        u.path for u in layout.units if not u.path or module == u.path or module.startswith(u.path + ".")
+    ]
     return max(paths, key=len, default="")
+
+
+def _plain_buffers(modules: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """The modules' own buffers that every rank holds whole (not DTensors, not on the meta device)."""
+    return tuple(
+        b
+        for m in modules
+        for b in m._buffers.values()
+        if b is not None and type(b.data) is torch.Tensor and not b.is_meta and b.numel()
+    )
+
+
+class _BufferSync:
+    """DDP's buffer semantics (`forward_sync_buffers=True`) for the modules outside every unit: before a forward
+    of the root, their buffers take rank 0's values, if the previous forward computed gradients outside
+    `no_backward_sync` (or there was none), as `DistributedDataParallel` decides it. Without it each rank's
+    BatchNorm statistics drift apart on its own data, and the ranks evaluate with different models.
+
+    The buffers are looked up at each broadcast (a module may assign new ones) and sent in a few large
+    broadcasts. Their version counters are kept, as DDP keeps them: a buffer saved for a backward still to run
+    (a BatchNorm in eval mode) takes new values that autograd must not mistake for a modification."""
+
+    def __init__(
+        self, root: nn.Module, owners: list[nn.Module], group: dist.ProcessGroup, device: torch.device
+    ) -> None:
+        self.owners = owners
+        self.group = group
+        self.device = device
+        self.due = True  # DDP's `require_forward_param_sync`: True before the first forward
+        self.syncing = True  # False inside no_backward_sync
+        self._handles = [
+            root.register_forward_pre_hook(self._before_forward),
+            root.register_forward_hook(self._after_forward),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not self.due:
+            return
+        buffers = _plain_buffers(self.owners)
+        if buffers:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
+                broadcast_tensors(buffers, group=self.group, device=self.device, packed=True)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.due = torch.is_grad_enabled() and self.syncing
 
 
 class _UnitRuns:

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -28,6 +29,7 @@ from torchloom._layout import Layout, unit_flavour
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError, MisuseTypeError, MisuseValueError
 from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies._tp_leftovers import TensorParallelLeftovers
 from torchloom.strategies.fsdp2 import FSDP2Strategy
 
 DATA_PARALLEL = "data_parallel"
@@ -64,6 +66,9 @@ class ModelParallelStrategy(FSDP2Strategy):
             `replicate x shard`; the mesh then also has the dims "data_parallel_replicate" and
             "data_parallel_shard" (shard with `fully_shard(mesh=device_mesh["data_parallel_replicate",
             "data_parallel_shard"])`); "data_parallel" is their flattening.
+        forward_sync_buffers: torchloom's addition: the buffers of modules outside every unit (a BatchNorm's
+            running statistics) take rank 0's values before each forward, as under DDP (default), or False: each
+            rank keeps its own (see `ShardedStrategy`).
 
     Parameters that `parallelize_fn` leaves plain (not DTensors) are replicated: identical on every rank (rank 0's
     values at setup) with gradients averaged after each synchronising backward.
@@ -81,6 +86,7 @@ class ModelParallelStrategy(FSDP2Strategy):
         timeout: timedelta | None = None,
         *,
         data_parallel_replicate_size: int = 1,
+        forward_sync_buffers: bool = True,
     ) -> None:
         if not callable(parallelize_fn):
             raise ConfigurationError(
@@ -96,12 +102,14 @@ class ModelParallelStrategy(FSDP2Strategy):
             state_dict_type="sharded" if save_distributed_checkpoint else "full",
             timeout=timeout,
             process_group_backend=process_group_backend,
+            forward_sync_buffers=forward_sync_buffers,
         )
         self.parallelize_fn = parallelize_fn
         self._data_parallel_option = _size(data_parallel_size, "data_parallel_size")
         self._tensor_parallel_option = _size(tensor_parallel_size, "tensor_parallel_size")
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.save_distributed_checkpoint = bool(save_distributed_checkpoint)
+        self._leftover_dp_group: dist.ProcessGroup | None = None
 
     # ---- sizes and the mesh ------------------------------------------------------------------------------------
     @property
@@ -167,6 +175,7 @@ class ModelParallelStrategy(FSDP2Strategy):
 
     def teardown(self) -> None:
         diagnostics.RECORD.mesh = None
+        self._leftover_dp_group = None  # destroyed with the process group
         super().teardown()
 
     @property
@@ -336,6 +345,37 @@ class ModelParallelStrategy(FSDP2Strategy):
             )
         plain = [(name, p) for name, p in layout.leftovers if not isinstance(p, DTensor)]
         super()._replicate_leftovers(module, replace(layout, leftovers=plain))
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return  # the data-parallel group is every rank: the mean over all of them is right
+        # Sharded by fully_shard over the data-parallel ranks only: a copy per tensor-parallel rank.
+        unit_params = [
+            (name, p)
+            for name, p in module.named_parameters()
+            if isinstance(p, DTensor) and TENSOR_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
+        ]
+        if id(module) not in self._grad_syncs and not unit_params:
+            return
+        # Which reduction each leftover needs depends on what its module sees on the tensor-parallel ranks,
+        # known in the first forward (see _tp_leftovers).
+        if id(module) in self._grad_syncs:
+            self._grad_syncs.pop(id(module)).remove()
+        grid = self.device_mesh.mesh.reshape(-1, tp)  # global ranks: (data-parallel replica, tp rank)
+        if self._leftover_dp_group is None:
+            # Groups of their own (made by every rank for every group), so these all-reduces never interleave
+            # with FSDP's collectives over the data-parallel mesh.
+            self._leftover_dp_group, _ = dist.new_subgroups_by_enumeration(
+                grid.t().tolist(), backend=self.backend
+            )
+        self._grad_syncs[id(module)] = TensorParallelLeftovers(  # type: ignore[assignment]
+            module,
+            plain,
+            self._leftover_group(),
+            self._leftover_dp_group,
+            grid,
+            self.root_device,
+            unit_params,
+        )
 
 
 # The warning parallelize_module gives for a plan key it cannot resolve, before skipping the entry (torch 2.13,
