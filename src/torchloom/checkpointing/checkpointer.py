@@ -169,17 +169,70 @@ class Checkpointer:
                     "optimizer's state whole (its items are its state and param groups, which load only "
                     "together). Filter the model's entry, or save a full checkpoint (state_dict_type='full')."
                 )
+        # Collecting is a collective (FSDP gathers): every rank, every filtered entry, in the filter's order.
+        values = {key: collect(self._io, entries[key], full=fmt == "full") for key in filter}
+        kept = self._kept_items(values, filter, fmt)
         out = dict(entries)
-        for key, keep in filter.items():
-            entry = entries[key]
-            value = collect(self._io, entry, full=fmt == "full")
-            if isinstance(value, dict):
-                value = {k: v for k, v in value.items() if keep(k, v)}
-                if not value:
+        for key, names in kept.items():
+            value = values[key]
+            if names is not None:
+                if not names:
                     del out[key]
                     continue
-            out[key] = replace(entry, collected=value)
+                chosen = set(names)
+                value = {k: v for k, v in value.items() if k in chosen}
+            out[key] = replace(entries[key], collected=value)
         return out
+
+    def _kept_items(
+        self, values: dict[str, Any], filter: dict[str, Filter], fmt: str
+    ) -> dict[str, list[str] | None]:
+        """Which items of each filtered entry the filters keep (None: the value is no dict, kept whole), the same
+        answer on every rank: which entries a save writes decides which collectives follow (the record gathers
+        every rank's generators only for a checkpoint that holds a module or optimizer), so ranks that decided
+        apart would wait in different collectives until the timeout.
+
+        A full checkpoint is gathered to rank 0 alone under the FSDP layouts (the other ranks hold empty state
+        dicts): rank 0, which writes the file, applies the filters to the full values and tells the others. A
+        sharded one gives every rank its shards under the same names: every rank applies the filters (a filter
+        may compute on a DTensor, a collective) and the ranks must agree."""
+        io = self._io
+        decide = fmt != "full" or io.global_rank == 0
+        failure, own, kept = None, None, {}
+        if decide:
+            key = None
+            try:
+                for key, keep in filter.items():
+                    value = values[key]
+                    kept[key] = (
+                        [k for k, v in value.items() if keep(k, v)] if isinstance(value, dict) else None
+                    )
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, or the others would wait for this one
+                own = exc
+                failure = describe_failure(
+                    f"save(..., filter=) for entry {key!r} raised {type(exc).__name__}: {exc}", exc
+                )
+        if not io.is_distributed:
+            raise_shared_failure(failure, io.global_rank, own, CheckpointError)
+            return kept
+        if fmt == "full":
+            failure, kept = io.broadcast((failure, kept), src=0)
+            raise_shared_failure(failure, 0, own, CheckpointError)
+            return kept
+        answers = io.all_gather_object((failure, kept))
+        rank, failure = next(((r, f) for r, (f, _) in enumerate(answers) if f), (0, None))
+        raise_shared_failure(failure, rank, own if rank == io.global_rank else None, CheckpointError)
+        for key in filter:
+            differ = {r: k[key] for r, (_, k) in enumerate(answers) if k[key] != answers[0][1][key]}
+            if differ:
+                r, theirs = next(iter(differ.items()))
+                raise MisuseError(
+                    f"save(..., filter=) for entry {key!r} kept different items on different ranks (rank 0: "
+                    f"{_names(answers[0][1][key])}, rank {r}: {_names(theirs)}): in a sharded checkpoint each "
+                    "rank's filter sees only that rank's shard of each tensor. Decide by the item's name (the "
+                    "first argument), which is the same on every rank."
+                )
+        return kept
 
     # ---- plain and Hugging Face files ------------------------------------------------------------------------
     def load_raw(self, path: Path, obj: Any, strict: bool = True, weights_only: bool = True) -> Any:
@@ -250,3 +303,9 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - the process is ending; say so, with the whole story
                 print("torchloom: the last asynchronous save failed:", file=sys.stderr)
                 traceback.print_exc(file=sys.stderr)
+
+
+def _names(items: list[str] | None) -> str:
+    if items is None:
+        return "the whole value"
+    return repr(items) if len(items) <= 6 else f"{items[:6]!r}[:6] of {len(items)} items"
