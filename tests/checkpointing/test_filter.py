@@ -276,3 +276,52 @@ def test_a_filtered_full_save_on_sharded_layouts_writes_the_filtered_full_values
             for k, v in out["after_both"].items():
                 assert torch.equal(v, unsharded[k] if k in both else fresh[k]), (kind, k)
             assert out["step"] == 3, kind
+
+
+class _NoCopy:
+    """Picklable, but refuses copy.deepcopy: an asynchronous save cannot take a private copy of it."""
+
+    def __deepcopy__(self, memo: dict) -> _NoCopy:
+        raise TypeError("no copies")
+
+
+def _disagreeing(name: str, value: object) -> bool:
+    import torch.distributed as dist
+
+    return ".adapter_" in name or (name == "head.bias" and dist.get_rank() == 0)
+
+
+def _rank_dependent_body(rank: int, world_size: int, root: str) -> dict:
+    from pathlib import Path
+
+    from torchloom.strategies import FSDP2Strategy
+
+    out: dict = {}
+    short = timedelta(seconds=_SHORT)
+    loom = Loom(accelerator="cpu", devices=2, strategy=FSDP2Strategy(shard_policy={_Block}, timeout=short))
+    loom.launch()
+    model = loom.setup_module(_Adapted())
+    # Sharded: every rank filters its own shards; ranks that keep different items are refused on every rank.
+    out["sharded"] = _outcome(
+        lambda: loom.save(Path(root) / "sharded", {"model": model}, filter={"model": _disagreeing})
+    )
+    strategy = FSDP2Strategy(shard_policy={_Block}, state_dict_type="full", timeout=short)
+    loom = Loom(accelerator="cpu", devices=2, strategy=strategy)
+    loom.launch()
+    model = loom.setup_module(_Adapted())
+    # Full and asynchronous: rank 0 alone copies the state; its failure must reach the others too.
+    out["async"] = _outcome(
+        lambda: loom.save(Path(root) / "async.pt", {"model": model, "user": _NoCopy()}, async_save=True)
+    )
+    out["close"] = _outcome(loom.close)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_or_disagreement_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    ranks = run_ranks(_rank_dependent_body, 2, str(tmp_path), timeout=120)
+    for out in ranks:
+        assert out["sharded"].startswith("MisuseError"), out
+        assert "'head.bias'" in out["sharded"] and "by the item's name" in out["sharded"], out
+        assert out["async"].startswith("CheckpointError") and "'user'" in out["async"], out
+        assert out["close"] == "ok", out
