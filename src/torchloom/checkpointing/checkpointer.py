@@ -210,18 +210,26 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - every rank raises it, or the others would wait for this one
                 own = exc
                 failure = describe_failure(
-                    f"save(..., filter=) for entry {key!r} raised {type(exc).__name__}: {exc}", exc
+                    f"save(..., filter=) for entry {key!r} raised {type(exc).__name__} on rank {io.global_rank}: "
+                    f"{exc}",
+                    exc,
                 )
+        # The user's own error where the filter raised it (as one process would see it); the others' names it.
         if not io.is_distributed:
-            raise_shared_failure(failure, io.global_rank, own, CheckpointError)
+            if own is not None:
+                raise own
             return kept
         if fmt == "full":
             failure, kept = io.broadcast((failure, kept), src=0)
-            raise_shared_failure(failure, 0, own, CheckpointError)
+            if own is not None:
+                raise own
+            raise_shared_failure(failure, 0, None, CheckpointError)
             return kept
         answers = io.all_gather_object((failure, kept))
+        if own is not None:
+            raise own
         rank, failure = next(((r, f) for r, (f, _) in enumerate(answers) if f), (0, None))
-        raise_shared_failure(failure, rank, own if rank == io.global_rank else None, CheckpointError)
+        raise_shared_failure(failure, rank, None, CheckpointError)
         for key in filter:
             differ = {r: k[key] for r, (_, k) in enumerate(answers) if k[key] != answers[0][1][key]}
             if differ:
