@@ -330,6 +330,13 @@ def test_ranks_parted_inside_a_loom_call_are_torchlooms_fault_not_the_users():
             "parallel.py:345 in all_gather_object; rank 1 in full.py:111 in save > parallel.py:336 in broadcast). "
             "Please report this as a torchloom bug, with this report"
         )
+    # Inside loom.load, which does not check that the ranks were given the same state: either may be at fault.
+    answers = {r: {**a, "name": "load"} for r, a in answers.items()}
+    culprit = _culprit(answers, {}, 2, evidence_only=False)
+    assert culprit.startswith(
+        "culprit: every rank is inside the same loom.load() #3 (train.py:20), but they wait"
+    )
+    assert "were given different `state`" in culprit and "torchloom bug" in culprit
     # A failed rank's innermost line is its `with` around the collective: the same place all the same.
     failed = [*gather[:-1], "parallel.py:343 in all_gather_object"]
     assert "in the same collective" in _culprit({0: inside(0, gather), 1: inside(1, failed)}, {}, 2, False)

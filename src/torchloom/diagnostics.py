@@ -735,9 +735,16 @@ def _inside_library_call(answers: dict[int, Any], world_size: int) -> str | None
             f"({_internal(answers[min(answers)])}), so none skipped the call or made it alone"
         )
     parts = "; ".join(f"{_ranks(ranks)} in {_internal(answers[ranks[0]])}" for ranks in places.values())
+    if name == "save":
+        # loom.save checks that every rank entered it and was given the same entries and filter.
+        return (
+            f"culprit: torchloom itself, not your code: every rank is inside the same {call}, but they wait in "
+            f"different collectives inside it ({parts}). Please report this as a torchloom bug, with this report"
+        )
     return (
-        f"culprit: torchloom itself, not your code: every rank is inside the same {call}, but they wait in "
-        f"different collectives inside it ({parts}). Please report this as a torchloom bug, with this report"
+        f"culprit: every rank is inside the same {call}, but they wait in different collectives inside it "
+        f"({parts}): the ranks were given different `state` (each must name the same modules and optimizers), "
+        "or this is a torchloom bug: please report it, with this report"
     )
 
 

@@ -308,6 +308,13 @@ def _rank_dependent_body(rank: int, world_size: int, root: str) -> dict:
     out["sharded"] = _outcome(
         lambda: loom.save(Path(root) / "sharded", {"model": model}, filter={"model": _disagreeing})
     )
+    # Ranks given different entries or filters would gather different things: refused on every rank, by name.
+    other = {"model": model} if rank == 0 else {"model": model, "other": nn.Linear(2, 2)}
+    out["state_differs"] = _outcome(lambda: loom.save(Path(root) / "differs", other))
+    filters = {"model": _adapter} if rank == 0 else None
+    out["filter_differs"] = _outcome(
+        lambda: loom.save(Path(root) / "differs", {"model": model}, filter=filters)
+    )
     strategy = FSDP2Strategy(shard_policy={_Block}, state_dict_type="full", timeout=short)
     loom = Loom(accelerator="cpu", devices=2, strategy=strategy)
     loom.launch()
@@ -322,9 +329,16 @@ def _rank_dependent_body(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_a_failure_or_disagreement_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    """Each is a decision one rank would make alone: refused or raised on every rank instead."""
     ranks = run_ranks(_rank_dependent_body, 2, str(tmp_path), timeout=120)
     for out in ranks:
         assert out["sharded"].startswith("MisuseError"), out
         assert "'head.bias'" in out["sharded"] and "by the item's name" in out["sharded"], out
         assert out["async"].startswith("CheckpointError") and "'user'" in out["async"], out
+        assert out["state_differs"].startswith("MisuseError: loom.save() was given different state"), out
+        assert "rank 1 {'model': 'module', 'other': 'module'}" in out["state_differs"], out
+        assert (
+            out["filter_differs"].startswith("MisuseError")
+            and "with a filter on ['model']" in out["filter_differs"]
+        )
         assert out["close"] == "ok", out

@@ -28,6 +28,7 @@ from torchloom.checkpointing._interface import ScalerState, StateAccess
 from torchloom.checkpointing.state import (
     OPTIMIZER,
     POSITIONAL_OPTIMIZER,
+    VALUE,
     Entry,
     collect,
     is_resume,
@@ -77,6 +78,7 @@ class Checkpointer:
         self.finish_pending_save()
         fmt = self._io.checkpoint_format
         entries = resolve(state, modules)
+        self._check_same_on_every_rank("save", entries, filter)
         if filter:
             entries = self._filtered(entries, filter, fmt)
         with torch_internal_warnings_filtered():
@@ -136,6 +138,29 @@ class Checkpointer:
             )
         state.update({k: v for k, v in values.items() if k in entries})
         return {k: v for k, v in values.items() if k not in entries}
+
+    def _check_same_on_every_rank(
+        self, call: str, entries: dict[str, Entry], filter: dict[str, Filter] | None = None
+    ) -> None:
+        """Refuse, on every rank, a `state` (or `filter`) whose entries differ between ranks: which entries hold
+        modules, optimizers and other objects decides which collectives a save runs (gathering a model,
+        recording the generators), so ranks given different ones would wait in different collectives until the
+        timeout. Plain values may differ (a save writes rank 0's). A collective itself: only where every rank is
+        known to have entered the call (`loom.save` checks it first). Not in `load`, which under DDP loads
+        without any collective and may be called on some ranks only."""
+        if not self._io.is_distributed:
+            return
+        shown = {key: entry.kind for key, entry in entries.items() if entry.kind != VALUE}
+        filtered = sorted(k for k in filter if k in shown) if isinstance(filter, dict) else filter is not None
+        answers = self._io.all_gather_object((shown, filtered))
+        for rank, answer in enumerate(answers):
+            if answer != answers[0]:
+                raise MisuseError(
+                    f"loom.{call}() was given different state on different ranks: rank 0 {_shown(*answers[0])}, "
+                    f"rank {rank} {_shown(*answer)}. Pass every rank the same entries (modules, optimizers, "
+                    "objects with state_dict()) and filter: the ranks gather them together. Plain values may "
+                    "differ."
+                )
 
     def _record(self, fmt: str, entries: dict[str, Entry]) -> dict[str, Any]:
         return {
@@ -317,3 +342,11 @@ def _names(items: list[str] | None) -> str:
     if items is None:
         return "the whole value"
     return repr(items) if len(items) <= 6 else f"{items[:6]!r}[:6] of {len(items)} items"
+
+
+def _shown(kinds: dict[str, str], filtered: list[str] | bool) -> str:
+    """`{'model': 'module', 'opt': 'optimizer'} with filter on ['model']`, as the error names what a rank got."""
+    text = repr(kinds) if kinds else "no modules, optimizers or objects with state"
+    if filtered:
+        text += f" with a filter on {filtered}" if isinstance(filtered, list) else " with filter="
+    return text
