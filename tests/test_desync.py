@@ -336,7 +336,7 @@ def test_ranks_parted_inside_a_loom_call_are_torchlooms_fault_not_the_users():
     assert culprit.startswith(
         "culprit: every rank is inside the same loom.load() #3 (train.py:20), but they wait"
     )
-    assert "were given different `state`" in culprit and "torchloom bug" in culprit
+    assert "were given different arguments (`state` must name" in culprit and "torchloom bug" in culprit
     # A failed rank's innermost line is its `with` around the collective: the same place all the same.
     failed = [*gather[:-1], "parallel.py:343 in all_gather_object"]
     assert "in the same collective" in _culprit({0: inside(0, gather), 1: inside(1, failed)}, {}, 2, False)

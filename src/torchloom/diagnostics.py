@@ -222,16 +222,19 @@ def _library_frames(frame: Any) -> list[str]:
     return out
 
 
-# torchloom's context manager around every collective: a failing rank's frame is its, the others' are not.
+# The context manager torchloom puts around each of its collectives: a rank whose collective failed reports
+# from inside it, a rank still waiting does not; left out, both show the same place.
 _WRAPPERS = ("_collective",)
 
 
 def _in_distributed(frame: Any) -> bool:
-    """Whether the innermost Python frame is torch.distributed's (a collective, FSDP, DCP waiting below it)."""
-    return (
-        frame is not None
-        and os.sep + os.path.join("torch", "distributed") + os.sep in frame.f_code.co_filename
-    )
+    """Whether the innermost Python frame is torch.distributed's (a collective, FSDP's or DCP's, waiting below
+    it), but not DCP writing or reading its files (working, not waiting)."""
+    if frame is None:
+        return False
+    file = frame.f_code.co_filename
+    in_torch_distributed = os.sep + os.path.join("torch", "distributed") + os.sep in file
+    return in_torch_distributed and not file.endswith(os.path.join("checkpoint", "filesystem.py"))
 
 
 def _key(name: str) -> str:
@@ -723,12 +726,7 @@ def _inside_library_call(answers: dict[int, Any], world_size: int) -> str | None
         )
     places: dict[tuple[str, ...], list[int]] = {}
     for r, a in sorted(answers.items()):
-        internal = a.get("internal") or []
-        # The innermost frame's line is the `with` around a failed collective, the call in the others.
-        key = (
-            (*internal[:-1], internal[-1].split(":")[0] + internal[-1].split(" in ")[-1]) if internal else ()
-        )
-        places.setdefault(key, []).append(r)
+        places.setdefault(_place(a.get("internal") or []), []).append(r)
     if len(places) < 2:
         return (
             f"culprit: none found: every rank is inside {call}, in the same collective "
@@ -743,9 +741,19 @@ def _inside_library_call(answers: dict[int, Any], world_size: int) -> str | None
         )
     return (
         f"culprit: every rank is inside the same {call}, but they wait in different collectives inside it "
-        f"({parts}): the ranks were given different `state` (each must name the same modules and optimizers), "
-        "or this is a torchloom bug: please report it, with this report"
+        f"({parts}): the ranks were given different arguments (`state` must name the same modules and "
+        "optimizers on every rank), or this is a torchloom bug: please report it, with this report"
     )
+
+
+def _place(internal: list[str]) -> tuple[str, ...]:
+    """Where a rank waits inside torchloom, to compare ranks: its frames, the innermost without its line (a
+    failed collective's frame is at its `with` statement, a waiting one's at the call inside)."""
+    if not internal:
+        return ()
+    *outer, innermost = internal
+    file, _, function = innermost.partition(" in ")
+    return (*outer, file.rsplit(":", 1)[0], function)
 
 
 def _internal(rec: dict[str, Any]) -> str:
