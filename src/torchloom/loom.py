@@ -739,7 +739,8 @@ class Loom:
         async_save: bool = False,
         fsync: bool = True,
     ) -> None:
-        """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
+        """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it, with
+        the same entries (plain values may differ: rank 0's are written) and the same `filter`.
 
         `filter` (Fabric's): for some entries of `state`, a function `(name, value) -> bool` that keeps only the
         matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`; an entry
