@@ -305,3 +305,82 @@ def test_with_more_ranks_the_minority_is_the_culprit():
     # A peer that died without a record of a mismatch died for reasons of its own: no report.
     del answers[1]
     assert _culprit(answers, {}, 3, evidence_only=True) is None
+
+
+def test_ranks_parted_inside_a_loom_call_are_torchlooms_fault_not_the_users():
+    """Every rank inside the same loom.save(): none skipped it, so the culprit is where they wait inside it."""
+    from torchloom.diagnostics import _culprit
+
+    def inside(rank: int, internal: list[str], in_distributed: bool = True) -> dict:
+        # At line 20 of train.py, as the helper places a barrier.
+        return {
+            **_answer(rank, "barrier", 3),
+            "name": "save",
+            "internal": internal,
+            "in_distributed": in_distributed,
+        }
+
+    gather = ["loom.py:766 in save", "checkpointer.py:143 in _record", "parallel.py:345 in all_gather_object"]
+    broadcast = ["loom.py:766 in save", "full.py:111 in save", "parallel.py:336 in broadcast"]
+    answers = {0: inside(0, gather), 1: inside(1, broadcast)}
+    for evidence_only in (False, True):  # a peer that closed its connection first: all answered, so evidence
+        assert _culprit(answers, {}, 2, evidence_only=evidence_only) == (
+            "culprit: torchloom itself, not your code: every rank is inside the same loom.save() #3 (train.py:20), "
+            "but they wait in different collectives inside it (rank 0 in checkpointer.py:143 in _record > "
+            "parallel.py:345 in all_gather_object; rank 1 in full.py:111 in save > parallel.py:336 in broadcast). "
+            "Please report this as a torchloom bug, with this report"
+        )
+    # Inside loom.load, which does not check that the ranks were given the same state: either may be at fault.
+    answers = {r: {**a, "name": "load"} for r, a in answers.items()}
+    culprit = _culprit(answers, {}, 2, evidence_only=False)
+    assert culprit.startswith(
+        "culprit: every rank is inside the same loom.load() #3 (train.py:20), but they wait"
+    )
+    assert "were given different arguments (`state` must name" in culprit and "torchloom bug" in culprit
+    # A failed rank's innermost line is its `with` around the collective: the same place all the same.
+    failed = [*gather[:-1], "parallel.py:343 in all_gather_object"]
+    assert "in the same collective" in _culprit({0: inside(0, gather), 1: inside(1, failed)}, {}, 2, False)
+    # A rank still writing (not in torch.distributed) while the other waits: a timeout too short, said so.
+    writing = ["loom.py:766 in save", "full.py:130 in save", "full.py:45 in write_file"]
+    answers = {0: inside(0, writing, in_distributed=False), 1: inside(1, broadcast)}
+    culprit = _culprit(answers, {}, 2, evidence_only=False)
+    assert culprit.startswith(
+        "culprit: rank 0 is still working inside loom.save() #3 (train.py:20), at full.py:130"
+    )
+    assert "raise the timeout" in culprit
+
+
+def _parted_save(rank: int, world_size: int) -> str:
+    """A torchloom defect on purpose: rank 0 alone records the run's state (a collective) in a save."""
+    from datetime import timedelta
+
+    from torch import nn
+
+    from torchloom import Loom
+    from torchloom.checkpointing import full
+
+    if rank == 0:
+        full.needs_record = lambda entries: True
+    loom = Loom(accelerator="cpu", devices=2, strategy="ddp", timeout=timedelta(seconds=TIMEOUT_S))
+    loom.launch()
+    model = loom.setup_module(nn.Linear(2, 2))
+    import tempfile
+
+    try:
+        loom.save(f"{tempfile.mkdtemp()}/x.pt", {"weights": dict(model.state_dict())})
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_inside_loom_save_does_not_blame_the_user():
+    from harness import run_ranks
+
+    for out in run_ranks(_parted_save, 2, timeout=90):
+        assert out.startswith(
+            ("CollectiveTimeoutError: loom.save()", "CollectiveMismatchError: loom.save()")
+        ), out
+        assert "every rank entered this loom.save() together" in out, out
+        assert "culprit: torchloom itself, not your code" in out and "parallel.py" in out, out
+        assert "is_global_zero" not in out, out

@@ -167,6 +167,10 @@ class CollectiveRecord:
         else:
             out.update(seq=0, name=None)
         out["stack"] = _user_stack(frame)
+        # Inside one of the Loom's own calls (save, load), which runs torchloom's collectives: where in them. A rank
+        # that failed in a collective is in one; another is when its innermost frame is torch.distributed's.
+        out["internal"] = _library_frames(frame)
+        out["in_distributed"] = how == "failed" or _in_distributed(frame)
         return out
 
 
@@ -201,6 +205,36 @@ def _user_stack(frame: Any) -> list[str]:
             frames.append(f)
             in_library = False
     return [line.rstrip("\n") for line in traceback.format_list(frames)]
+
+
+def _library_frames(frame: Any) -> list[str]:
+    """`frame`'s frames in torchloom below the user's last frame, outermost first (`full.py:126 in save`),
+    without the wrapper that turns a collective's failure into an error (not a place of its own)."""
+    if frame is None:
+        return []
+    out: list[str] = []
+    for f in traceback.extract_stack(frame):
+        if f.filename.startswith(_TORCHLOOM_DIR):
+            if f.name not in _WRAPPERS:
+                out.append(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}")
+        elif not f.filename.startswith((_TORCH_DIR, _STDLIB)):
+            out = []  # the user's frame: what torchloom ran before it (launch, the rank's start) does not count
+    return out
+
+
+# The context manager torchloom puts around each of its collectives: a rank whose collective failed reports
+# from inside it, a rank still waiting does not; left out, both show the same place.
+_WRAPPERS = ("_collective",)
+
+
+def _in_distributed(frame: Any) -> bool:
+    """Whether the innermost Python frame is torch.distributed's (a collective, FSDP's or DCP's, waiting below
+    it), but not DCP writing or reading its files (working, not waiting)."""
+    if frame is None:
+        return False
+    file = frame.f_code.co_filename
+    in_torch_distributed = os.sep + os.path.join("torch", "distributed") + os.sep in file
+    return in_torch_distributed and not file.endswith(os.path.join("checkpoint", "filesystem.py"))
 
 
 def _key(name: str) -> str:
@@ -349,7 +383,7 @@ _MEET_ASK_AFTER = 0.5
 _MEET_ASK_EVERY = 1.0
 
 
-def meet(call: str, timeout: timedelta) -> None:
+def meet(call: str, timeout: timedelta) -> bool:
     """Wait, through the job's store, until every rank has entered its same `call` (its n-th one on each rank), so
     that a call every rank must make does not start its collectives on some ranks only: those would pair with
     whatever collectives the others are in, which gloo answers by aborting the process (SIGABRT) and NCCL by
@@ -357,10 +391,11 @@ def meet(call: str, timeout: timedelta) -> None:
 
     While it waits, it asks the other ranks' watchdogs where they are. A rank that is blocked in a collective
     (or in the job's exit), or in another such call, cannot come here: `PeersElsewhere` names them once two asks
-    a second apart agree. After `timeout`, `PeersLate`. Without a store (no process group) it returns."""
+    a second apart agree. After `timeout`, `PeersLate`. Returns True once every rank is in it; without a store (no
+    process group) it returns False at once."""
     store, world_size = RECORD.store, RECORD.world_size
     if store is None or world_size < 2:
-        return
+        return False
     n = RECORD.meetings.get(call, 0) + 1
     RECORD.meetings[call] = n
     RECORD.meeting = (call, n)
@@ -368,7 +403,7 @@ def meet(call: str, timeout: timedelta) -> None:
     try:
         if store.add(arrived, 1) >= world_size:
             store.set(everyone, "1")
-            return
+            return True
         start = time.monotonic()
         next_ask, pause = start + _MEET_ASK_AFTER, 0.001
         blocked_before: dict[int, str] = {}
@@ -389,6 +424,7 @@ def meet(call: str, timeout: timedelta) -> None:
                 next_ask = time.monotonic() + _MEET_ASK_EVERY
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+        return True
     finally:
         RECORD.meeting = None
 
@@ -639,6 +675,10 @@ def _culprit(
     mismatch = _mismatch(at)
     if mismatch:
         return mismatch
+    # Every rank answered (none died), from inside the same Loom call: evidence enough, whatever failed.
+    inside = _inside_library_call(answers, world_size)
+    if inside:
+        return inside
     for r in silent:
         clue = _dead_clue(published[r], ref) if r in published else None
         if clue:
@@ -660,6 +700,66 @@ def _culprit(
             gone += f"; it last recorded {_call(published[r])} at {_where(published[r])}"
         return f"culprit: {_ranks(silent)} did not answer ({gone})"
     return None
+
+
+#: The Loom's calls that run collectives of torchloom's own inside them (the record sees the call, not those).
+_LIBRARY_CALLS = ("save", "load", "load_raw", "save_raw")
+
+
+def _inside_library_call(answers: dict[int, Any], world_size: int) -> str | None:
+    """Every rank answered from inside the same loom.save() (or load...): none skipped it or called it alone, so
+    what parted them is inside torchloom. Either a rank is still working there (not in a collective: writing a
+    large file) while the others wait, or the ranks wait in different collectives of torchloom's (a defect)."""
+    if len(answers) < world_size or not all(a["inside"] for a in answers.values()):
+        return None
+    calls = {(a["name"], a["seq"]) for a in answers.values()}
+    name, seq = next(iter(calls))
+    if len(calls) != 1 or name not in _LIBRARY_CALLS:
+        return None
+    call = f"loom.{name}() #{seq} ({_where(answers[min(answers)])})"
+    working = sorted(r for r, a in answers.items() if not a.get("in_distributed", True))
+    if working and len(working) < len(answers):
+        return (
+            f"culprit: {_ranks(working)} {'is' if len(working) == 1 else 'are'} still working inside {call}, at "
+            f"{_internal(answers[working[0]])}, while the others wait for it in a collective: the checkpoint takes "
+            "longer to write or read than Loom(timeout=...) allows; raise the timeout"
+        )
+    places: dict[tuple[str, ...], list[int]] = {}
+    for r, a in sorted(answers.items()):
+        places.setdefault(_place(a.get("internal") or []), []).append(r)
+    if len(places) < 2:
+        return (
+            f"culprit: none found: every rank is inside {call}, in the same collective "
+            f"({_internal(answers[min(answers)])}), so none skipped the call or made it alone"
+        )
+    parts = "; ".join(f"{_ranks(ranks)} in {_internal(answers[ranks[0]])}" for ranks in places.values())
+    if name == "save":
+        # loom.save checks that every rank entered it and was given the same entries and filter.
+        return (
+            f"culprit: torchloom itself, not your code: every rank is inside the same {call}, but they wait in "
+            f"different collectives inside it ({parts}). Please report this as a torchloom bug, with this report"
+        )
+    return (
+        f"culprit: every rank is inside the same {call}, but they wait in different collectives inside it "
+        f"({parts}): the ranks were given different arguments (`state` must name the same modules and "
+        "optimizers on every rank), or this is a torchloom bug: please report it, with this report"
+    )
+
+
+def _place(internal: list[str]) -> tuple[str, ...]:
+    """Where a rank waits inside torchloom, to compare ranks: its frames, the innermost without its line (a
+    failed collective's frame is at its `with` statement, a waiting one's at the call inside)."""
+    if not internal:
+        return ()
+    *outer, innermost = internal
+    file, _, function = innermost.partition(" in ")
+    return (*outer, file.rsplit(":", 1)[0], function)
+
+
+def _internal(rec: dict[str, Any]) -> str:
+    """Where inside the Loom's call a rank is: `full.py:126 in save > parallel.py:318 in broadcast`."""
+    frames = (rec.get("internal") or [])[1:]  # the first is the Loom method the user called
+    return " > ".join(frames[-4:]) or "an unknown place"
 
 
 def _mismatch(ahead: dict[int, dict[str, Any]]) -> str | None:
@@ -734,7 +834,10 @@ def _report(
                 f"its main thread is at {_current_line(a)}"
             )
         elif a["inside"]:
-            lines.append(f"{rank} (pid {a['pid']}): in {_call(a)} at {_where(a)}")
+            inner = (
+                f", inside it at {_internal(a)}" if a["name"] in _LIBRARY_CALLS and a.get("internal") else ""
+            )
+            lines.append(f"{rank} (pid {a['pid']}): in {_call(a)} at {_where(a)}{inner}")
         else:
             last = f"; last collective: {_call(a)} at {_where(a)}" if a["name"] else ""
             lines.append(f"{rank} (pid {a['pid']}): in user code at {_current_line(a)}{last}")

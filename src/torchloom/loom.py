@@ -30,6 +30,7 @@ from torchloom.data import gather_per_replica
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import (
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigurationError,
     MisuseError,
@@ -814,7 +815,8 @@ class Loom:
         async_save: bool = False,
         fsync: bool = True,
     ) -> None:
-        """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it.
+        """Save modules, optimizers, objects with `state_dict()` and plain values. Every rank must call it, with
+        the same entries (plain values may differ: rank 0's are written) and the same `filter`.
 
         `filter` (Fabric's): for some entries of `state`, a function `(name, value) -> bool` that keeps only the
         matching items of that entry's state dict, e.g. `filter={"model": lambda k, v: "adapter" in k}`; an entry
@@ -835,15 +837,35 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
+        met = False
         try:
             with _record("save"):
-                self._meet("save")
+                met = self._meet("save")
                 self._checkpointer.save(
                     Path(path), state, self._forward_modules(), filter, async_save=async_save, fsync=fsync
                 )
-        except CollectiveTimeoutError as error:
+        except (CollectiveTimeoutError, CollectiveMismatchError) as error:
             if str(error).startswith("loom.save()"):
                 raise  # from `_meet`: it names the call already
+            if met:
+                # Every rank was seen entering this save: the call is right, and what parted the ranks is inside
+                # it (the desync report's culprit says what: a rank still writing, or torchloom's own collectives).
+                culprit = getattr(error, "culprit", None) or (
+                    "culprit: unknown (no desync report); unless a rank was still writing a large checkpoint, "
+                    "this is a torchloom bug: please report it"
+                )
+                failed = (
+                    f"timed out after {self._strategy.timeout}"
+                    if isinstance(error, CollectiveTimeoutError)
+                    else "lost a peer"
+                )
+                raise type(error)(
+                    f"loom.save() on rank {self.global_rank} {failed} inside the save: every rank entered this "
+                    f"loom.save() together (checked as each entered), so none skipped it or called it alone. "
+                    f"{culprit}."
+                ) from error
+            if isinstance(error, CollectiveMismatchError):
+                raise
             # The collective that timed out is one inside save; what the user must change is the call to save.
             raise CollectiveTimeoutError(
                 f"loom.save() on rank {self.global_rank} timed out waiting for the other ranks. Every rank "
@@ -851,10 +873,10 @@ class Loom:
                 f"around it; rank 0 alone writes the file). {error}"
             ) from error
 
-    def _meet(self, call: str) -> None:
+    def _meet(self, call: str) -> bool:
         """Before a call whose collectives every rank must join: check through the job's store that every rank
         is in it (see `diagnostics.meet`), so that a call made on some ranks only fails with an error naming it
-        instead of gloo's abort (or NCCL's hang) in its first collective."""
+        instead of gloo's abort (or NCCL's hang) in its first collective. True: every rank was seen in it."""
         from torchloom import diagnostics
 
         fix = (
@@ -862,7 +884,7 @@ class Loom:
             f"for all ranks (drop any `if loom.is_global_zero:` around it)."
         )
         try:
-            diagnostics.meet(call, self._strategy.timeout)
+            return diagnostics.meet(call, self._strategy.timeout)
         except diagnostics.PeersElsewhere as error:
             raise MisuseError(
                 f"loom.{call}() on rank {self.global_rank} waits for the other ranks, but they did not call it: "

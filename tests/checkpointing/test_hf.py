@@ -380,3 +380,30 @@ def test_shard_planning():
     assert hf.plan_files({"a": 4, "b": 4, "c": 10, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
     assert hf.file_names(1) == ["model.safetensors"]
     assert hf.file_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def _save_raw_write_fails_on_rank_zero(rank: int, world_size: int, root: str) -> str:
+    from datetime import timedelta
+
+    loom = Loom(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy(timeout=timedelta(seconds=5)))
+    loom.launch()
+    model = loom.setup_module(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4))))
+    if rank == 0:
+
+        def disk_full(path: Path, tensors: dict, fsync: bool) -> None:
+            raise OSError(28, "No space left on device")
+
+        hf._write_file = disk_full
+    try:
+        # One file per layer, taken in turn by the ranks: rank 0's first failure shows while files remain to be
+        # gathered, which every rank must still take part in.
+        loom.save_raw(Path(root) / "out", model, max_shard_size=300)
+    except CheckpointError as error:
+        return str(error)
+    return "saved"
+
+
+def test_a_write_failing_on_one_rank_fails_save_raw_on_every_rank(tmp_path):
+    for message in run_ranks(_save_raw_write_fails_on_rank_zero, 2, str(tmp_path), timeout=120):
+        assert "rank 0: OSError" in message and "No space left" in message, message
+    assert not (tmp_path / "out").exists()

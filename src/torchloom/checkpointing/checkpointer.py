@@ -28,6 +28,7 @@ from torchloom.checkpointing._interface import ScalerState, StateAccess
 from torchloom.checkpointing.state import (
     OPTIMIZER,
     POSITIONAL_OPTIMIZER,
+    VALUE,
     Entry,
     collect,
     is_resume,
@@ -77,6 +78,7 @@ class Checkpointer:
         self.finish_pending_save()
         fmt = self._io.checkpoint_format
         entries = resolve(state, modules)
+        self._check_same_on_every_rank("save", entries, filter)
         if filter:
             entries = self._filtered(entries, filter, fmt)
         with torch_internal_warnings_filtered():
@@ -137,6 +139,29 @@ class Checkpointer:
         state.update({k: v for k, v in values.items() if k in entries})
         return {k: v for k, v in values.items() if k not in entries}
 
+    def _check_same_on_every_rank(
+        self, call: str, entries: dict[str, Entry], filter: dict[str, Filter] | None = None
+    ) -> None:
+        """Refuse, on every rank, a `state` (or `filter`) whose entries differ between ranks: which entries hold
+        modules, optimizers and other objects decides which collectives a save runs (gathering a model,
+        recording the generators), so ranks given different ones would wait in different collectives until the
+        timeout. Plain values may differ (a save writes rank 0's). A collective itself: only where every rank is
+        known to have entered the call (`loom.save` checks it first). Not in `load`, which under DDP loads
+        without any collective and may be called on some ranks only."""
+        if not self._io.is_distributed:
+            return
+        shown = {key: entry.kind for key, entry in entries.items() if entry.kind != VALUE}
+        filtered = sorted(k for k in filter if k in shown) if isinstance(filter, dict) else filter is not None
+        answers = self._io.all_gather_object((shown, filtered))
+        for rank, answer in enumerate(answers):
+            if answer != answers[0]:
+                raise MisuseError(
+                    f"loom.{call}() was given different state on different ranks: rank 0 {_shown(*answers[0])}, "
+                    f"rank {rank} {_shown(*answer)}. Pass every rank the same entries (modules, optimizers, "
+                    "objects with state_dict()) and filter: the ranks gather them together. Plain values may "
+                    "differ."
+                )
+
     def _record(self, fmt: str, entries: dict[str, Entry]) -> dict[str, Any]:
         return {
             **record.describe(self._io, self._scaler, fmt, kinds_of(entries)),
@@ -169,17 +194,78 @@ class Checkpointer:
                     "optimizer's state whole (its items are its state and param groups, which load only "
                     "together). Filter the model's entry, or save a full checkpoint (state_dict_type='full')."
                 )
+        # Collecting is a collective (FSDP gathers): every rank, every filtered entry, in the filter's order.
+        values = {key: collect(self._io, entries[key], full=fmt == "full") for key in filter}
+        kept = self._kept_items(values, filter, fmt)
         out = dict(entries)
-        for key, keep in filter.items():
-            entry = entries[key]
-            value = collect(self._io, entry, full=fmt == "full")
-            if isinstance(value, dict):
-                value = {k: v for k, v in value.items() if keep(k, v)}
-                if not value:
+        for key, names in kept.items():
+            value = values[key]
+            if names is not None:
+                if not names:
                     del out[key]
                     continue
-            out[key] = replace(entry, collected=value)
+                chosen = set(names)
+                value = {k: v for k, v in value.items() if k in chosen}
+            out[key] = replace(entries[key], collected=value)
         return out
+
+    def _kept_items(
+        self, values: dict[str, Any], filter: dict[str, Filter], fmt: str
+    ) -> dict[str, list[str] | None]:
+        """Which items of each filtered entry the filters keep (None: the value is no dict, kept whole), the same
+        answer on every rank: which entries a save writes decides which collectives follow (the record gathers
+        every rank's generators only for a checkpoint that holds a module or optimizer), so ranks that decided
+        apart would wait in different collectives until the timeout.
+
+        A full checkpoint is gathered to rank 0 alone under the FSDP layouts (the other ranks hold empty state
+        dicts): rank 0, which writes the file, applies the filters to the full values and tells the others. A
+        sharded one gives every rank its shards under the same names: every rank applies the filters (a filter
+        may compute on a DTensor, a collective) and the ranks must agree."""
+        io = self._io
+        decide = fmt != "full" or io.global_rank == 0
+        failure, own, kept = None, None, {}
+        if decide:
+            key = None
+            try:
+                for key, keep in filter.items():
+                    value = values[key]
+                    kept[key] = (
+                        [k for k, v in value.items() if keep(k, v)] if isinstance(value, dict) else None
+                    )
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, or the others would wait for this one
+                own = exc
+                failure = describe_failure(
+                    f"save(..., filter=) for entry {key!r} raised {type(exc).__name__} on rank {io.global_rank}: "
+                    f"{exc}",
+                    exc,
+                )
+        # The user's own error where the filter raised it (as one process would see it); the others' names it.
+        if not io.is_distributed:
+            if own is not None:
+                raise own
+            return kept
+        if fmt == "full":
+            failure, kept = io.broadcast((failure, kept), src=0)
+            if own is not None:
+                raise own
+            raise_shared_failure(failure, 0, None, CheckpointError)
+            return kept
+        answers = io.all_gather_object((failure, kept))
+        if own is not None:
+            raise own
+        rank, failure = next(((r, f) for r, (f, _) in enumerate(answers) if f), (0, None))
+        raise_shared_failure(failure, rank, None, CheckpointError)
+        for key in filter:
+            differ = {r: k[key] for r, (_, k) in enumerate(answers) if k[key] != answers[0][1][key]}
+            if differ:
+                r, theirs = next(iter(differ.items()))
+                raise MisuseError(
+                    f"save(..., filter=) for entry {key!r} kept different items on different ranks (rank 0: "
+                    f"{_names(answers[0][1][key])}, rank {r}: {_names(theirs)}): in a sharded checkpoint each "
+                    "rank's filter sees only that rank's shard of each tensor. Decide by the item's name (the "
+                    "first argument), which is the same on every rank."
+                )
+        return kept
 
     # ---- plain and Hugging Face files ------------------------------------------------------------------------
     def load_raw(self, path: Path, obj: Any, strict: bool = True, weights_only: bool = True) -> Any:
@@ -250,3 +336,17 @@ class Checkpointer:
             except Exception:  # noqa: BLE001 - the process is ending; say so, with the whole story
                 print("torchloom: the last asynchronous save failed:", file=sys.stderr)
                 traceback.print_exc(file=sys.stderr)
+
+
+def _names(items: list[str] | None) -> str:
+    if items is None:
+        return "the whole value"
+    return repr(items) if len(items) <= 6 else f"{items[:6]!r}[:6] of {len(items)} items"
+
+
+def _shown(kinds: dict[str, str], filtered: list[str] | bool) -> str:
+    """`{'model': 'module', 'opt': 'optimizer'} with filter on ['model']`, as the error names what a rank got."""
+    text = repr(kinds) if kinds else "no modules, optimizers or objects with state"
+    if filtered:
+        text += f" with a filter on {filtered}" if isinstance(filtered, list) else " with filter="
+    return text

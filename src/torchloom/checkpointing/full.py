@@ -113,10 +113,19 @@ def save(
     if record is not None:
         payload[META_KEY] = record
     if async_save:
+        snapshot, failure, own = None, None, None
+        if io.global_rank == 0:
+            try:
+                snapshot = private_snapshot(payload, entries)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, as a synchronous save's failure
+                own = exc
+                failure = describe_failure(write_error(payload, path, exc), exc)
+        del payload  # the writer holds the snapshot; the gathered tensors it did not copy live on in it
+        if io.is_distributed:
+            failure = io.broadcast(failure, src=0)
+        raise_shared_failure(failure, 0, own, CheckpointError)
         if io.global_rank != 0:
             return None
-        snapshot = private_snapshot(payload, entries)
-        del payload  # the writer holds the snapshot; the gathered tensors it did not copy live on in it
         return _writer().submit(_write_or_explain, snapshot, path, fsync)
     failure, own = None, None
     if io.global_rank == 0:

@@ -502,7 +502,9 @@ def _write(
     pending: Future | None = None
     try:
         for i, group in enumerate(files):
-            mine = i % world == rank
+            # A rank whose own file failed writes nothing more, but goes on gathering with the others: leaving
+            # the loop would leave them waiting in the next gather.
+            mine = i % world == rank and error is None
             part: dict[str, torch.Tensor] = {}
             for name in group:
                 value = tensors[name]
@@ -512,14 +514,17 @@ def _write(
                     part[name] = whole.detach().to("cpu", out_dtype(whole)).contiguous()
                 del whole
             if mine:
-                if pending is not None:
-                    pending.result()  # at most one file being written while the next is gathered
-                pending = writer.submit(_write_file, tmp / file_of[i], part, fsync)
+                try:
+                    if pending is not None:
+                        pending.result()  # at most one file being written while the next is gathered
+                    pending = writer.submit(_write_file, tmp / file_of[i], part, fsync)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                    error, pending = f"rank {rank}: {type(exc).__name__}: {exc}", None
             del part
         if pending is not None:
             pending.result()
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+        error = error or f"rank {rank}: {type(exc).__name__}: {exc}"
     finally:
         writer.shutdown(wait=True)
     errors = io.all_gather_object(error) if distributed else [error]

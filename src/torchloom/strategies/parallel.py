@@ -276,18 +276,23 @@ class ParallelStrategy(Strategy):
             if not timed_out:
                 if culprit is None:
                     raise  # the peer died for reasons of its own; the launcher reports that rank
-                raise CollectiveMismatchError(
+                mismatch_error = CollectiveMismatchError(
                     f"{failed}: the ranks called mismatched collectives (gloo aborts a rank that receives more "
                     f"data than it expects). {culprit}. Make every rank call the same collectives, with the same "
                     f"shapes, in the same order. PyTorch said: {error}"
-                ) from error
+                )
+                mismatch_error.culprit = culprit
+                raise mismatch_error from error
             found = f" {culprit}." if culprit else ""
-            raise CollectiveTimeoutError(
+            timeout_error = CollectiveTimeoutError(
                 f"{failed}: another rank did not reach the same {name} in time (stuck in a loop, much slower, or "
                 f"it called a different collective).{found} Make every rank call {name} at the same point; if one "
                 f"rank legitimately needs longer (e.g. a long evaluation on rank 0), raise Loom(timeout=...). "
                 f"PyTorch said: {error}"
-            ) from error
+            )
+            # For a Loom call that ran this collective itself (loom.save), to say what parted the ranks.
+            timeout_error.culprit = culprit
+            raise timeout_error from error
 
     def all_reduce(self, data: Any, reduce_op: str = "mean", group: Any = None) -> Any:
         op = _reduce_op(reduce_op)
