@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     inspect.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file against the size and checksum recorded when it was saved (exit status 1 if any "
+        "differs)",
+    )
 
     consolidate = sub.add_parser(
         "consolidate", help="turn a sharded checkpoint directory into one file, without a process group"
@@ -247,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 
-            info = inspect(args.checkpoint, weights_only=not args.allow_pickle)
+            info = inspect(args.checkpoint, weights_only=not args.allow_pickle, verify_files=args.verify)
             print(json.dumps(info, indent=2) if args.json else format_inspection(info))
-            return 0
+            return 1 if info.get("verify", {}).get("failures") else 0
         if args.command == "consolidate":
             from torchloom.checkpointing.tools import consolidate
 
