@@ -13,6 +13,8 @@ sides save the same live model:
                    and loom.save(file, ..., fsync=False), which skips the flush to disk as raw torch.save does)
     async save     time until loom.save(dir, ..., async_save=True) returns vs a synchronous loom.save(dir, ...)
                    (and, for reference, the time until raw dcp.async_save(..., checkpoint_id=dir) returns)
+    verify cost    loom.load(dir or file, {"model": model}) (checks every file's checksum first, the default)
+                   vs the same with verify=False, sharded and full, in the same run, alternating
 
 Every save goes to a new path (the previous one is deleted and the page cache's dirty data written out with
 `os.sync()`, outside the timing). torchloom writes atomically (a
@@ -21,7 +23,7 @@ raw torch.save does not fsync. A durable save cannot be faster than the disk, wh
 fits in the page cache returns at memory speed: where the disk is slower than serialising, "full save" can only
 reach its goal with fsync=False. A load reads the checkpoint its own side wrote just before, usually from the
 page cache. Goals: throughput torchloom/raw >= 0.95 (time raw/torchloom); async blocking time < 20% of a sync
-save.
+save; a verified load at most 5% slower than one with verify=False (time ratio <= 1.05).
 
     python benchmarks/checkpoint_io.py             # ~269M parameters, a 1.0 GiB fp32 model
     python benchmarks/checkpoint_io.py --tiny      # smoke test
@@ -58,6 +60,7 @@ from _common import (  # noqa: E402
 
 THROUGHPUT_GOAL = ">= 0.95"
 ASYNC_GOAL = "< 0.2"
+VERIFY_GOAL = "<= 1.05"
 
 
 def _remove(path: Path) -> None:
@@ -125,8 +128,11 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         path = fresh("raw-sharded")
         return timed(lambda: dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=str(path)))
 
-    def loom_sharded_load() -> float:
-        return timed(lambda: loom.load(last["loom-sharded"], {"model": model}))
+    def loom_sharded_load(verify: bool = True) -> float:
+        return timed(lambda: loom.load(last["loom-sharded"], {"model": model}, verify=verify))
+
+    def loom_full_load(verify: bool = True) -> float:
+        return timed(lambda: loom.load(last["loom-full-True"], {"model": model}, verify=verify))
 
     def raw_sharded_load() -> float:
         def load() -> None:
@@ -199,8 +205,11 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         loom_sharded_save,
         raw_sharded_save,
         loom_sharded_load,
+        lambda: loom_sharded_load(verify=False),
         raw_sharded_load,
         loom_full_save,
+        loom_full_load,
+        lambda: loom_full_load(verify=False),
         lambda: loom_full_save(fsync=False),
         raw_full_save,
         lambda: raw_full_save(fsync=True),
@@ -213,7 +222,14 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     repeats = cfg["repeats"]
     out = {
         "sharded_save": alternate({"torchloom": loom_sharded_save, "raw": raw_sharded_save}, repeats),
-        "sharded_load": alternate({"torchloom": loom_sharded_load, "raw": raw_sharded_load}, repeats),
+        "sharded_load": alternate(
+            {
+                "torchloom": loom_sharded_load,
+                "raw": raw_sharded_load,
+                "torchloom_no_verify": lambda: loom_sharded_load(verify=False),
+            },
+            repeats,
+        ),
         "full_save": alternate(
             {
                 "torchloom": loom_full_save,
@@ -227,6 +243,10 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             {"async": loom_async_save, "sync": loom_sync_save, "raw_async": raw_async_save}, repeats
         ),
     }
+    # The full file loom_full_save wrote last (every repeat above replaced it), loaded by every rank.
+    out["full_load"] = alternate(
+        {"torchloom": loom_full_load, "torchloom_no_verify": lambda: loom_full_load(verify=False)}, repeats
+    )
     out["async_total"] = list(async_total)
     dist.barrier()
     return out
@@ -301,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         results.append((f"checkpoint full save throughput {name}", throughput, goal))
+    verify_rows = []
+    for op, label in (("sharded_load", "sharded load"), ("full_load", "full load")):
+        with_t, without_t = series(op, "torchloom"), series(op, "torchloom_no_verify")
+        cost = ratios(with_t, without_t)
+        verify_rows.append([label, summary(with_t, "{:.3f}"), summary(without_t, "{:.3f}"), summary(cost)])
+        results.append((f"checkpoint {label} time verify/verify=False", cost, VERIFY_GOAL))
     async_t, sync_t = series("async_save", "async"), series("async_save", "sync")
     total = [max(r["async_total"][i] for r in per_rank) for i in range(args.repeats)]
     print()
@@ -319,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    print()
+    print(table(["load", "verify=True s", "verify=False s", "time ratio"], verify_rows))
     print()
     out = [ratio_line(name, values, goal) for name, values, goal in results]
     out.append(ratio_line("checkpoint async blocking/sync save", ratios(async_t, sync_t), ASYNC_GOAL))

@@ -248,7 +248,11 @@ def check_full_file(path: Path) -> tuple[bool, CheckpointError | None]:
 
 def agree(io: Any, check: Any) -> None:
     """Run `check()` (which raises `CheckpointError` for a bad file) on every rank, and raise on every rank if
-    it failed on any: a load then never enters a collective that some ranks skip."""
+    it failed on any: a load then never enters a collective that some ranks skip. One all-reduce of a flag on
+    the checkpoint group (gloo, on CPU) when all is well; the messages are gathered only after a failure."""
+    import torch
+    import torch.distributed as dist
+
     from torchloom.errors import describe_failure, raise_shared_failure
 
     failure, own = None, None
@@ -259,8 +263,14 @@ def agree(io: Any, check: Any) -> None:
         message = str(exc) if isinstance(exc, CheckpointError) else f"Verifying the checkpoint failed: {exc}"
         failure = describe_failure(message, exc)
     rank = io.global_rank
-    if io.is_distributed:
-        failures = io.all_gather_object(failure)
-        rank, failure = next(((r, f) for r, f in enumerate(failures) if f), (rank, None))
-        own = own if rank == io.global_rank else None
+    if io.is_distributed and dist.is_initialized():
+        group = io.checkpoint_group
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, group=group)
+        if not int(flag.item()):
+            return
+        failures: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failures, failure, group=group)
+        rank, failure = next((r, f) for r, f in enumerate(failures) if f)
+        own = own if rank == dist.get_rank(group) else None
     raise_shared_failure(failure, rank, own, CheckpointError)
