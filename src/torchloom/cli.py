@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-shard-size", default="5GB", help="with --format hf: the largest shard file (default 5GB)"
     )
     consolidate.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
+    consolidate.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking the checkpoint's files against their recorded checksums (a damaged file is then "
+        "consolidated as it is)",
+    )
     return parser
 
 
@@ -267,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 fmt=args.format,
                 max_shard_size=args.max_shard_size,
                 weights_only=not args.allow_pickle,
+                verify_files=not args.no_verify,
             )
             print(f"wrote {out_file}", file=sys.stderr)
             return 0

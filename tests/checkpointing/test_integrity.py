@@ -37,7 +37,8 @@ def _largest_shard(folder: Path) -> Path:
 def _damage(root: Path) -> dict[str, tuple[Path, str]]:
     """Damaged copies of the good checkpoints: name -> (checkpoint, the file a load must name)."""
     out = {}
-    for name, source in (("shard", "sharded"), ("extra", "sharded"), ("missing", "sharded"), ("async_bad", "async")):
+    copies = (("shard", "sharded"), ("extra", "sharded"), ("missing", "sharded"), ("async_bad", "async"))
+    for name, source in copies:
         shutil.copytree(root / source, root / name)
     shard = _largest_shard(root / "shard")
     _flip(shard)
@@ -112,8 +113,7 @@ def _body(rank: int, world_size: int, root: str) -> dict[str, str]:
     for name in ("sharded", "full.pt", "old", "old.pt"):
         loaded = fresh()
         loom.load(root_path / name, loaded)
-        same = all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, _full(saved[k]))
-                   for k, v in model.state_dict().items())
+        same = all(torch.equal(_full(v), _full(saved[k])) for k, v in model.state_dict().items())
         out[f"good {name}"] = f"step {loaded['step']} same {same}"
     return out
 
@@ -161,6 +161,35 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, capsys) -> No
         assert "no checksums recorded" in capsys.readouterr().out
     assert cli.main(["inspect", str(tmp_path / "sharded"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mesh"] == {"shard": 2}
+
+    # consolidate checks what it reads (a consolidated copy of a damaged checkpoint would look intact); a
+    # checkpoint without its extra.pt still gives its weights with --model-only.
+    assert cli.main(["consolidate", str(tmp_path / "shard"), str(tmp_path / "c1.pt")]) == 2
+    assert "changed after it was written" in capsys.readouterr().err
+    assert cli.main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "c2.pt")]) == 2
+    assert "incomplete" in capsys.readouterr().err
+    assert cli.main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "c3.pt"), "--model-only"]) == 0
+    assert cli.main(["consolidate", str(tmp_path / "sharded"), str(tmp_path / "c4.pt")]) == 0
+    assert cli.main(["inspect", str(tmp_path / "c4.pt"), "--verify"]) == 0
+    assert "verify: ok" in capsys.readouterr().out
+
+
+def test_the_record_names_the_mesh() -> None:
+    """The layout recorded for a hybrid-sharded and a 2-D model-parallel strategy: dims by name."""
+    from torchloom.checkpointing import record
+    from torchloom.strategies import ModelParallelStrategy
+
+    assert record.mesh_of(FSDP2Strategy(device_mesh=(2, 4))) == {"replicate": 2, "shard": 4}
+    strategy = ModelParallelStrategy(lambda m, mesh: m, data_parallel_size=2, tensor_parallel_size=2)
+    assert record.mesh_of(strategy) == {"data_parallel": 2, "tensor_parallel": 2}
+    strategy = ModelParallelStrategy(
+        lambda m, mesh: m, data_parallel_size=4, tensor_parallel_size=2, data_parallel_replicate_size=2
+    )
+    assert record.mesh_of(strategy) == {
+        "data_parallel_replicate": 2,
+        "data_parallel_shard": 2,
+        "tensor_parallel": 2,
+    }
 
 
 def test_checksum_detects_single_word_changes_and_is_streamable(tmp_path) -> None:

@@ -301,13 +301,16 @@ def verify(io: StateAccess, path: Path, meta: dict[str, Any]) -> None:
     integrity.agree(io, check)
 
 
-def verify_all(path: Path, meta: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
-    """(the recorded checksums, the message of every file that fails), in this process."""
+def verify_all(
+    path: Path, meta: dict[str, Any], skip: tuple[str, ...] = ()
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """(the recorded checksums, the message of every file that fails, those in `skip` left out), in this
+    process."""
     files = _checksums(path, meta)
     if files is None:
         return None, []
     failures = []
-    for name in sorted(files):
+    for name in sorted(n for n in files if n not in skip):
         error = integrity.check_file(path / name, files[name])
         if error is not None:
             failures.append(str(error))

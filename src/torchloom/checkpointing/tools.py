@@ -209,10 +209,12 @@ def consolidate(
     fmt: str = "torch",
     max_shard_size: int | str = "5GB",
     weights_only: bool = True,
+    verify_files: bool = True,
 ) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into one file, in this process. Returns what was written.
     `weights_only=False` also unpickles arbitrary objects among the extra entries (only for checkpoints you
-    trust).
+    trust). With `verify_files`, the files it reads are checked against their recorded checksums first (the new
+    file gets a checksum of its own: consolidating a damaged checkpoint must not make it look intact).
 
     The result is torchloom's full format (model weights under their own names, optimizer state by parameter
     name, the other entries as saved), readable with plain `torch.load`. `model_only` keeps only the models:
@@ -232,6 +234,14 @@ def consolidate(
         raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch', 'safetensors' or 'hf'.")
     _check_output(path, out, fmt)
     meta = sharded.read_meta(path)
+    if not model_only:
+        sharded.check_complete(path, meta)
+    if verify_files:
+        _, failures = sharded.verify_all(path, meta, skip=(sharded.EXTRA_FILE,) if model_only else ())
+        if failures:
+            raise CheckpointError(
+                " ".join(failures) + " (torchloom consolidate: pass --no-verify to consolidate it anyway)"
+            )
     md = sharded.read_dcp_metadata(path, weights_only)
     kinds = sharded.entry_kinds(meta, md)
     wanted = [
