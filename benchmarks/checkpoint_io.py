@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", default=None, help="where checkpoints are written (default: a temporary dir)"
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--timeout", type=float, default=900, help="seconds before the ranks are stopped (a busy machine)"
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.dim, args.blocks, args.repeats = 128, 4, 2
@@ -278,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="torchloom-bench-", dir=args.dir))
     try:
         per_rank = run_ranks(
-            _rank, {"dim": args.dim, "blocks": args.blocks, "repeats": args.repeats, "dir": str(workdir)}
+            _rank,
+            {"dim": args.dim, "blocks": args.blocks, "repeats": args.repeats, "dir": str(workdir)},
+            timeout=args.timeout,
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
