@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     import torchloom  # noqa: F401 - sets up its logger, which is quietened next
     from torchloom import Loom
-    from torchloom.checkpointing import full, integrity, sharded
+    from torchloom.checkpointing import integrity, sharded
     from torchloom.strategies import FSDP2Strategy
 
     logging.getLogger("torchloom").setLevel(logging.WARNING)
@@ -151,7 +151,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             meta = sharded.read_meta(path)
             return timed(lambda: sharded.verify(strategy, path, meta), "sharded_verify")
         path = last["loom-full-True"]
-        return timed(lambda: integrity.agree(strategy, lambda: full.verify_file(path)), "full_verify")
+        return timed(lambda: integrity.check_full_file_shared(strategy, path), "full_verify")
 
     def raw_sharded_load() -> float:
         def load() -> None:

@@ -205,7 +205,7 @@ class Checkpointer:
             # A file torchloom wrote carries its checksum (a plain torch.save file has none: nothing to check).
             from torchloom.checkpointing import integrity
 
-            integrity.agree(self._io, lambda: full.verify_file(path))
+            integrity.check_full_file_shared(self._io, path)
         raw = full.read(path, weights_only=weights_only)
         if is_module:
             load_module(self._io, obj, raw, strict, name=str(path))

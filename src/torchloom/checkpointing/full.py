@@ -325,18 +325,14 @@ def load(
     """Restore `entries` from the file at `path`. Returns the saved plain values and leftovers (every entry of
     the checkpoint, named or not, that is not loaded into an object), and the file's `__torchloom__` record.
     With `verify`, every rank checks the file's checksum first and all raise if any finds it changed."""
-    carried = [False]
+    carried = False
     if verify and path.is_file():
-
-        def check() -> None:
-            carried[0] = verify_file(path)
-
-        integrity.agree(io, check)
+        carried = integrity.check_full_file_shared(io, path)
     checkpoint = read(path, weights_only=weights_only)
     record = checkpoint.pop(META_KEY, None)
     if verify:
         # Decided by the file alone, which every rank has just found intact: the same on every rank.
-        check_record_checksum(path, record, carried[0])
+        check_record_checksum(path, record, carried)
     check_missing(entries, list(checkpoint), strict)
     for key, entry in entries.items():
         if key in checkpoint:

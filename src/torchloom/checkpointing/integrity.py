@@ -121,26 +121,40 @@ def _pool() -> Any:
 def file_digest(path: Path, length: int | None = None, patch: bytes = b"") -> tuple[int, str]:
     """(size, checksum) of the file at `path` (only its first `length` bytes, followed by `patch`, if given),
     read memory-mapped: no copy of the file in memory."""
-    digest = Digest()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size if length is None else length
-        whole = size - size % _ROW
-        if whole:
-            with mmap.mmap(f.fileno(), whole, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                pieces = [view[i : min(i + _PIECE, whole)] for i in range(0, whole, _PIECE)]
-                try:
-                    sums = _pool().map(_row_sums, pieces) if len(pieces) > 1 else map(_row_sums, pieces)
-                    digest._add_rows(b"".join(sums), whole)
-                finally:
-                    # The map closes only once no view of it is left.
-                    for piece in pieces:
-                        piece.release()
-                    view.release()
+    whole = size - size % _ROW
+    return size, _finish(path, size, _range_sums(path, 0, whole), patch)
+
+
+def _finish(path: Path, size: int, sums: bytes, patch: bytes) -> str:
+    """The checksum of `path`'s first `size` bytes + `patch`, given the sums of all its whole rows."""
+    digest = Digest()
+    whole = size - size % _ROW
+    digest._add_rows(sums, whole)
+    with open(path, "rb") as f:
         f.seek(whole)
         digest.update(f.read(size - whole))
     digest.update(patch)
-    return digest.size, digest.hexdigest()
+    return digest.hexdigest()
+
+
+def _range_sums(path: Path, start: int, stop: int) -> bytes:
+    """The row sums of bytes [start, stop) of `path` (both multiples of a row), memory-mapped."""
+    if stop <= start:
+        return b""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), stop - start, access=mmap.ACCESS_READ, offset=start) as mapped:
+        view = memoryview(mapped)
+        length = stop - start
+        pieces = [view[i : min(i + _PIECE, length)] for i in range(0, length, _PIECE)]
+        try:
+            sums = _pool().map(_row_sums, pieces) if len(pieces) > 1 else map(_row_sums, pieces)
+            return b"".join(sums)
+        finally:
+            # The map closes only once no view of it is left.
+            for piece in pieces:
+                piece.release()
+            view.release()
 
 
 class HashingFile:
@@ -268,6 +282,44 @@ def read_trailer(path: Path) -> tuple[int, str, str] | None:
             f"was written. Load another checkpoint, or restore this one from a good copy. {OPT_OUT}."
         )
     return size - len(comment), fields[0], fields[1]
+
+
+def check_full_file_shared(io: Any, path: Path) -> bool:
+    """`check_full_file` with the work split over the ranks (each sums an equal share of the file's rows; the
+    sums, 1/1024 of the file, are gathered on the checkpoint group); every rank raises if the file changed.
+    Whether it carries a checksum."""
+    if not (io.is_distributed and dist.is_initialized()):
+        carried, error = check_full_file(path)
+        if error is not None:
+            raise error
+        return carried
+    group = io.checkpoint_group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    state: dict[str, Any] = {}
+
+    def share() -> None:
+        trailer = read_trailer(path)
+        if trailer is not None:
+            check_algorithm(path, trailer[1])
+            length = trailer[0] - 2  # the archive as torch.save wrote it: its comment length was 0
+            rows = length // _ROW
+            start, stop = (rows * rank // world) * _ROW, (rows * (rank + 1) // world) * _ROW
+            state.update(trailer=trailer, length=length, sums=_range_sums(path, start, stop))
+
+    agree(io, share)  # a damaged trailer on any rank raises on all, before the gather
+    if not state:
+        return False
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, state["sums"], group=group)
+
+    def compare() -> None:
+        length, expected = state["length"], state["trailer"][2]
+        found = _finish(path, length, b"".join(parts), b"\0\0")
+        if found != expected:
+            raise mismatch_error(path, {"size": length, "digest": expected}, (length, found))
+
+    agree(io, compare)
+    return True
 
 
 def check_full_file(path: Path) -> tuple[bool, CheckpointError | None]:
