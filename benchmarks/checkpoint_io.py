@@ -13,6 +13,10 @@ sides save the same live model:
                    and loom.save(file, ..., fsync=False), which skips the flush to disk as raw torch.save does)
     async save     time until loom.save(dir, ..., async_save=True) returns vs a synchronous loom.save(dir, ...)
                    (and, for reference, the time until raw dcp.async_save(..., checkpoint_id=dir) returns)
+    verify cost    loom.load(dir or file, {"model": model}) (checks every file's checksum first, the default)
+                   vs the same with verify=False, sharded and full, in the same run, alternating; and the
+                   verification alone (what load(verify=True) runs first) against load(verify=False), in wall
+                   time and in this process's CPU time (which other jobs on a shared machine barely change)
 
 Every save goes to a new path (the previous one is deleted and the page cache's dirty data written out with
 `os.sync()`, outside the timing). torchloom writes atomically (a
@@ -21,7 +25,8 @@ raw torch.save does not fsync. A durable save cannot be faster than the disk, wh
 fits in the page cache returns at memory speed: where the disk is slower than serialising, "full save" can only
 reach its goal with fsync=False. A load reads the checkpoint its own side wrote just before, usually from the
 page cache. Goals: throughput torchloom/raw >= 0.95 (time raw/torchloom); async blocking time < 20% of a sync
-save.
+save; verification at most 5% of a load (its CPU seconds / those of load(verify=False) <= 0.05; the wall-time
+ratios are reported too, but on a shared machine their spread is larger than 5%).
 
     python benchmarks/checkpoint_io.py             # ~269M parameters, a 1.0 GiB fp32 model
     python benchmarks/checkpoint_io.py --tiny      # smoke test
@@ -58,6 +63,7 @@ from _common import (  # noqa: E402
 
 THROUGHPUT_GOAL = ">= 0.95"
 ASYNC_GOAL = "< 0.2"
+VERIFY_GOAL = "<= 0.05"
 
 
 def _remove(path: Path) -> None:
@@ -78,6 +84,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     import torchloom  # noqa: F401 - sets up its logger, which is quietened next
     from torchloom import Loom
+    from torchloom.checkpointing import integrity, sharded
     from torchloom.strategies import FSDP2Strategy
 
     logging.getLogger("torchloom").setLevel(logging.WARNING)
@@ -107,11 +114,15 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         return path
 
-    def timed(fn: Any) -> float:
+    cpu: dict[str, list[float]] = {}
+
+    def timed(fn: Any, cpu_key: str | None = None) -> float:
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         elapsed = time.perf_counter() - start
+        if cpu_key is not None:
+            cpu.setdefault(cpu_key, []).append(time.process_time() - start_cpu)
         dist.barrier()
         return elapsed
 
@@ -125,8 +136,22 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         path = fresh("raw-sharded")
         return timed(lambda: dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=str(path)))
 
-    def loom_sharded_load() -> float:
-        return timed(lambda: loom.load(last["loom-sharded"], {"model": model}))
+    def loom_sharded_load(verify: bool = True) -> float:
+        key = f"sharded_load_{verify}"
+        return timed(lambda: loom.load(last["loom-sharded"], {"model": model}, verify=verify), key)
+
+    def loom_full_load(verify: bool = True) -> float:
+        key = f"full_load_{verify}"
+        return timed(lambda: loom.load(last["loom-full-True"], {"model": model}, verify=verify), key)
+
+    def verify_alone(kind: str) -> float:
+        """What load(verify=True) runs before loading: every rank checks its share of the files."""
+        if kind == "sharded":
+            path = last["loom-sharded"]
+            meta = sharded.read_meta(path)
+            return timed(lambda: sharded.verify(strategy, path, meta), "sharded_verify")
+        path = last["loom-full-True"]
+        return timed(lambda: integrity.check_full_file_shared(strategy, path), "full_verify")
 
     def raw_sharded_load() -> float:
         def load() -> None:
@@ -199,8 +224,11 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         loom_sharded_save,
         raw_sharded_save,
         loom_sharded_load,
+        lambda: loom_sharded_load(verify=False),
         raw_sharded_load,
         loom_full_save,
+        loom_full_load,
+        lambda: loom_full_load(verify=False),
         lambda: loom_full_save(fsync=False),
         raw_full_save,
         lambda: raw_full_save(fsync=True),
@@ -213,7 +241,15 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     repeats = cfg["repeats"]
     out = {
         "sharded_save": alternate({"torchloom": loom_sharded_save, "raw": raw_sharded_save}, repeats),
-        "sharded_load": alternate({"torchloom": loom_sharded_load, "raw": raw_sharded_load}, repeats),
+        "sharded_load": alternate(
+            {
+                "torchloom": loom_sharded_load,
+                "raw": raw_sharded_load,
+                "torchloom_no_verify": lambda: loom_sharded_load(verify=False),
+                "verify_alone": lambda: verify_alone("sharded"),
+            },
+            repeats,
+        ),
         "full_save": alternate(
             {
                 "torchloom": loom_full_save,
@@ -227,6 +263,17 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             {"async": loom_async_save, "sync": loom_sync_save, "raw_async": raw_async_save}, repeats
         ),
     }
+    # The full file loom_full_save wrote last (every repeat above replaced it), loaded by every rank.
+    out["full_load"] = alternate(
+        {
+            "torchloom": loom_full_load,
+            "torchloom_no_verify": lambda: loom_full_load(verify=False),
+            "verify_alone": lambda: verify_alone("full"),
+        },
+        repeats,
+    )
+    # CPU seconds of the timed repeats only (the warm-up round recorded one of each first).
+    out["cpu"] = {k: v[-repeats:] for k, v in cpu.items()}
     out["async_total"] = list(async_total)
     dist.barrier()
     return out
@@ -242,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", default=None, help="where checkpoints are written (default: a temporary dir)"
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--timeout", type=float, default=900, help="seconds before the ranks are stopped (a busy machine)"
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.dim, args.blocks, args.repeats = 128, 4, 2
@@ -258,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="torchloom-bench-", dir=args.dir))
     try:
         per_rank = run_ranks(
-            _rank, {"dim": args.dim, "blocks": args.blocks, "repeats": args.repeats, "dir": str(workdir)}
+            _rank,
+            {"dim": args.dim, "blocks": args.blocks, "repeats": args.repeats, "dir": str(workdir)},
+            timeout=args.timeout,
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -301,6 +353,31 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         results.append((f"checkpoint full save throughput {name}", throughput, goal))
+    verify_rows = []
+    for op, label, kind in (("sharded_load", "sharded load", "sharded"), ("full_load", "full load", "full")):
+        with_t, without_t = series(op, "torchloom"), series(op, "torchloom_no_verify")
+        alone = series(op, "verify_alone")
+        cost = ratios(with_t, without_t)
+        share = ratios(alone, without_t)
+        # CPU time: the rank that spent the most, per repeat.
+        cpu_alone = [max(r["cpu"][f"{kind}_verify"][i] for r in per_rank) for i in range(args.repeats)]
+        cpu_load = [max(r["cpu"][f"{op}_False"][i] for r in per_rank) for i in range(args.repeats)]
+        cpu_share = ratios(cpu_alone, cpu_load)
+        verify_rows.append(
+            [
+                label,
+                summary(with_t, "{:.3f}"),
+                summary(without_t, "{:.3f}"),
+                summary(cost),
+                summary(alone, "{:.3f}"),
+                summary(cpu_share),
+            ]
+        )
+        results.append((f"checkpoint {label} time verify/verify=False", cost, None))
+        results.append((f"checkpoint {label} verification alone/load verify=False (wall)", share, None))
+        results.append(
+            (f"checkpoint {label} verification alone/load verify=False (CPU seconds)", cpu_share, VERIFY_GOAL)
+        )
     async_t, sync_t = series("async_save", "async"), series("async_save", "sync")
     total = [max(r["async_total"][i] for r in per_rank) for i in range(args.repeats)]
     print()
@@ -317,6 +394,20 @@ def main(argv: list[str] | None = None) -> int:
                 ["synchronous", summary(sync_t, "{:.2f}")],
                 ["raw dcp.async_save: blocking", summary(series("async_save", "raw_async"), "{:.2f}")],
             ],
+        )
+    )
+    print()
+    print(
+        table(
+            [
+                "load",
+                "verify=True s",
+                "verify=False s",
+                "time ratio",
+                "verification alone s",
+                "verification/load CPU s",
+            ],
+            verify_rows,
         )
     )
     print()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -347,6 +348,12 @@ def test_a_checkpoint_carrying_a_malicious_pickle_runs_nothing(tmp_path):
     run_ranks(_save_sharded_body, 2, str(sharded_path), timeout=150)
     torch.save({"step": 3, "evil": _Planted(str(marker))}, sharded_path / "extra.pt")
     torch.save({"model": nn.Linear(2, 2).state_dict(), "evil": _Planted(str(marker))}, full_path)
+    # As a forger would: the planted extra.pt's checksum recorded (checksums guard against accidents only).
+    from torchloom.checkpointing import integrity
+
+    meta = json.loads((sharded_path / "torchloom.json").read_text())
+    meta["checksums"]["files"]["extra.pt"] = integrity.entry(*integrity.file_digest(sharded_path / "extra.pt"))
+    (sharded_path / "torchloom.json").write_text(json.dumps(integrity.seal(meta)))
 
     loom = Loom(accelerator="cpu", devices=1)
     for path in (sharded_path, full_path):

@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
     inspect.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file against the size and checksum recorded when it was saved (exit status 1 if any "
+        "differs)",
+    )
 
     consolidate = sub.add_parser(
         "consolidate", help="turn a sharded checkpoint directory into one file, without a process group"
@@ -84,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-shard-size", default="5GB", help="with --format hf: the largest shard file (default 5GB)"
     )
     consolidate.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
+    consolidate.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking the checkpoint's files against their recorded checksums (a damaged file is then "
+        "consolidated as it is)",
+    )
     return parser
 
 
@@ -247,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 
-            info = inspect(args.checkpoint, weights_only=not args.allow_pickle)
+            info = inspect(args.checkpoint, weights_only=not args.allow_pickle, verify_files=args.verify)
             print(json.dumps(info, indent=2) if args.json else format_inspection(info))
-            return 0
+            return 1 if info.get("verify", {}).get("failures") else 0
         if args.command == "consolidate":
             from torchloom.checkpointing.tools import consolidate
 
@@ -261,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 fmt=args.format,
                 max_shard_size=args.max_shard_size,
                 weights_only=not args.allow_pickle,
+                verify_files=not args.no_verify,
             )
             print(f"wrote {out_file}", file=sys.stderr)
             return 0

@@ -904,6 +904,7 @@ class Loom:
         strict: bool = True,
         weights_only: bool = True,
         restore_run_state: bool | None = None,
+        verify: bool = True,
     ) -> dict[str, Any]:
         """Restore the objects of `state` in place (plain values are replaced in `state`) and return the
         checkpoint's entries that `state` did not name. With no `state`, return everything.
@@ -919,7 +920,13 @@ class Loom:
         strings, lists, dicts, which is all torchloom itself writes (models, optimizers, LR schedulers, the loss
         scaler, loaders, random generators). A checkpoint holding other objects of yours is refused with an error
         naming the object; pass `weights_only=False` to load it, only if you trust the file: unpickling can run
-        any code its author chose."""
+        any code its author chose.
+
+        `verify=True` (the default) first checks every file of the checkpoint against the size and checksum
+        recorded when it was saved, and raises `CheckpointError` naming a file that changed since (a flipped
+        bit on disk or in a copy would otherwise load as different numbers); a file the checkpoint's record lists
+        that is missing is always refused. `verify=False` skips the checksums. Checkpoints written before
+        checksums were recorded load without them."""
         self._require_launch("load")
         with _record("load"):
             return self._checkpointer.load(
@@ -929,6 +936,7 @@ class Loom:
                 strict=strict,
                 weights_only=weights_only,
                 restore_run_state=restore_run_state,
+                verify=verify,
             )
 
     def load_raw(
@@ -937,17 +945,19 @@ class Loom:
         obj: nn.Module | Optimizer,
         strict: bool = True,
         weights_only: bool | None = None,
+        verify: bool = True,
     ) -> Any:
         """Load a plain state dict saved by `torch.save(model.state_dict(), path)` into a module or optimizer
         (read with `weights_only=True` unless you pass False, for files holding other objects), or a Hugging
         Face safetensors checkpoint (`model.safetensors`, or a directory with `model.safetensors.index.json`)
         into a module in any layout, each rank reading only what it holds. For the latter, returns
-        `(missing_keys, unexpected_keys)` (non-empty only with `strict=False`)."""
+        `(missing_keys, unexpected_keys)` (non-empty only with `strict=False`). A file `loom.save` wrote is
+        checked against its checksum first, unless `verify=False`."""
         self._require_launch("load_raw")
         target = state_module(obj) if isinstance(obj, (nn.Module, LoomModule)) else unwrap_optimizer(obj)
         with _record("load_raw"):
             return self._checkpointer.load_raw(
-                Path(path), target, strict, weights_only=weights_only is not False
+                Path(path), target, strict, weights_only=weights_only is not False, verify=verify
             )
 
     def save_raw(

@@ -111,10 +111,12 @@ class Checkpointer:
         strict: bool = True,
         weights_only: bool = True,
         restore_run_state: bool | None = None,
+        verify: bool = True,
     ) -> dict[str, Any]:
         """Restore `state` in place (plain values are replaced in it); return the entries it did not name.
         `restore_run_state`: whether the saved run's generators, loss scaler and counters come back too (None:
-        when `state` names an optimizer or a set-up data loader, see `state.is_resume`)."""
+        when `state` names an optimizer or a set-up data loader, see `state.is_resume`). `verify`: check every
+        file's checksum first (`integrity`)."""
         self.finish_pending_save()
         entries = resolve(state, modules)
         path = atomic.recover(path)
@@ -123,9 +125,13 @@ class Checkpointer:
             if path.is_dir():  # a sharded checkpoint
                 from torchloom.checkpointing import sharded
 
-                values, run_state = sharded.load(self._io, path, entries, strict, weights_only=weights_only)
+                values, run_state = sharded.load(
+                    self._io, path, entries, strict, weights_only=weights_only, verify_checksums=verify
+                )
             else:
-                values, run_state = full.load(self._io, path, entries, strict, weights_only=weights_only)
+                values, run_state = full.load(
+                    self._io, path, entries, strict, weights_only=weights_only, verify=verify
+                )
         if restore_run_state is None:
             restore_run_state = is_resume(entries)
         if restore_run_state:
@@ -268,7 +274,9 @@ class Checkpointer:
         return kept
 
     # ---- plain and Hugging Face files ------------------------------------------------------------------------
-    def load_raw(self, path: Path, obj: Any, strict: bool = True, weights_only: bool = True) -> Any:
+    def load_raw(
+        self, path: Path, obj: Any, strict: bool = True, weights_only: bool = True, verify: bool = True
+    ) -> Any:
         """A plain state dict file into a module (`obj` unwrapped) or optimizer, or a Hugging Face checkpoint
         into a module (returns its `(missing_keys, unexpected_keys)`)."""
         # A pending asynchronous save may be writing this very path: let it finish (and report) first.
@@ -279,6 +287,11 @@ class Checkpointer:
                 raise MisuseError("A safetensors checkpoint holds model weights: pass the model to load_raw.")
             with torch_internal_warnings_filtered():
                 return hf.load(self._io, obj, path, strict)
+        if verify and path.is_file():
+            # A file torchloom wrote carries its checksum (a plain torch.save file has none: nothing to check).
+            from torchloom.checkpointing import integrity
+
+            integrity.check_full_file_shared(self._io, path)
         raw = full.read(path, weights_only=weights_only)
         if is_module:
             load_module(self._io, obj, raw, strict, name=str(path))

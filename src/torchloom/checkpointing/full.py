@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchloom.checkpointing import atomic
+from torchloom.checkpointing import atomic, integrity
 from torchloom.checkpointing._interface import StateAccess
 from torchloom.checkpointing.state import (
     FORMAT_VERSION,
@@ -36,17 +36,18 @@ from torchloom.errors import CheckpointError, CheckpointNotFoundError, describe_
 
 
 def write_file(obj: dict[str, Any], path: Path, fsync: bool = True) -> None:
-    """Write `obj` beside `path`, flush it to disk (unless `fsync=False`), then swap it into place."""
+    """Write `obj` beside `path` with its checksum (computed while writing, kept in the zip comment:
+    `integrity.append_trailer`), flush it to disk (unless `fsync=False`), then swap it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = atomic.temporary_sibling(path)
     try:
         with open(tmp, "wb") as f:
+            out = atomic.WriteBehindFile(f) if fsync else f
+            hashing = integrity.HashingFile(out)
+            torch.save(obj, hashing)
+            integrity.append_trailer(f, hashing.digest)
             if fsync:
-                out = atomic.WriteBehindFile(f)
-                torch.save(obj, out)
                 out.sync()
-            else:
-                torch.save(obj, f)
         atomic.replace(tmp, path, fsync=fsync)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -111,7 +112,8 @@ def save(
     check_target(io, path)
     payload = collect_state(io, entries, full=True)
     if record is not None:
-        payload[META_KEY] = record
+        # The file's checksum is in its zip comment; the record says it has one (a damaged comment is caught).
+        payload[META_KEY] = {**record, "checksum": integrity.ALGORITHM}
     if async_save:
         snapshot, failure, own = None, None, None
         if io.global_rank == 0:
@@ -260,9 +262,29 @@ def _refusal(error: BaseException) -> str:
     return text.splitlines()[0] if text else repr(error)
 
 
-def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
+def verify_file(path: Path) -> bool:
+    """Raise `CheckpointError` if the file's bytes differ from those its checksum was made of; whether it
+    carries a checksum (a file written before torchloom recorded them, or not by torchloom, does not)."""
+    carried, error = integrity.check_full_file(path)
+    if error is not None:
+        raise error
+    return carried
+
+
+def check_record_checksum(path: Path, record: Any, carried: bool) -> None:
+    """A file whose record says it carries a checksum must have one (its trailer may be what was damaged)."""
+    if not carried and isinstance(record, dict) and record.get("checksum"):
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} records that it carries a checksum, but none is at its end: the file "
+            f"changed after it was written. Load another checkpoint, or restore this one from a good copy. "
+            f"{integrity.OPT_OUT}."
+        )
+
+
+def read(path: Path, weights_only: bool = True, verify: bool = False) -> dict[str, Any]:
     """Read a full checkpoint file, memory-mapped: ranks share the page cache instead of each holding a copy.
-    With `weights_only`, only plain data is unpickled (what torchloom itself writes is plain data)."""
+    With `weights_only`, only plain data is unpickled (what torchloom itself writes is plain data). With
+    `verify`, its checksum is checked first (in this process alone: `load` makes the ranks agree)."""
     if not path.exists():
         raise CheckpointNotFoundError(
             f"No checkpoint at {str(path)!r}. Check the path: it is the file (or, for sharded checkpoints, "
@@ -273,6 +295,7 @@ def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
             f"{str(path)!r} is a directory (a sharded checkpoint), not a file. Load it with loom.load, or make one "
             "file of it with `torchloom consolidate`."
         )
+    carried = verify_file(path) if verify else False
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     except pickle.UnpicklingError as error:
@@ -295,6 +318,8 @@ def read(path: Path, weights_only: bool = True) -> dict[str, Any]:
             f"{str(path)!r} was written by a newer torchloom (format version {meta['version']}; this one reads up "
             f"to {FORMAT_VERSION}). Upgrade torchloom to load it."
         )
+    if verify:
+        check_record_checksum(path, meta, carried)
     return checkpoint
 
 
@@ -304,11 +329,19 @@ def load(
     entries: dict[str, Entry],
     strict: bool,
     weights_only: bool = True,
+    verify: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore `entries` from the file at `path`. Returns the saved plain values and leftovers (every entry of
-    the checkpoint, named or not, that is not loaded into an object), and the file's `__torchloom__` record."""
+    the checkpoint, named or not, that is not loaded into an object), and the file's `__torchloom__` record.
+    With `verify`, every rank checks the file's checksum first and all raise if any finds it changed."""
+    carried = False
+    if verify and path.is_file():
+        carried = integrity.check_full_file_shared(io, path)
     checkpoint = read(path, weights_only=weights_only)
     record = checkpoint.pop(META_KEY, None)
+    if verify:
+        # Decided by the file alone, which every rank has just found intact: the same on every rank.
+        check_record_checksum(path, record, carried)
     check_missing(entries, list(checkpoint), strict)
     for key, entry in entries.items():
         if key in checkpoint:

@@ -30,8 +30,19 @@ def describe(io: StateAccess, scaler: ScalerState, fmt: str, kinds: dict[str, st
         "world_size": io.world_size,
         "strategy": io.name,
         "precision": scaler.name,
+        "mesh": mesh_of(io),
         "kinds": kinds,
     }
+
+
+def mesh_of(io: Any) -> dict[str, int] | None:
+    """The device mesh the checkpoint was saved from, dim name -> size outermost first (e.g. {"data_parallel":
+    2, "tensor_parallel": 2}, {"replicate": 2, "shard": 4}); None for a layout without one (one device, DDP).
+    Read from the strategy's `mesh_shape` where it has one (not part of `StateAccess`: only meshes have it)."""
+    shape = getattr(io, "mesh_shape", None)
+    if not isinstance(shape, dict):
+        return None
+    return {str(name): int(size) for name, size in shape.items()}
 
 
 def run_state(io: StateAccess, scaler: ScalerState, counters: dict[str, int]) -> dict[str, Any]:

@@ -3,7 +3,8 @@ own shards in parallel.
 
     path/
       .metadata, __<rank>_<n>.distcp   DCP: the models and optimizers (replicated tensors stored once)
-      torchloom.json                   format, version, world size, and what kind each entry is
+      torchloom.json                   format, version, world size, the layout (mesh), what kind each entry
+                                       is, and the size and checksum of every other file (`integrity`)
       extra.pt                         everything else: LR schedulers, user objects, plain values, and the
                                        `__torchloom__` record of the run's state (loss scaler, generators)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from torchloom import _torch_compat
-from torchloom.checkpointing import atomic, record
+from torchloom.checkpointing import atomic, integrity, record
 from torchloom.checkpointing._interface import StateAccess
 from torchloom.checkpointing._safe_reader import SafeReader
 from torchloom.checkpointing.full import unsafe_content_error, write_error
@@ -118,13 +120,18 @@ def save(
     # Every rank must write into the same temporary directory: rank 0 names it.
     tmp = atomic.temporary_sibling(path) if io.global_rank == 0 else None
     failure, own = None, None
+    sums: dict[str, Any] = {}  # rank 0: extra.pt's checksum, computed while writing it
     if io.global_rank == 0:
         try:
             # Before anything is written: a folder that is not a checkpoint is refused, not replaced.
             atomic.check_replaceable(path, directory=True)
             atomic.remove_stale_temporaries(path)
             tmp.mkdir(parents=True)
-            torch.save(extra, tmp / EXTRA_FILE)
+            with open(tmp / EXTRA_FILE, "wb") as f:
+                hashing = integrity.HashingFile(f)
+                torch.save(extra, hashing)
+            sums[EXTRA_FILE] = integrity.entry(hashing.digest.size, hashing.digest.hexdigest())
+            # Rewritten with every file's checksum once DCP has written the shards (`_record_checksums`).
             (tmp / META_FILE).write_text(json.dumps(described))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             own = exc
@@ -148,6 +155,9 @@ def save(
         def finish(f: Future) -> None:
             try:
                 f.result()
+                # Every rank takes part (on the checkpoint group only: this may run in DCP's background thread
+                # while training goes on, with its own collectives on the default group).
+                _record_checksums(io, tmp, described, sums)
                 if io.global_rank == 0:
                     # DCP's coordinator writes .metadata last, after every rank's shards: all are on disk.
                     if fsync:
@@ -169,7 +179,14 @@ def save(
             atomic.discard(tmp)  # DCP raises on every rank once all stopped writing
         raise _write_error(path, exc) from exc
     failure, own = None, None
-    if io.global_rank == 0:
+    try:
+        _record_checksums(io, tmp, described, sums)
+    except Exception as exc:  # noqa: BLE001 - rank 0 raises it for all (every rank learns of it below)
+        own = exc
+        failure = describe_failure(f"Cannot record the sharded checkpoint's checksums: {exc}", exc)
+        if io.global_rank == 0:
+            atomic.discard(tmp)
+    if io.global_rank == 0 and failure is None:
         try:
             if fsync:
                 atomic.fsync_tree(tmp)
@@ -182,8 +199,123 @@ def save(
             atomic.discard(tmp)
     if io.is_distributed:
         failure = io.broadcast(failure, src=0)
-    raise_shared_failure(failure, 0, own, CheckpointError)
+    raise_shared_failure(failure, 0, own if io.global_rank == 0 else None, CheckpointError)
     return None
+
+
+# The shard files DCP's FileSystemWriter names after the rank (in the checkpoint group) that writes them.
+_RANK_FILE = re.compile(r"__(\d+)_.*")
+
+
+def _record_checksums(io: StateAccess, tmp: Path, described: dict[str, Any], sums: dict[str, Any]) -> None:
+    """Every rank checksums the files it wrote (each its own shards, in parallel, while they are in its page
+    cache; rank 0 also DCP's .metadata), rank 0 gathers them and writes torchloom.json again with them all.
+    A rank's failure raises on rank 0 (which then discards the checkpoint); the other ranks learn of it from
+    rank 0, as of any failure of the swap."""
+    group = io.checkpoint_group if io.is_distributed and dist.is_initialized() else None
+    rank = dist.get_rank(group) if group is not None else 0
+    mine: dict[str, Any] = {}
+    error = None
+    try:
+        for file in sorted(tmp.iterdir()):
+            if file.name in (META_FILE, EXTRA_FILE) or not file.is_file():
+                continue
+            owner = _RANK_FILE.fullmatch(file.name)
+            if (int(owner.group(1)) if owner else 0) == rank:
+                mine[file.name] = integrity.entry(*integrity.file_digest(file))
+    except Exception as exc:  # noqa: BLE001 - reported by rank 0, which all ranks hear from next
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered: list[Any] = [(mine, error)]
+    if group is not None:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (mine, error), group=group)
+    if io.global_rank != 0:
+        return
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise CheckpointError("Checksumming the written shards failed (" + "; ".join(errors) + ")")
+    files = dict(sums)
+    for part, _ in gathered:
+        files.update(part)
+    checksums = {"algorithm": integrity.ALGORITHM, "files": dict(sorted(files.items()))}
+    (tmp / META_FILE).write_text(json.dumps(integrity.seal({**described, "checksums": checksums})))
+
+
+def check_complete(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a sharded checkpoint that lacks a file its record lists (or, for a record from before the list,
+    extra.pt, which torchloom has always written since format version 2): loading the rest would leave the run's
+    state (step counters, random generators, data position) silently as it was."""
+    files = (meta.get("checksums") or {}).get("files")
+    needed = list(files) if isinstance(files, dict) else []
+    if meta.get("kinds") is not None and meta.get("version", FORMAT_VERSION) >= 2:
+        needed.append(EXTRA_FILE)
+    missing = sorted({name for name in needed if not (path / name).is_file()})
+    if missing:
+        what = ", ".join(repr(n) for n in missing)
+        state = (
+            " (it holds the run's state: step counters, random generators, the data position, LR schedulers "
+            "and the other plain entries)"
+            if EXTRA_FILE in missing
+            else ""
+        )
+        raise CheckpointError(
+            f"The sharded checkpoint {str(path)!r} is incomplete: its record lists {what}, which is missing"
+            f"{state}. Loading the rest would resume from the wrong state. Restore the file from a copy of the "
+            "checkpoint, or load another one (torchloom.latest_checkpoint skips incomplete checkpoints); to "
+            "salvage only the model weights, `torchloom consolidate --model-only PATH OUT` reads DCP's files "
+            "alone."
+        )
+
+
+def _checksums(path: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The recorded {file: entry} of a sharded checkpoint (None: written before checksums existed), after
+    checking torchloom.json's own digest and the algorithm."""
+    integrity.check_seal(path / META_FILE, meta)
+    checksums = meta.get("checksums")
+    if not isinstance(checksums, dict):
+        return None
+    integrity.check_algorithm(path / META_FILE, checksums.get("algorithm"))
+    files = checksums.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def verify(io: StateAccess, path: Path, meta: dict[str, Any]) -> None:
+    """Check every file's checksum, the work split over the ranks (the largest files first, each to the rank
+    with the least to read so far); every rank raises if any file fails."""
+    files = _checksums(path, meta)
+    if not files:
+        return
+    world = io.world_size if io.is_distributed else 1
+    load, mine = [0] * world, []
+    for name in sorted(files, key=lambda n: (-int(files[n].get("size", 0)), n)):
+        rank = load.index(min(load))
+        load[rank] += int(files[name].get("size", 0))
+        if rank == (io.global_rank if io.is_distributed else 0):
+            mine.append(name)
+
+    def check() -> None:
+        for name in mine:
+            error = integrity.check_file(path / name, files[name])
+            if error is not None:
+                raise error
+
+    integrity.agree(io, check)
+
+
+def verify_all(
+    path: Path, meta: dict[str, Any], skip: tuple[str, ...] = ()
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """(the recorded checksums, the message of every file that fails, those in `skip` left out), in this
+    process."""
+    files = _checksums(path, meta)
+    if files is None:
+        return None, []
+    failures = []
+    for name in sorted(n for n in files if n not in skip):
+        error = integrity.check_file(path / name, files[name])
+        if error is not None:
+            failures.append(str(error))
+    return files, failures
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -361,10 +493,15 @@ def load(
     entries: dict[str, Entry],
     strict: bool,
     weights_only: bool = True,
+    verify_checksums: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore `entries` from the sharded checkpoint at `path`. Returns the saved plain values and leftovers
-    (every entry, named or not, that is not loaded into an object), and the `__torchloom__` record."""
+    (every entry, named or not, that is not loaded into an object), and the `__torchloom__` record. A file the
+    record lists that is missing is refused; with `verify_checksums`, so is one whose checksum differs."""
     meta = read_meta(path)
+    check_complete(path, meta)
+    if verify_checksums:
+        verify(io, path, meta)
     md = read_dcp_metadata(path, weights_only)
     known = meta.get("kinds")
     stored = tensor_entries(md, [k for k, kind in (known or {}).items() if kind in (MODULE, OPTIMIZER)])

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from torchloom._text import count
-from torchloom.checkpointing import atomic, full, hf, record, sharded
+from torchloom.checkpointing import atomic, full, hf, integrity, record, sharded
 from torchloom.checkpointing.state import FORMAT_VERSION, META_KEY, MODULE, VALUE
 from torchloom.errors import CheckpointError, CheckpointNotFoundError
 
@@ -66,12 +66,43 @@ def _small_values(entries: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return out
 
 
-def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
-    """Format, writer's world size, every tensor (name, shape, dtype, bytes), total size and the other entries.
+_DESCRIBED = ("version", "world_size", "strategy", "precision", "mesh")
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """Check every file of a checkpoint against its recorded size and checksum, in this process: {"checked":
+    [file names] or None where the checkpoint records no checksums (written before they existed, or not by
+    torchloom), "failures": [one message per file that fails]}."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+    if path.is_dir():
+        meta = sharded.read_meta(path)
+        failures = []
+        try:
+            sharded.check_complete(path, meta)
+            files, failures = sharded.verify_all(path, meta)
+        except CheckpointError as error:
+            files, failures = {}, [*failures, str(error)]
+        return {"checked": None if files is None else sorted(files), "failures": failures}
+    try:
+        carried = full.verify_file(path)
+    except CheckpointError as error:
+        return {"checked": [path.name], "failures": [str(error)]}
+    return {"checked": [path.name] if carried else None, "failures": []}
+
+
+def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = False) -> dict[str, Any]:
+    """Format, writer's layout (world size, strategy, mesh), every tensor (name, shape, dtype, bytes), total
+    size and the other entries; with `verify_files`, also `verify`'s result (under "verify"), checked first.
     `weights_only=False` also reads files that hold arbitrary pickled objects (only for files you trust)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+    checked = verify(path) if verify_files else None
+    if checked is not None and checked["failures"]:
+        # A damaged file may not even unpickle: report what is wrong without reading the rest.
+        return {"format": "sharded" if path.is_dir() else "full", "verify": checked}
     tensors: list[dict[str, Any]] = []
     if path.is_dir():
         meta = sharded.read_meta(path)
@@ -89,10 +120,7 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
                 )
         kinds = sharded.entry_kinds(meta, md)
         extra = [k for k, kind in kinds.items() if kind not in ("module", "optimizer")]
-        info = {
-            "format": "sharded",
-            **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")},
-        }
+        info = {"format": "sharded", **{k: meta.get(k) for k in _DESCRIBED}}
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
         # The plain entries live in extra.pt (plain data only with weights_only), memory-mapped like full files.
         values = _small_values(sharded.read_extra(path, weights_only, mmap=True), extra)
@@ -106,16 +134,15 @@ def inspect(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
             if key != META_KEY:
                 _tensors(key, value, tensors)
         extra = [k for k in checkpoint if k != META_KEY and kinds.get(k) not in ("module", "optimizer")]
-        info = {
-            "format": "full" if meta else "plain torch file",
-            **{k: meta.get(k) for k in ("version", "world_size", "strategy", "precision")},
-        }
+        info = {"format": "full" if meta else "plain torch file", **{k: meta.get(k) for k in _DESCRIBED}}
         values = _small_values(checkpoint, extra)
     info["entries"] = kinds
     info["extra_entries"] = extra
     info["values"] = values
     info["tensors"] = tensors
     info["total_bytes"] = sum(t["bytes"] for t in tensors)
+    if checked is not None:
+        info["verify"] = checked
     return info
 
 
@@ -123,12 +150,33 @@ def _ranks(world_size: Any) -> str:
     return count(world_size, "rank") if isinstance(world_size, int) else f"{world_size} rank(s)"
 
 
+def _mesh(mesh: Any) -> str:
+    if not isinstance(mesh, dict) or not mesh:
+        return "none recorded" if mesh is None else repr(mesh)
+    return " x ".join(f"{name} {size}" for name, size in mesh.items())
+
+
+def format_verification(checked: dict[str, Any]) -> list[str]:
+    if checked["checked"] is None and not checked["failures"]:
+        return ["verify: no checksums recorded (written before torchloom recorded them, or not by torchloom)"]
+    if not checked["failures"]:
+        return [f"verify: ok, {count(len(checked['checked']), 'file')} match their recorded checksums"]
+    lines = [f"verify: FAILED, {count(len(checked['failures']), 'problem')}:"]
+    lines += [f"  {message}" for message in checked["failures"]]
+    return lines
+
+
 def format_inspection(info: dict[str, Any]) -> str:
+    if "tensors" not in info:  # verification failed: nothing else was read
+        return "\n".join([f"format: {info['format']}", *format_verification(info["verify"])])
     lines = [
         f"format: {info['format']}",
         f"written by: {_ranks(info.get('world_size'))}, strategy {info.get('strategy')!r}, "
         f"precision {info.get('precision')!r}",
+        f"mesh: {_mesh(info.get('mesh'))}",
     ]
+    if "verify" in info:
+        lines += format_verification(info["verify"])
     if info.get("shard_files"):
         lines.append(f"shard files: {len(info['shard_files'])}")
     lines.append(f"tensors: {len(info['tensors'])}, total {info['total_bytes'] / 2**20:.2f} MiB")
@@ -161,10 +209,12 @@ def consolidate(
     fmt: str = "torch",
     max_shard_size: int | str = "5GB",
     weights_only: bool = True,
+    verify_files: bool = True,
 ) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into one file, in this process. Returns what was written.
     `weights_only=False` also unpickles arbitrary objects among the extra entries (only for checkpoints you
-    trust).
+    trust). With `verify_files`, the files it reads are checked against their recorded checksums first (the new
+    file gets a checksum of its own: consolidating a damaged checkpoint must not make it look intact).
 
     The result is torchloom's full format (model weights under their own names, optimizer state by parameter
     name, the other entries as saved), readable with plain `torch.load`. `model_only` keeps only the models:
@@ -184,6 +234,14 @@ def consolidate(
         raise CheckpointError(f"Unknown output format {fmt!r}: use 'torch', 'safetensors' or 'hf'.")
     _check_output(path, out, fmt)
     meta = sharded.read_meta(path)
+    if not model_only:
+        sharded.check_complete(path, meta)
+    if verify_files:
+        _, failures = sharded.verify_all(path, meta, skip=(sharded.EXTRA_FILE,) if model_only else ())
+        if failures:
+            raise CheckpointError(
+                " ".join(failures) + " (torchloom consolidate: pass --no-verify to consolidate it anyway)"
+            )
     md = sharded.read_dcp_metadata(path, weights_only)
     kinds = sharded.entry_kinds(meta, md)
     wanted = [
@@ -209,7 +267,10 @@ def consolidate(
             "format": "full",
             **run_state,
             "consolidated_from": str(path),
+            "checksum": integrity.ALGORITHM,  # full.write_file puts it in the file's zip comment
         }
+        result[META_KEY].pop("checksums", None)  # the sharded checkpoint's files, not this one's
+        result[META_KEY].pop(integrity.RECORD_DIGEST, None)
     elif len(wanted) == 1:
         result = result[wanted[0]]
     if fmt == "hf":

@@ -435,6 +435,17 @@ class ShardedStrategy(ParallelStrategy):
         return policy(param_dtype=self.precision.autocast_dtype, reduce_dtype=torch.float32)
 
     @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh's dims and sizes, outermost first (what a checkpoint records of its layout): "shard", with
+        "replicate" before it for hybrid sharding; a given DeviceMesh's own dim names where it has them."""
+        shape = self._mesh_shape()
+        names = self._mesh.mesh_dim_names if self._mesh is not None else None
+        if not names or len(names) != len(shape):
+            default = ("replicate", "shard") if len(shape) <= 2 else tuple(f"dim{i}" for i in range(len(shape)))
+            names = default[-len(shape) :]
+        return {str(n): int(k) for n, k in zip(names, shape, strict=True)}
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """The mesh units shard over, made on first use (after launch): `device_mesh=` as given (a tuple becomes
         a mesh of that shape), else for hybrid sharding (num_nodes, processes per node), else 1-D."""
