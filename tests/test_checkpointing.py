@@ -352,7 +352,9 @@ def test_a_checkpoint_carrying_a_malicious_pickle_runs_nothing(tmp_path):
     from torchloom.checkpointing import integrity
 
     meta = json.loads((sharded_path / "torchloom.json").read_text())
-    meta["checksums"]["files"]["extra.pt"] = integrity.entry(*integrity.file_digest(sharded_path / "extra.pt"))
+    meta["checksums"]["files"]["extra.pt"] = integrity.entry(
+        *integrity.file_digest(sharded_path / "extra.pt")
+    )
     (sharded_path / "torchloom.json").write_text(json.dumps(integrity.seal(meta)))
 
     loom = Loom(accelerator="cpu", devices=1)

@@ -114,7 +114,9 @@ def _pool() -> Any:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(_THREADS, cores)), thread_name_prefix="torchloom-sum")
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, min(_THREADS, cores)), thread_name_prefix="torchloom-sum"
+        )
     return _POOL
 
 
@@ -143,7 +145,10 @@ def _range_sums(path: Path, start: int, stop: int) -> bytes:
     """The row sums of bytes [start, stop) of `path` (both multiples of a row), memory-mapped."""
     if stop <= start:
         return b""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), stop - start, access=mmap.ACCESS_READ, offset=start) as mapped:
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), stop - start, access=mmap.ACCESS_READ, offset=start) as mapped,
+    ):
         view = memoryview(mapped)
         length = stop - start
         pieces = [view[i : min(i + _PIECE, length)] for i in range(0, length, _PIECE)]

@@ -441,7 +441,9 @@ class ShardedStrategy(ParallelStrategy):
         shape = self._mesh_shape()
         names = self._mesh.mesh_dim_names if self._mesh is not None else None
         if not names or len(names) != len(shape):
-            default = ("replicate", "shard") if len(shape) <= 2 else tuple(f"dim{i}" for i in range(len(shape)))
+            default = (
+                ("replicate", "shard") if len(shape) <= 2 else tuple(f"dim{i}" for i in range(len(shape)))
+            )
             names = default[-len(shape) :]
         return {str(n): int(k) for n, k in zip(names, shape, strict=True)}
 
