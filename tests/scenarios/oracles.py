@@ -83,8 +83,12 @@ def _allowed_update_error(scenario: Scenario, reference: dict, initial: dict, me
     return max(UPDATE_ERROR[scenario.precision], 2 * noise)
 
 
-def _global(rank_results: list[dict], key: str = "seen") -> list[list[int]]:
-    """Each micro-batch's global batch: the union of the ranks' samples, sorted."""
+def _global(rank_results: list[dict], tp: int = 1, key: str = "seen") -> list[list[int]]:
+    """Each micro-batch's global batch: the union of the data-parallel ranks' samples, sorted (the ranks of one
+    tensor-parallel group, consecutive in the mesh, read the same batch: every tp-th rank stands for its group)."""
+    if any(r[key] != rank_results[(i // tp) * tp][key] for i, r in enumerate(rank_results)):
+        return [[-2]]  # a tensor-parallel group whose ranks read different batches
+    rank_results = rank_results[::tp]
     steps = len(rank_results[0][key])
     if any(len(r[key]) != steps for r in rank_results):
         return [[-1]]
@@ -148,9 +152,10 @@ def judge(
     if scenario.precision != "32-true" and _max_diff(reference["params"], initial) < 1e-3:
         problems.append("the reference hardly moved: the low-precision tolerance has no teeth")
     # (a) every rank's gathered parameters and optimizer state against one process on the global batch.
-    if _global(trained) != reference["batches"]:
+    if _global(trained, scenario.tp("train")) != reference["batches"]:
         problems.append(
-            f"train: global batches differ from the sampler's order:\n{_global(trained)}\nvs\n{reference['batches']}"
+            f"train: global batches differ from the sampler's order:\n{_global(trained, scenario.tp('train'))}"
+            f"\nvs\n{reference['batches']}"
         )
     for rank, res in enumerate(trained):
         if rank and _max_diff(res["params"], trained[0]["params"]) != 0:
@@ -199,12 +204,16 @@ def judge(
     after = scenario.save_step * accumulation(scenario)
     if resumed[0]["loaded_step"] != scenario.save_step:
         problems.append(f"resume: loaded step {resumed[0]['loaded_step']}, saved at {scenario.save_step}")
-    if _global(resumed) != reference["batches"][after:]:
+    seen = _global(resumed, scenario.tp("resume"))
+    if seen != reference["batches"][after:]:
         problems.append(
-            f"resume: global batches after the load differ from the uninterrupted run's:\n{_global(resumed)}\n"
+            f"resume: global batches after the load differ from the uninterrupted run's:\n{seen}\n"
             f"vs\n{reference['batches'][after:]}"
         )
     uninterrupted = trained[0]
+    if scenario.ckpt_state != "all":
+        # What the checkpoint did not hold restarts at the load: plain torch says where that run ends.
+        uninterrupted = train_reference(scenario, initial, restart=True)
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)
     for rank, res in enumerate(resumed):
         if problem := _params_problem(

@@ -37,7 +37,7 @@ REFUSALS.append(
     Refusal(
         name="tie across units",
         applies=lambda s: (
-            s.strategy in ("fsdp", "fsdp2") and s.tied and s.units == "hand" and not s.leftovers
+            s.strategy in ("fsdp", "fsdp2", "model_parallel") and s.tied and s.units == "hand" and not s.leftovers
         ),
         error="MisuseError",
         fragment="sit in two different FSDP units",
@@ -49,7 +49,9 @@ REFUSALS.append(
     Refusal(
         name="fused SGD on DTensors",
         # Under fsdp2 every parameter in a unit is a DTensor; "none" puts everything in the root unit.
-        applies=lambda s: s.strategy == "fsdp2" and s.optimizer == "sgd" and s.impl == "fused",
+        applies=lambda s: (
+            s.strategy in ("fsdp2", "model_parallel") and s.optimizer == "sgd" and s.impl == "fused"
+        ),
         error="MisuseError",
         fragment="SGD(fused=True) cannot update sharded parameters",
         reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have one",
@@ -67,6 +69,34 @@ REFUSALS.append(
     )
 )
 
+REFUSALS.append(
+    Refusal(
+        name="cpu_offload on a CPU job",
+        applies=lambda s: s.offload,
+        error="ConfigurationError",
+        fragment="but this job already runs on the CPU",
+        reason="cpu_offload moves sharded parameters from the GPU to host memory: on a CPU job there is nothing "
+        "to offload (the CUDA suite runs offload)",
+    )
+)
+
+for _phase in ("train", "resume"):
+    REFUSALS.append(
+        Refusal(
+            name="tensor-parallel leftovers with data parallel",
+            # The sequence-parallel final norm outside every unit is a tensor-parallel DTensor that no unit
+            # averages over the data-parallel ranks.
+            applies=lambda s, phase=_phase: (
+                s.strategy == "model_parallel" and s.seq_parallel and s.leftovers and s.dp(phase) > 1
+            ),
+            error="MisuseError",
+            fragment="are tensor-parallel DTensors outside every fully_shard unit",
+            reason="parameters that parallelize_fn made tensor-parallel but left outside every fully_shard unit "
+            "have no data-parallel gradient averaging (the user must put them in a unit)",
+            phase=_phase,
+        )
+    )
+
 
 @dataclass(frozen=True)
 class KnownFailure:
@@ -79,7 +109,30 @@ class KnownFailure:
     runs: bool = True  # False: running it kills its rank group, so it is not run
 
 
+# Defects of issue 34 being fixed on other branches: each entry goes when its fix is merged.
+ISSUE_34: list[KnownFailure] = [
+    KnownFailure(
+        name="clipping with tensor parallel only and a sequence-parallel norm outside the units",
+        applies=lambda s: (
+            s.strategy == "model_parallel"
+            and s.seq_parallel
+            and s.leftovers
+            and s.mesh == "1x2"
+            and s.clip != "none"
+        ),
+        reason="issue 34 item 1, fixed on another branch: at dp 1 x tp 2 the SequenceParallel norm's gradients "
+        "reach clip_gradients as Partial(sum) DTensors; the norm and the value clipping treat them as reduced",
+    ),
+    KnownFailure(
+        name="the user's DistributedSampler cannot resume",
+        applies=lambda s: s.sampler == "user_dist" and s.saves,
+        reason="issue 34 item 3, fixed on branch data: the load refuses 'this loader's sampler "
+        "(DistributedSampler) cannot start there', advising use_distributed_sampler=True, which changes nothing",
+    ),
+]
+
 KNOWN_FAILURES: list[KnownFailure] = [
+    *ISSUE_34,
     KnownFailure(
         name="FSDP1 tie across units aborts",
         applies=lambda s: s.strategy == "fsdp" and s.tied and s.units == "hand" and not s.leftovers,
