@@ -123,10 +123,7 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     # What model_parallel implies, on the axes a partial assignment may fix first.
     for mp_only in (get("seq_parallel") is True, get("load_tp") == 2):
         if mp_only and (
-            ws in (1, 3)
-            or mesh == "flat"
-            or get("units") not in (None, "hand")
-            or get("offload") is True
+            ws in (1, 3) or mesh == "flat" or get("units") not in (None, "hand") or get("offload") is True
         ):
             return True
     if get("checkpoint") == "sharded" and strategy in ("single", "ddp"):

@@ -12,7 +12,9 @@ from .axes import AXES, COSTLY, WEIGHTS, Scenario, conflicts
 Pair = tuple[tuple[str, Any], tuple[str, Any]]
 
 # The axes of the pairwise set: every value but the costly ones (run by `extras` instead).
-PAIRWISE_AXES = {axis: tuple(v for v in values if v not in COSTLY.get(axis, ())) for axis, values in AXES.items()}
+PAIRWISE_AXES = {
+    axis: tuple(v for v in values if v not in COSTLY.get(axis, ())) for axis, values in AXES.items()
+}
 
 
 def feasible_pairs(axes: dict[str, tuple[Any, ...]] = PAIRWISE_AXES) -> set[Pair]:

@@ -37,7 +37,10 @@ REFUSALS.append(
     Refusal(
         name="tie across units",
         applies=lambda s: (
-            s.strategy in ("fsdp", "fsdp2", "model_parallel") and s.tied and s.units == "hand" and not s.leftovers
+            s.strategy in ("fsdp", "fsdp2", "model_parallel")
+            and s.tied
+            and s.units == "hand"
+            and not s.leftovers
         ),
         error="MisuseError",
         fragment="sit in two different FSDP units",
@@ -119,6 +122,8 @@ ISSUE_34: list[KnownFailure] = [
             and s.leftovers
             and s.mesh == "1x2"
             and s.clip != "none"
+            # low precision's tolerance hides it (norms 0.25% off, 1e-4 in the weights)
+            and s.precision == "32-true"
         ),
         reason="issue 34 item 1, fixed on another branch: at dp 1 x tp 2 the SequenceParallel norm's gradients "
         "reach clip_gradients as Partial(sum) DTensors; the norm and the value clipping treat them as reduced",

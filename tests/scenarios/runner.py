@@ -52,7 +52,8 @@ from .model import (
     micro_loss,
 )
 
-COMPILE_BACKEND = "aot_eager"  # dynamo and AOT autograd; inductor's C++ build takes a minute per process on CPU
+# Dynamo and AOT autograd; inductor's C++ build takes a minute per process on CPU.
+COMPILE_BACKEND = "aot_eager"
 
 COLLECTIVE_TIMEOUT = timedelta(
     seconds=60
@@ -317,7 +318,9 @@ def _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters
     return state
 
 
-def _train(loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to: str | None) -> list:
+def _train(
+    loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to: str | None
+) -> list:
     """Train from `counters["step"]` to STEPS; returns this rank's sample indices of every micro-batch, and the
     gradient norms `clip_gradients` returned."""
     accum = accumulation(scenario)
