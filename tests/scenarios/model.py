@@ -161,10 +161,14 @@ def split_params(named: list[tuple[str, torch.Tensor]], n_opt: int) -> list[list
     ]
 
 
+# Adam's eps well above 1e-8: its first step is lr * g / (|g| + eps), so with the default a gradient element
+# that happens to be near zero (1.5e-7 among elements of 0.026, found by a random run) turns its rounding into
+# a step of up to lr in either direction; a run that sums in another order (tensor parallel) cannot match that
+# to 1e-5. With 1e-4 such an element hardly moves, and the others take Adam's steps.
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9}),
-    "adam": (torch.optim.Adam, {"lr": 1e-2}),
-    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adam": (torch.optim.Adam, {"lr": 1e-2, "eps": 1e-4}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-4}),
 }
 IMPL = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -209,7 +213,8 @@ def clip_arguments(scenario) -> dict[str, float]:
 
 def micro_loss(scenario, out: torch.Tensor, y: torch.Tensor, n_a: int) -> torch.Tensor:
     """Each rank's (or the reference's) loss for one micro-batch: the mean over its own samples, per loader."""
-    out = out.float()
+    if out.dtype in (torch.float16, torch.bfloat16):
+        out = out.float()
     loss = nn.functional.mse_loss(out[:n_a], y[:n_a])
     if scenario.loop == "two_loaders":
         loss = loss + nn.functional.mse_loss(out[n_a:], y[n_a:])

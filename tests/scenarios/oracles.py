@@ -68,14 +68,27 @@ def _params_problem(
         return f"{what}: different parameter names: {sorted(set(got) ^ set(expected))}"
     if scenario.precision == "32-true":
         d = _max_diff(got, expected)
-        return None if d <= FP32_TOLERANCE else f"{what} by {d:.3g} (fp32 allows {FP32_TOLERANCE})"
+        return None if d <= allowed else f"{what} by {d:.3g} (fp32 allows {allowed:.3g})"
     err = _update_error(got, expected, initial)
     return None if err <= allowed else f"{what}: relative update error {err:.3g} (allowed {allowed:.3g})"
 
 
 def _allowed_update_error(scenario: Scenario, reference: dict, initial: dict, metrics: dict) -> float:
+    """fp32: the largest difference allowed; low precision: the relative update error allowed."""
     if scenario.precision == "32-true":
-        return 0.0
+        # fp32's own noise in this scenario: how far the reference lands from itself with each global batch's
+        # samples summed in the reverse order, and from the same training in float64. Adam turns the rounding
+        # of a gradient element that happens to be near zero into a step of up to lr: a random run found a
+        # scenario whose first gradient held 1.5e-7 among elements of 0.026, where plain torch in another
+        # summation order lands 1.8e-5 away (SGD, linear in the gradient, reproduces it to 3e-8).
+        reordered = train_reference(scenario, initial, reverse_batches=True)
+        exact = train_reference(scenario, initial, float64=True)
+        noise = max(
+            _max_diff(reference["params"], reordered["params"]),
+            _max_diff(reference["params"], exact["params"]),
+        )
+        metrics["precision_noise"] = noise
+        return max(FP32_TOLERANCE, 2 * noise)
     fp32 = Scenario.of(**{**scenario.as_dict(), "precision": "32-true"})
     noise = _update_error(reference["params"], train_reference(fp32, initial)["params"], initial)
     metrics["precision_noise"] = noise
@@ -171,7 +184,7 @@ def judge(
             problems.append(problem)
         if scenario.precision == "32-true":
             od, where = _optim_diff(res["optim"], reference["optim"])
-            if not od <= FP32_TOLERANCE:
+            if not od <= allowed:
                 problems.append(
                     f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}"
                 )
@@ -226,7 +239,7 @@ def judge(
         ):
             problems.append(problem)
         od, where = _optim_diff(res["optim"], uninterrupted["optim"])
-        if scenario.precision == "32-true" and not od <= FP32_TOLERANCE:
+        if scenario.precision == "32-true" and not od <= allowed:
             problems.append(
                 f"resume: rank {rank} optimizer state off the uninterrupted run by {od:.3g} at {where}"
             )
