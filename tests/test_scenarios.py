@@ -14,7 +14,7 @@ from scenarios.engine import run_scenarios
 from scenarios.generator import feasible_pairs, make_test_set, pairs_of
 from scenarios.refusals import known_failure
 
-SCENARIOS = make_test_set(seed=0)
+SCENARIOS = make_test_set()
 
 
 @pytest.fixture(scope="module")

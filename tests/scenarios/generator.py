@@ -176,7 +176,8 @@ def extras() -> list[Scenario]:
     }
     return [
         # dp 2 x tp 2 with sequence parallel, activation checkpointing, accumulation and norm clipping, saved
-        # sharded and resumed on a (4, 1) mesh.
+        # sharded and resumed on 2 ranks at dp 2 x tp 1 (the resumes stay off 4 ranks: a 4-rank group costs
+        # the most; random samples resume on (4, 1) too).
         Scenario.of(
             **{
                 **mp,
@@ -187,10 +188,10 @@ def extras() -> list[Scenario]:
                 "clip": "norm",
                 "checkpoint": "sharded",
                 "save_step": 1,
-                "load_world_size": 4,
+                "load_world_size": 2,
             }
         ),
-        # HSDP: fsdp2 over 2 replicas of 2 shards, Adam, bf16-mixed, a full checkpoint resumed flat on 4.
+        # HSDP: fsdp2 over 2 replicas of 2 shards, Adam, bf16-mixed, a full checkpoint resumed 1-D on 2.
         Scenario.of(
             **{
                 **mp,
@@ -199,7 +200,7 @@ def extras() -> list[Scenario]:
                 "precision": "bf16-mixed",
                 "checkpoint": "full",
                 "save_step": 3,
-                "load_world_size": 4,
+                "load_world_size": 2,
             }
         ),
         # torch.compile of the tensor-parallel blocks (then checkpoint-wrapped), dp 1 x tp 2.
@@ -209,7 +210,11 @@ def extras() -> list[Scenario]:
     ]
 
 
-def make_test_set(seed: int = 0) -> list[Scenario]:
+# The seed of `make test`'s set: among the first few, the one whose greedy set is smallest (34 scenarios).
+PAIRWISE_SEED = 1
+
+
+def make_test_set(seed: int = PAIRWISE_SEED) -> list[Scenario]:
     """What `make test` runs: the pairwise set, the baselines, the costly values' scenarios and the
     regressions."""
     chosen = pairwise(seed)
