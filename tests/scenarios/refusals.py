@@ -110,6 +110,7 @@ class KnownFailure:
     applies: Callable[[Scenario], bool]
     reason: str
     runs: bool = True  # False: running it kills its rank group, so it is not run
+    phase: str = "train"  # where it fails: "resume" ones are preempted by a declared refusal of the load
 
 
 # Defects of issue 34 being fixed on other branches: each entry goes when its fix is merged.
@@ -136,11 +137,24 @@ ISSUE_34: list[KnownFailure] = [
         applies=lambda s: s.sampler == "user_dist" and s.saves,
         reason="issue 34 item 3, fixed on branch data: the load refuses 'this loader's sampler "
         "(DistributedSampler) cannot start there', advising use_distributed_sampler=True, which changes nothing",
+        phase="resume",
     ),
 ]
 
 KNOWN_FAILURES: list[KnownFailure] = [
     *ISSUE_34,
+    KnownFailure(
+        name="FSDP1 policy units with activation checkpointing do not load",
+        applies=lambda s: (
+            s.strategy == "fsdp" and s.units == "root" and not s.leftovers and s.act_ckpt and s.saves
+        ),
+        reason="found by the random run (issue 34's new axes), not fixed: FSDPStrategy(auto_wrap_policy={Block}, "
+        "activation_checkpointing_policy={Block}) trains and saves right, but loom.load in the fresh job fails: "
+        "a full checkpoint with torch's 'Missing key(s) ... Unexpected key(s)' listing the same block names, "
+        "a sharded one with KeyError 'blocks.0._fsdp_wrapped_module.norm.weight' in the optimizer's load. "
+        "Without the checkpointing, with units by hand, under fsdp2: it loads",
+        phase="resume",
+    ),
     KnownFailure(
         name="FSDP1 tie across units aborts",
         applies=lambda s: s.strategy == "fsdp" and s.tied and s.units == "hand" and not s.leftovers,
@@ -173,4 +187,6 @@ def known_failure(scenario: Scenario) -> KnownFailure | None:
         return known  # the ranks die before the declared refusal can be raised
     if declared(scenario, "train") is not None:
         return None  # refused before the defect could show
+    if known is not None and known.phase == "resume" and declared(scenario, "resume") is not None:
+        return None  # the load is refused before the defect could show
     return known
