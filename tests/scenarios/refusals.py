@@ -144,18 +144,6 @@ ISSUE_34: list[KnownFailure] = [
 KNOWN_FAILURES: list[KnownFailure] = [
     *ISSUE_34,
     KnownFailure(
-        name="FSDP1 policy units with activation checkpointing do not load",
-        applies=lambda s: (
-            s.strategy == "fsdp" and s.units == "root" and not s.leftovers and s.act_ckpt and s.saves
-        ),
-        reason="found by the random run (issue 34's new axes), not fixed: FSDPStrategy(auto_wrap_policy={Block}, "
-        "activation_checkpointing_policy={Block}) trains and saves right, but loom.load in the fresh job fails: "
-        "a full checkpoint with torch's 'Missing key(s) ... Unexpected key(s)' listing the same block names, "
-        "a sharded one with KeyError 'blocks.0._fsdp_wrapped_module.norm.weight' in the optimizer's load. "
-        "Without the checkpointing, with units by hand, under fsdp2: it loads",
-        phase="resume",
-    ),
-    KnownFailure(
         name="FSDP1 tie across units aborts",
         applies=lambda s: s.strategy == "fsdp" and s.tied and s.units == "hand" and not s.leftovers,
         reason="FSDP1 units made by hand with wrap() around two modules sharing a weight: torch's "

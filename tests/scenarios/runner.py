@@ -199,7 +199,7 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
     else:
         with loom.init_module():
             model = Net(scenario.tied)
-        if scenario.act_ckpt:  # no strategy option for it: the user wraps the blocks
+        if scenario.act_ckpt and scenario.strategy in ("single", "ddp"):  # no strategy option: the user wraps
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
             for i, block in enumerate(model.blocks):
