@@ -170,9 +170,11 @@ KNOWN_FAILURES: list[KnownFailure] = [
 
 
 def known_failure(scenario: Scenario) -> KnownFailure | None:
-    known = next((k for k in KNOWN_FAILURES if k.applies(scenario)), None)
-    if known is not None and not known.runs:
-        return known  # the ranks die before the declared refusal can be raised
+    matching = [k for k in KNOWN_FAILURES if k.applies(scenario)]
+    fatal = [k for k in matching if not k.runs]
+    if fatal:
+        return fatal[0]  # the ranks die before the declared refusal (or another known failure) can show
+    known = matching[0] if matching else None
     if declared(scenario, "train") is not None:
         return None  # refused before the defect could show
     if known is not None and known.phase == "resume" and declared(scenario, "resume") is not None:
