@@ -26,11 +26,15 @@ class Refusal:
 REFUSALS: list[Refusal] = []
 
 
+def declared_all(scenario: Scenario, phase: str) -> list[Refusal]:
+    """Every refusal that applies to the scenario in that phase."""
+    return [r for r in REFUSALS if r.phase == phase and r.applies(scenario)]
+
+
 def declared(scenario: Scenario, phase: str) -> Refusal | None:
-    for refusal in REFUSALS:
-        if refusal.phase == phase and refusal.applies(scenario):
-            return refusal
-    return None
+    """The first refusal that applies (any of `declared_all` may be the one raised)."""
+    found = declared_all(scenario, phase)
+    return found[0] if found else None
 
 
 REFUSALS.append(
