@@ -25,9 +25,10 @@ AXES: dict[str, tuple[Any, ...]] = {
     # Parameters outside every block unit (the input and output projections) stay outside every unit.
     "leftovers": (True, False),
     "tied": (False, True),  # the output projection's weight is the input projection's
-    # model_parallel with tensor parallel: the blocks' norms are SequenceParallel, and the residual stream inside
-    # each block is sharded along the sequence between the tensor-parallel regions.
-    "seq_parallel": (False, True),
+    # model_parallel with tensor parallel: "blocks": the blocks' norms are SequenceParallel, and the residual
+    # stream inside each block is sharded along the sequence between the tensor-parallel regions; "blocks+norm":
+    # the final norm too (outside the units with leftovers: a tensor-parallel leftover).
+    "seq_parallel": (False, "blocks", "blocks+norm"),
     # Activation checkpointing of the blocks: the strategy's activation_checkpointing_policy (fsdp, fsdp2), or
     # the user's checkpoint_wrapper (single, ddp: before setup; model_parallel: in parallelize_fn).
     "act_ckpt": (False, True),
@@ -114,14 +115,14 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     if strategy in ("single", "ddp") and get("leftovers") is True:
         return True
     # Sequence parallel needs tensor parallel (model_parallel with tp = 2).
-    if get("seq_parallel") is True and (
+    if get("seq_parallel") not in (None, False) and (
         strategy not in (None, "model_parallel") or mesh not in (None, "1x2", "2x2")
     ):
         return True
     if get("offload") is True and strategy not in (None, *SHARDED):
         return True
     # What model_parallel implies, on the axes a partial assignment may fix first.
-    for mp_only in (get("seq_parallel") is True, get("load_tp") == 2):
+    for mp_only in (get("seq_parallel") not in (None, False), get("load_tp") == 2):
         if mp_only and (
             ws in (1, 3) or mesh == "flat" or get("units") not in (None, "hand") or get("offload") is True
         ):
@@ -218,7 +219,7 @@ class Scenario:
         extras = "".join(
             f"-{name}"
             for name, on in (
-                ("sp", v["seq_parallel"]),
+                ({"blocks": "sp", "blocks+norm": "sp+norm"}.get(v["seq_parallel"], ""), v["seq_parallel"]),
                 ("ac", v["act_ckpt"]),
                 ("compile", v["compile"]),
                 ("offload", v["offload"]),

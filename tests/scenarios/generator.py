@@ -182,7 +182,7 @@ def extras() -> list[Scenario]:
         Scenario.of(
             **{
                 **mp,
-                "seq_parallel": True,
+                "seq_parallel": "blocks+norm",
                 "leftovers": False,  # the sequence-parallel norm in a unit: dp 2 needs it there
                 "act_ckpt": True,
                 "accum": "no_backward_sync",
@@ -212,8 +212,8 @@ def extras() -> list[Scenario]:
 # Values only the random samples hold (`make test`'s set has no scenario with them).
 RANDOM_ONLY: dict[str, tuple[Any, ...]] = {"compile": (True,), "load_world_size": (4,)}
 
-# The seed of `make test`'s set: among the first few, the one whose greedy set is smallest (34 scenarios).
-PAIRWISE_SEED = 1
+# The seed of `make test`'s set: among the first 25, the one whose greedy set is smallest (37 scenarios).
+PAIRWISE_SEED = 6
 
 
 def make_test_set(seed: int = PAIRWISE_SEED) -> list[Scenario]:

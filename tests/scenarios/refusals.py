@@ -94,7 +94,10 @@ for _phase in ("train", "resume"):
             # The sequence-parallel final norm outside every unit is a tensor-parallel DTensor that no unit
             # averages over the data-parallel ranks.
             applies=lambda s, phase=_phase: (
-                s.strategy == "model_parallel" and s.seq_parallel and s.leftovers and s.dp(phase) > 1
+                s.strategy == "model_parallel"
+                and s.seq_parallel == "blocks+norm"
+                and s.leftovers
+                and s.dp(phase) > 1
             ),
             error="MisuseError",
             fragment="are tensor-parallel DTensors outside every fully_shard unit",
@@ -123,7 +126,7 @@ ISSUE_34: list[KnownFailure] = [
         name="clipping with tensor parallel only and a sequence-parallel norm outside the units",
         applies=lambda s: (
             s.strategy == "model_parallel"
-            and s.seq_parallel
+            and s.seq_parallel == "blocks+norm"
             and s.leftovers
             and s.mesh == "1x2"
             # Each tensor-parallel rank takes its own partial sums for the total norm: different clipping

@@ -100,7 +100,7 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
             ),
         )
 
-    if scenario.seq_parallel:  # the final norm too: a tensor-parallel leftover, or a unit of its own
+    if scenario.seq_parallel == "blocks+norm":  # a tensor-parallel leftover, or a unit of its own
         # (hooks run in the order they were registered: slice to a local shard, then SequenceParallel's own)
         sequence_sharded_inside(model.norm)
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
