@@ -12,14 +12,31 @@ from dataclasses import dataclass
 from typing import Any
 
 AXES: dict[str, tuple[Any, ...]] = {
-    "strategy": ("single", "ddp", "fsdp", "fsdp2"),
-    "world_size": (1, 2, 3),
+    # "model_parallel": ModelParallelStrategy, tensor parallel on the blocks' MLPs with fully_shard over the
+    # data-parallel ranks, in the user's parallelize_fn (model.parallelize).
+    "strategy": ("single", "ddp", "fsdp", "fsdp2", "model_parallel"),
+    "world_size": (1, 2, 3, 4),
+    # The device mesh. "flat": the strategy's 1-D default. "RxC" under fsdp2: HSDP, device_mesh=(R replicas, C
+    # shards); under model_parallel: data_parallel_size=R x tensor_parallel_size=C.
+    "mesh": ("flat", "1x2", "2x1", "2x2"),
     # FSDP layouts: "hand" = units made by the user (wrap()/fully_shard on the blocks), "root" = the root is a
     # unit around the blocks' units (a policy, or unsharded_params="shard"), "none" = no unit but the root.
     "units": ("hand", "root", "none"),
     # Parameters outside every block unit (the input and output projections) stay outside every unit.
     "leftovers": (True, False),
     "tied": (False, True),  # the output projection's weight is the input projection's
+    # model_parallel with tensor parallel: "blocks": the blocks' norms are SequenceParallel, and the residual
+    # stream inside each block is sharded along the sequence between the tensor-parallel regions; "blocks+norm":
+    # the final norm too (outside the units with leftovers: a tensor-parallel leftover).
+    "seq_parallel": (False, "blocks", "blocks+norm"),
+    # Activation checkpointing of the blocks: the strategy's activation_checkpointing_policy (fsdp, fsdp2), or
+    # the user's checkpoint_wrapper (single, ddp: before setup; model_parallel: in parallelize_fn).
+    "act_ckpt": (False, True),
+    # torch.compile (backend "aot_eager": dynamo and AOT autograd, without inductor's C++ build, which takes a
+    # minute per process on CPU): the whole model before setup_module, or each block in parallelize_fn.
+    "compile": (False, True),
+    # cpu_offload=True (fsdp, fsdp2): a CPU job refuses it (declared refusal); the CUDA suite runs it.
+    "offload": (False, True),
     "optimizer": ("sgd", "adam", "adamw"),
     "impl": ("forloop", "foreach", "fused"),
     "n_opt": (1, 2),  # one optimizer, or one for the blocks and one for the rest
@@ -29,15 +46,44 @@ AXES: dict[str, tuple[Any, ...]] = {
     "accum": ("none", "no_backward_sync", "plain"),  # 2 micro-batches per step, with or without the context
     "set_to_none": (True, False),
     "clip": ("none", "norm", "value"),
+    # The main loader's sampler, as the user builds it: "auto" (shuffle=True with its own generator: the
+    # strategy's DistributedSampler), "user_dist" (the user's own DistributedSampler over the data-parallel
+    # ranks), "custom" (a Sampler class of the user's with __len__, drawing from its own generator),
+    # "batch_sampler" (DataLoader(batch_sampler=BatchSampler(RandomSampler(generator=...)))).
+    "sampler": ("auto", "user_dist", "custom", "batch_sampler"),
     # "subset": epochs over a loader whose sampler is a SubsetRandomSampler with its own generator (one device
     # reads it as it is, DDP and FSDP draw it whole each pass and split it, as Fabric's DistributedSamplerWrapper).
     "loop": ("endless", "epoch", "break", "two_loaders", "subset"),
     "checkpoint": ("none", "full", "sharded", "async"),
+    # What the checkpoint holds: "all"; "filter": save(filter={"model": blocks only}), loaded with strict=False
+    # (the projections restart from their initial values); "partial": the optimizers neither saved nor loaded
+    # (they restart empty).
+    "ckpt_state": ("all", "filter", "partial"),
     "save_step": (1, 3),
-    "load_world_size": (1, 2, 3),
+    "load_world_size": (1, 2, 3, 4),
+    # model_parallel: the tensor-parallel size at load (data-parallel size = load_world_size / load_tp).
+    "load_tp": (1, 2),
 }
 
 SHARDED = ("fsdp", "fsdp2")
+MESHES = {"1x2": (1, 2), "2x1": (2, 1), "2x2": (2, 2)}
+
+# Values the pairwise set of `make test` leaves out (each costs much more than a scenario: 4 ranks on 2 cores,
+# a compile), run there by a few scenarios of their own (generator.extras) and by the random samples.
+COSTLY: dict[str, tuple[Any, ...]] = {
+    "world_size": (4,),
+    "mesh": ("2x2",),
+    "load_world_size": (4,),
+    "compile": (True,),
+    "offload": (True,),
+}
+# How often random samples draw a value (default 1): compile is slow on CPU and offload only a refusal here.
+WEIGHTS: dict[str, dict[Any, float]] = {
+    "compile": {True: 0.12},
+    "offload": {True: 0.1},
+    "world_size": {4: 0.5},
+    "load_world_size": {4: 0.5},
+}
 
 
 def conflicts(values: Mapping[str, Any]) -> bool:
@@ -45,23 +91,71 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     partial assignment that passes can always be completed."""
     get = values.get
     strategy = get("strategy")
-    if strategy == "single" and get("world_size") not in (None, 1):
+    ws, mesh = get("world_size"), get("mesh")
+    if strategy == "single" and ws not in (None, 1):
         return True
+    # Meshes: HSDP is fsdp2's, dp x tp is model_parallel's (which always has one), 2x2 is the 4-rank mesh.
+    if mesh not in (None, "flat") and strategy not in (None, "fsdp2", "model_parallel"):
+        return True
+    if strategy == "model_parallel" and (mesh == "flat" or ws in (1, 3)):
+        return True
+    if ws == 4 and strategy not in (None, "fsdp2", "model_parallel"):
+        return True
+    if ws is not None and mesh is not None:
+        if (mesh == "2x2") != (ws == 4) or (mesh in ("1x2", "2x1") and ws != 2):
+            return True
     # Units and leftovers are FSDP notions; a model under one process or DDP is "no units, no leftovers".
+    # model_parallel's units are the user's (fully_shard in parallelize_fn).
     if strategy in ("single", "ddp") and get("units") not in (None, "none"):
+        return True
+    if strategy == "model_parallel" and get("units") not in (None, "hand"):
         return True
     if get("units") == "none" and get("leftovers") is True:
         return True
     if strategy in ("single", "ddp") and get("leftovers") is True:
         return True
+    # Sequence parallel needs tensor parallel (model_parallel with tp = 2).
+    if get("seq_parallel") not in (None, False) and (
+        strategy not in (None, "model_parallel") or mesh not in (None, "1x2", "2x2")
+    ):
+        return True
+    if get("offload") is True and strategy not in (None, *SHARDED):
+        return True
+    # What model_parallel implies, on the axes a partial assignment may fix first.
+    for mp_only in (get("seq_parallel") not in (None, False), get("load_tp") == 2):
+        if mp_only and (
+            ws in (1, 3) or mesh == "flat" or get("units") not in (None, "hand") or get("offload") is True
+        ):
+            return True
     if get("checkpoint") == "sharded" and strategy in ("single", "ddp"):
         return True
     # Without a checkpoint, when and where it would load means nothing: pin them.
     if get("checkpoint") == "none" and (
-        get("save_step") not in (None, 1) or get("load_world_size") not in (None, 1)
+        get("save_step") not in (None, 1)
+        or get("load_world_size") not in (None, 1)
+        or get("ckpt_state") not in (None, "all")
+        or get("load_tp") not in (None, 1)
     ):
         return True
+    if get("load_tp") == 2 and (
+        strategy not in (None, "model_parallel") or get("load_world_size") not in (None, 2, 4)
+    ):
+        return True
+    # Fresh optimizers after the load would meet schedulers that were restored: not one coherent run.
+    if get("ckpt_state") == "partial" and get("scheduler") is True:
+        return True
+    # The user's samplers replace the loop's own sampler (the "subset" loop is a sampler choice of its own).
+    if get("sampler") not in (None, "auto") and get("loop") == "subset":
+        return True
     return False
+
+
+def mesh_of(strategy: str, mesh: str, world_size: int, tp: int | None = None) -> tuple[int, int]:
+    """(data-parallel ranks that read different data, tensor-parallel size)."""
+    if strategy == "model_parallel":
+        tp = MESHES[mesh][1] if tp is None else tp
+        return world_size // tp, tp
+    return world_size, 1
 
 
 @dataclass(frozen=True)
@@ -96,12 +190,41 @@ class Scenario:
     def saves(self) -> bool:
         return self.checkpoint != "none"
 
+    def tp(self, phase: str = "train") -> int:
+        """The tensor-parallel size in a phase ("train" or "resume"); 1 outside model_parallel."""
+        if self.strategy != "model_parallel":
+            return 1
+        return MESHES[self.mesh][1] if phase == "train" else self.load_tp
+
+    def dp(self, phase: str = "train") -> int:
+        """The ranks that read different data in a phase."""
+        return (self.world_size if phase == "train" else self.load_world_size) // self.tp(phase)
+
+    def load_mesh(self) -> tuple[int, ...] | None:
+        """fsdp2's HSDP mesh at load: the saved shape at the same world size, else the flat default (a reshard
+        from (replicas, shards) to one dimension)."""
+        if self.strategy != "fsdp2" or self.mesh == "flat" or self.load_world_size != self.world_size:
+            return None
+        return MESHES[self.mesh]
+
     @property
     def id(self) -> str:
         """A short readable name, unique per scenario (used as the pytest id and in reports)."""
         v = self.as_dict()
+        strategy = "mp" if v["strategy"] == "model_parallel" else v["strategy"]
+        mesh = "" if v["mesh"] == "flat" else f"[{v['mesh']}]"
         layout = (
             "" if v["strategy"] in ("single", "ddp") else f"-{v['units']}{'+lo' if v['leftovers'] else ''}"
+        )
+        extras = "".join(
+            f"-{name}"
+            for name, on in (
+                ({"blocks": "sp", "blocks+norm": "sp+norm"}.get(v["seq_parallel"], ""), v["seq_parallel"]),
+                ("ac", v["act_ckpt"]),
+                ("compile", v["compile"]),
+                ("offload", v["offload"]),
+            )
+            if on
         )
         opt = (
             f"{v['optimizer']}.{v['impl']}"
@@ -109,12 +232,14 @@ class Scenario:
             + ("g2" if v["groups"] == 2 else "")
         )
         opt += ".sched" if v["scheduler"] else ""
-        ckpt = (
-            ""
-            if v["checkpoint"] == "none"
-            else f"-{v['checkpoint']}@{v['save_step']}>w{v['load_world_size']}"
-        )
+        sampler = "" if v["sampler"] == "auto" else f"+{v['sampler']}"
+        ckpt = ""
+        if v["checkpoint"] != "none":
+            state = "" if v["ckpt_state"] == "all" else f".{v['ckpt_state']}"
+            load_tp = f"tp{v['load_tp']}" if v["strategy"] == "model_parallel" else ""
+            ckpt = f"-{v['checkpoint']}{state}@{v['save_step']}>w{v['load_world_size']}{load_tp}"
         return (
-            f"{v['strategy']}.w{v['world_size']}{layout}{'-tied' if v['tied'] else ''}-{opt}-{v['precision']}"
-            f"-acc.{v['accum']}-{'none' if v['set_to_none'] else 'zeros'}-clip.{v['clip']}-{v['loop']}{ckpt}"
+            f"{strategy}.w{v['world_size']}{mesh}{layout}{'-tied' if v['tied'] else ''}{extras}-{opt}"
+            f"-{v['precision']}-acc.{v['accum']}-{'none' if v['set_to_none'] else 'zeros'}-clip.{v['clip']}"
+            f"-{v['loop']}{sampler}{ckpt}"
         )

@@ -8,7 +8,7 @@ import torch
 from .axes import Scenario
 from .model import STEPS, accumulation
 from .reference import train_reference
-from .refusals import declared
+from .refusals import Refusal, declared, declared_all
 
 FP32_TOLERANCE = 1e-5
 # Low precisions cannot match fp32 to 1e-5. They are judged against how far training moved the weights, as the
@@ -68,14 +68,32 @@ def _params_problem(
         return f"{what}: different parameter names: {sorted(set(got) ^ set(expected))}"
     if scenario.precision == "32-true":
         d = _max_diff(got, expected)
-        return None if d <= FP32_TOLERANCE else f"{what} by {d:.3g} (fp32 allows {FP32_TOLERANCE})"
+        return None if d <= allowed else f"{what} by {d:.3g} (fp32 allows {allowed:.3g})"
     err = _update_error(got, expected, initial)
     return None if err <= allowed else f"{what}: relative update error {err:.3g} (allowed {allowed:.3g})"
 
 
-def _allowed_update_error(scenario: Scenario, reference: dict, initial: dict, metrics: dict) -> float:
+def _allowed_update_error(
+    scenario: Scenario, reference: dict, initial: dict, metrics: dict, noise_aware: bool = True
+) -> float:
+    """fp32: the largest difference allowed (`noise_aware`: at least twice fp32's own noise, else 1e-5); low
+    precision: the relative update error allowed."""
+    if scenario.precision == "32-true" and not noise_aware:
+        return FP32_TOLERANCE
     if scenario.precision == "32-true":
-        return 0.0
+        # fp32's own noise in this scenario: how far the reference lands from itself with each global batch's
+        # samples summed in the reverse order, and from the same training in float64. Adam turns the rounding
+        # of a gradient element that happens to be near zero into a step of up to lr: a random run found a
+        # scenario whose first gradient held 1.5e-7 among elements of 0.026, where plain torch in another
+        # summation order lands 1.8e-5 away (SGD, linear in the gradient, reproduces it to 3e-8).
+        reordered = train_reference(scenario, initial, reverse_batches=True)
+        exact = train_reference(scenario, initial, float64=True)
+        noise = max(
+            _max_diff(reference["params"], reordered["params"]),
+            _max_diff(reference["params"], exact["params"]),
+        )
+        metrics["precision_noise"] = noise
+        return max(FP32_TOLERANCE, 2 * noise)
     fp32 = Scenario.of(**{**scenario.as_dict(), "precision": "32-true"})
     noise = _update_error(reference["params"], train_reference(fp32, initial)["params"], initial)
     metrics["precision_noise"] = noise
@@ -83,8 +101,12 @@ def _allowed_update_error(scenario: Scenario, reference: dict, initial: dict, me
     return max(UPDATE_ERROR[scenario.precision], 2 * noise)
 
 
-def _global(rank_results: list[dict], key: str = "seen") -> list[list[int]]:
-    """Each micro-batch's global batch: the union of the ranks' samples, sorted."""
+def _global(rank_results: list[dict], tp: int = 1, key: str = "seen") -> list[list[int]]:
+    """Each micro-batch's global batch: the union of the data-parallel ranks' samples, sorted (the ranks of one
+    tensor-parallel group, consecutive in the mesh, read the same batch: every tp-th rank stands for its group)."""
+    if any(r[key] != rank_results[(i // tp) * tp][key] for i, r in enumerate(rank_results)):
+        return [[-2]]  # a tensor-parallel group whose ranks read different batches
+    rank_results = rank_results[::tp]
     steps = len(rank_results[0][key])
     if any(len(r[key]) != steps for r in rank_results):
         return [[-1]]
@@ -115,11 +137,21 @@ def _check_refusal(scenario: Scenario, phase: str, results: list[dict]) -> tuple
             None,
             False,
         )
-    bad = [
-        e
-        for e, res in zip(errors, results, strict=True)
-        if refusal.error not in res["error_mro"] or refusal.fragment not in res["error"]
-    ]
+    # Where several refusals apply, the one whose check comes first in the user's code is raised (Loom(...)
+    # before setup_module before setup_optimizers): any of them will do, the same on every rank.
+    candidates = declared_all(scenario, phase)
+
+    def matches(res: dict) -> Refusal | None:
+        return next(
+            (r for r in candidates if r.error in res["error_mro"] and r.fragment in res["error"]), None
+        )
+
+    met = [matches(res) for res in results]
+    bad = [e for e, m in zip(errors, met, strict=True) if m is None]
+    if not bad and len({m.name for m in met}) > 1:
+        bad = [f"ranks raised different refusals: {[m.name for m in met]}"]
+    if not bad:
+        refusal = met[0]
     if bad:
         return (
             [
@@ -135,6 +167,24 @@ def judge(
     scenario: Scenario, trained: list[dict], resumed: list[dict] | None, metrics: dict | None = None
 ) -> tuple[list[str], str | None]:
     """The problems of one scenario (empty: it passed) and the declared refusal it met, if any. `metrics`, if
+    given, receives the measured errors (for reports and for calibrating the tolerances). fp32 is judged at
+    1e-5 first; only a scenario that misses it is judged again at twice plain torch's own noise, if larger (two
+    more reference runs, spent only where needed)."""
+    metrics = {} if metrics is None else metrics
+    problems, refused = _judge(scenario, trained, resumed, metrics, noise_aware=False)
+    if problems and scenario.precision == "32-true" and "initial" in trained[0]:
+        problems, refused = _judge(scenario, trained, resumed, metrics, noise_aware=True)
+    return problems, refused
+
+
+def _judge(
+    scenario: Scenario,
+    trained: list[dict],
+    resumed: list[dict] | None,
+    metrics: dict | None = None,
+    noise_aware: bool = True,
+) -> tuple[list[str], str | None]:
+    """The problems of one scenario (empty: it passed) and the declared refusal it met, if any. `metrics`, if
     given, receives the measured errors (for reports and for calibrating the tolerances)."""
     metrics = {} if metrics is None else metrics
     problems, refused, ran = _check_refusal(scenario, "train", trained)
@@ -143,14 +193,15 @@ def judge(
     initial = trained[0]["initial"]
     reference = train_reference(scenario, initial)
     metrics["train_error"] = _error(scenario, trained[0]["params"], reference["params"], initial)
-    allowed = _allowed_update_error(scenario, reference, initial, metrics)
+    allowed = _allowed_update_error(scenario, reference, initial, metrics, noise_aware)
     metrics["clipped_steps"] = reference["clipped"]
     if scenario.precision != "32-true" and _max_diff(reference["params"], initial) < 1e-3:
         problems.append("the reference hardly moved: the low-precision tolerance has no teeth")
     # (a) every rank's gathered parameters and optimizer state against one process on the global batch.
-    if _global(trained) != reference["batches"]:
+    if _global(trained, scenario.tp("train")) != reference["batches"]:
         problems.append(
-            f"train: global batches differ from the sampler's order:\n{_global(trained)}\nvs\n{reference['batches']}"
+            f"train: global batches differ from the sampler's order:\n{_global(trained, scenario.tp('train'))}"
+            f"\nvs\n{reference['batches']}"
         )
     for rank, res in enumerate(trained):
         if rank and _max_diff(res["params"], trained[0]["params"]) != 0:
@@ -166,7 +217,7 @@ def judge(
             problems.append(problem)
         if scenario.precision == "32-true":
             od, where = _optim_diff(res["optim"], reference["optim"])
-            if not od <= FP32_TOLERANCE:
+            if not od <= allowed:
                 problems.append(
                     f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}"
                 )
@@ -199,12 +250,16 @@ def judge(
     after = scenario.save_step * accumulation(scenario)
     if resumed[0]["loaded_step"] != scenario.save_step:
         problems.append(f"resume: loaded step {resumed[0]['loaded_step']}, saved at {scenario.save_step}")
-    if _global(resumed) != reference["batches"][after:]:
+    seen = _global(resumed, scenario.tp("resume"))
+    if seen != reference["batches"][after:]:
         problems.append(
-            f"resume: global batches after the load differ from the uninterrupted run's:\n{_global(resumed)}\n"
+            f"resume: global batches after the load differ from the uninterrupted run's:\n{seen}\n"
             f"vs\n{reference['batches'][after:]}"
         )
     uninterrupted = trained[0]
+    if scenario.ckpt_state != "all":
+        # What the checkpoint did not hold restarts at the load: plain torch says where that run ends.
+        uninterrupted = train_reference(scenario, initial, restart=True)
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)
     for rank, res in enumerate(resumed):
         if problem := _params_problem(
@@ -217,7 +272,7 @@ def judge(
         ):
             problems.append(problem)
         od, where = _optim_diff(res["optim"], uninterrupted["optim"])
-        if scenario.precision == "32-true" and not od <= FP32_TOLERANCE:
+        if scenario.precision == "32-true" and not od <= allowed:
             problems.append(
                 f"resume: rank {rank} optimizer state off the uninterrupted run by {od:.3g} at {where}"
             )

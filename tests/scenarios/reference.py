@@ -13,6 +13,7 @@ from .model import (
     clip_arguments,
     dataset,
     global_batches,
+    kept_by_filter,
     make_optimizers,
     make_schedulers,
     micro_loss,
@@ -31,11 +32,26 @@ def named_optimizer_state(named, optimizers) -> dict[str, dict[str, torch.Tensor
     return out
 
 
-def train_reference(scenario, initial: dict[str, torch.Tensor]) -> dict:
-    """Train the scenario's model, optimizers, precision, accumulation, clipping and loop on the global batch."""
+def train_reference(
+    scenario,
+    initial: dict[str, torch.Tensor],
+    restart: bool = False,
+    reverse_batches: bool = False,
+    float64: bool = False,
+) -> dict:
+    """Train the scenario's model, optimizers, precision, accumulation, clipping and loop on the global batch.
+
+    Tensor parallel, sequence parallel, activation checkpointing, compile and offload do not change the math:
+    the reference is the same dense model. `restart`: what the resumed run of a checkpoint scenario must end
+    with: at the save step, what the checkpoint does not restore restarts (ckpt_state "filter": the
+    parameters the filter dropped take their initial values again; "partial": fresh optimizers).
+    `reverse_batches`: each global batch's samples in the reverse order (the same math, other roundings);
+    `float64` (fp32 scenarios): in double precision (the same math, nearly without roundings)."""
     model = Net(tied=scenario.tied)
     if scenario.precision == "bf16-true":
         model = model.to(torch.bfloat16)
+    if float64:
+        model = model.double()
     model.load_state_dict(initial)
     named = list(model.named_parameters())
     optimizers = make_optimizers(scenario, named)
@@ -49,13 +65,25 @@ def train_reference(scenario, initial: dict[str, torch.Tensor]) -> dict:
     clip = clip_arguments(scenario)
     norms, clipped = [], 0
     for step in range(STEPS):
+        if restart and step == scenario.save_step:
+            if scenario.ckpt_state == "filter":
+                with torch.no_grad():
+                    for name, p in named:
+                        if not kept_by_filter(name):
+                            p.copy_(initial[name])
+            elif scenario.ckpt_state == "partial":
+                optimizers = make_optimizers(scenario, named)
         for micro in range(accum):
             idx = batches[step * accum + micro]
+            if reverse_batches:  # within each loader's part (the loss tells them apart by position)
+                idx = [i for i in idx if i < 1000][::-1] + [i for i in idx if i >= 1000][::-1]
             rows = torch.tensor([i if i < 1000 else len(xa) + i - 1000 for i in idx])
             n_a = sum(i < 1000 for i in idx)
             x, y = x_all[rows], y_all[rows]
             if scenario.precision == "bf16-true":
                 x = x.to(torch.bfloat16)
+            if float64:
+                x, y = x.double(), y.double()
             dtype = AUTOCAST.get(scenario.precision)
             with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                 out = model(x)

@@ -26,18 +26,25 @@ class Refusal:
 REFUSALS: list[Refusal] = []
 
 
+def declared_all(scenario: Scenario, phase: str) -> list[Refusal]:
+    """Every refusal that applies to the scenario in that phase."""
+    return [r for r in REFUSALS if r.phase == phase and r.applies(scenario)]
+
+
 def declared(scenario: Scenario, phase: str) -> Refusal | None:
-    for refusal in REFUSALS:
-        if refusal.phase == phase and refusal.applies(scenario):
-            return refusal
-    return None
+    """The first refusal that applies (any of `declared_all` may be the one raised)."""
+    found = declared_all(scenario, phase)
+    return found[0] if found else None
 
 
 REFUSALS.append(
     Refusal(
         name="tie across units",
         applies=lambda s: (
-            s.strategy in ("fsdp", "fsdp2") and s.tied and s.units == "hand" and not s.leftovers
+            s.strategy in ("fsdp", "fsdp2", "model_parallel")
+            and s.tied
+            and s.units == "hand"
+            and not s.leftovers
         ),
         error="MisuseError",
         fragment="sit in two different FSDP units",
@@ -49,7 +56,9 @@ REFUSALS.append(
     Refusal(
         name="fused SGD on DTensors",
         # Under fsdp2 every parameter in a unit is a DTensor; "none" puts everything in the root unit.
-        applies=lambda s: s.strategy == "fsdp2" and s.optimizer == "sgd" and s.impl == "fused",
+        applies=lambda s: (
+            s.strategy in ("fsdp2", "model_parallel") and s.optimizer == "sgd" and s.impl == "fused"
+        ),
         error="MisuseError",
         fragment="SGD(fused=True) cannot update sharded parameters",
         reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have one",
@@ -95,6 +104,37 @@ REFUSALS.append(
     )
 )
 
+REFUSALS.append(
+    Refusal(
+        name="cpu_offload on a CPU job",
+        applies=lambda s: s.offload,
+        error="ConfigurationError",
+        fragment="but this job already runs on the CPU",
+        reason="cpu_offload moves sharded parameters from the GPU to host memory: on a CPU job there is nothing "
+        "to offload (the CUDA suite runs offload)",
+    )
+)
+
+for _phase in ("train", "resume"):
+    REFUSALS.append(
+        Refusal(
+            name="tensor-parallel leftovers with data parallel",
+            # The sequence-parallel final norm outside every unit is a tensor-parallel DTensor that no unit
+            # averages over the data-parallel ranks.
+            applies=lambda s, phase=_phase: (
+                s.strategy == "model_parallel"
+                and s.seq_parallel == "blocks+norm"
+                and s.leftovers
+                and s.dp(phase) > 1
+            ),
+            error="MisuseError",
+            fragment="are tensor-parallel DTensors outside every fully_shard unit",
+            reason="parameters that parallelize_fn made tensor-parallel but left outside every fully_shard unit "
+            "have no data-parallel gradient averaging (the user must put them in a unit)",
+            phase=_phase,
+        )
+    )
+
 
 @dataclass(frozen=True)
 class KnownFailure:
@@ -105,9 +145,39 @@ class KnownFailure:
     applies: Callable[[Scenario], bool]
     reason: str
     runs: bool = True  # False: running it kills its rank group, so it is not run
+    phase: str = "train"  # where it fails: "resume" ones are preempted by a declared refusal of the load
 
+
+# Defects of issue 34 being fixed on other branches: each entry goes when its fix is merged.
+ISSUE_34: list[KnownFailure] = [
+    KnownFailure(
+        name="clipping with tensor parallel only and a sequence-parallel norm outside the units",
+        applies=lambda s: (
+            s.strategy == "model_parallel"
+            and s.seq_parallel == "blocks+norm"
+            and s.leftovers
+            and s.mesh == "1x2"
+            # Each tensor-parallel rank takes its own partial sums for the total norm: different clipping
+            # factors, so the replicated parameters diverge across the ranks (any precision). Value clipping
+            # clamps the partial sums (the same wrong result on every rank): low precision's tolerance hides
+            # that (1e-4 in the weights).
+            and (s.clip == "norm" or (s.clip == "value" and s.precision == "32-true"))
+        ),
+        reason="issue 34 item 1, fixed on another branch: at dp 1 x tp 2 the SequenceParallel norm's gradients "
+        "reach clip_gradients as Partial(sum) DTensors; the norm and the value clipping treat them as reduced "
+        "(fp32: off the reference; norm clipping: the tensor-parallel ranks' replicas diverge)",
+    ),
+    KnownFailure(
+        name="the user's DistributedSampler cannot resume",
+        applies=lambda s: s.sampler == "user_dist" and s.saves,
+        reason="issue 34 item 3, fixed on branch data: the load refuses 'this loader's sampler "
+        "(DistributedSampler) cannot start there', advising use_distributed_sampler=True, which changes nothing",
+        phase="resume",
+    ),
+]
 
 KNOWN_FAILURES: list[KnownFailure] = [
+    *ISSUE_34,
     KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
         applies=lambda s: (
@@ -127,9 +197,13 @@ KNOWN_FAILURES: list[KnownFailure] = [
 
 
 def known_failure(scenario: Scenario) -> KnownFailure | None:
-    known = next((k for k in KNOWN_FAILURES if k.applies(scenario)), None)
-    if known is not None and not known.runs:
-        return known  # the ranks die before the declared refusal can be raised
+    matching = [k for k in KNOWN_FAILURES if k.applies(scenario)]
+    fatal = [k for k in matching if not k.runs]
+    if fatal:
+        return fatal[0]  # the ranks die before the declared refusal (or another known failure) can show
+    known = matching[0] if matching else None
     if declared(scenario, "train") is not None:
         return None  # refused before the defect could show
+    if known is not None and known.phase == "resume" and declared(scenario, "resume") is not None:
+        return None  # the load is refused before the defect could show
     return known

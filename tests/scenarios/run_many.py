@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, so `scen
 
 from scenarios.axes import Scenario  # noqa: E402
 from scenarios.engine import run_scenarios  # noqa: E402
-from scenarios.generator import make_test_set, random_sample  # noqa: E402
+from scenarios.generator import PAIRWISE_SEED, make_test_set, random_sample  # noqa: E402
 from scenarios.refusals import known_failure  # noqa: E402
 
 
@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--count", type=int, default=200, help="scenarios in the random sample")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=None, help="of the random sample (default 0), or of the pairwise set"
+    )
     parser.add_argument(
         "--pairwise", action="store_true", help="run the set of `make test` (pairwise + baselines) instead"
     )
@@ -62,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         again = [r for r in rows if r["status"] == "FAILED" or r["status"].endswith("(passed now!)")]
         scenarios = [Scenario.of(**r["scenario"]) for r in again]
     elif args.pairwise:
+        args.seed = PAIRWISE_SEED if args.seed is None else args.seed
         scenarios = make_test_set(args.seed)
     else:
+        args.seed = args.seed or 0
         scenarios = random_sample(args.count, args.seed)
     skipped = [s for s in scenarios if (k := known_failure(s)) is not None and not k.runs]
     runnable = [s for s in scenarios if s not in skipped]

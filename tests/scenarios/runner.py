@@ -24,9 +24,16 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+)
 
-from .axes import Scenario
+from .axes import MESHES, Scenario
 from .model import (
     BREAK_AT,
     GLOBAL_BATCH,
@@ -34,14 +41,19 @@ from .model import (
     SEED,
     STEPS,
     Net,
+    UserSampler,
     accumulation,
     clip_arguments,
     dataset,
+    kept_by_filter,
     loader_generator,
     make_optimizers,
     make_schedulers,
     micro_loss,
 )
+
+# Dynamo and AOT autograd; inductor's C++ build takes a minute per process on CPU.
+COMPILE_BACKEND = "aot_eager"
 
 COLLECTIVE_TIMEOUT = timedelta(
     seconds=60
@@ -52,8 +64,79 @@ def checkpoint_path(workdir: str, scenario: Scenario) -> str:
     return os.path.join(workdir, "ckpt", scenario.id)
 
 
-def _strategy(scenario: Scenario, world_size: int):
-    from torchloom.strategies import DDPStrategy, FSDP2Strategy, FSDPStrategy, SingleDeviceStrategy
+def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strategy) -> torch.nn.Module:
+    """The user's `parallelize_fn`: per block, tensor parallel on the MLP (fc1 by output features, fc2 by input
+    features), with sequence parallel the norm too (the block slices the sequence at its entrance and gathers it
+    at its exit, so the projections outside the blocks see whole sequences); then compile, then activation
+    checkpointing (the order that works in torch 2.13), then one FSDP2 unit per block over the data-parallel
+    ranks. The projections stay plain (replicated leftovers) or become units of their own."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp_mesh = device_mesh["tensor_parallel"]
+
+    def sequence_sharded_inside(module):  # slice the sequence at the entrance, gather it at the exit
+        parallelize_module(
+            module,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            ),
+        )
+        parallelize_module(
+            module,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
+            ),
+        )
+
+    if scenario.seq_parallel == "blocks+norm":  # a tensor-parallel leftover, or a unit of its own
+        # (hooks run in the order they were registered: slice to a local shard, then SequenceParallel's own)
+        sequence_sharded_inside(model.norm)
+        parallelize_module(model.norm, tp_mesh, SequenceParallel())
+    for i, block in enumerate(model.blocks):
+        if scenario.seq_parallel:
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "norm": SequenceParallel(),
+                    "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                    "fc2": RowwiseParallel(output_layouts=Shard(1)),
+                },
+            )
+            sequence_sharded_inside(block)
+        else:
+            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        if scenario.compile:
+            block.compile(backend=COMPILE_BACKEND)
+        if scenario.act_ckpt:
+            block = model.blocks[i] = checkpoint_wrapper(block)
+        fully_shard(block, **strategy.unit_kwargs())
+    if not scenario.leftovers:
+        for edge in (model.inp, model.norm, model.out):
+            fully_shard(edge, **strategy.unit_kwargs())
+    return model
+
+
+def _strategy(scenario: Scenario, world_size: int, phase: str):
+    from torchloom.strategies import (
+        DDPStrategy,
+        FSDP2Strategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
 
     from .model import Block
 
@@ -64,12 +147,27 @@ def _strategy(scenario: Scenario, world_size: int):
         )  # a one-process run resumed on more
     if name == "ddp":
         return DDPStrategy()
+    if name == "model_parallel":
+        strategy = ModelParallelStrategy(
+            lambda model, mesh: _parallelize(scenario, model, mesh, strategy),
+            data_parallel_size=scenario.dp(phase),
+            tensor_parallel_size=scenario.tp(phase),
+            save_distributed_checkpoint=scenario.checkpoint != "full",
+        )
+        return strategy
     cls = FSDPStrategy if name == "fsdp" else FSDP2Strategy
     options: dict[str, Any] = {"state_dict_type": "full" if scenario.checkpoint == "full" else "sharded"}
     if scenario.units == "root" and scenario.leftovers:
         options["unsharded_params"] = "shard"  # units by hand; the root becomes one more unit for the rest
     elif scenario.units == "root":
         options["auto_wrap_policy" if name == "fsdp" else "shard_policy"] = {Block}
+    if scenario.act_ckpt:
+        options["activation_checkpointing_policy"] = {Block}
+    if scenario.offload:
+        options["cpu_offload"] = True
+    mesh = MESHES.get(scenario.mesh) if phase == "train" else scenario.load_mesh()
+    if mesh is not None:
+        options["device_mesh"] = mesh  # HSDP: (replicas, shards)
     return cls(**options)
 
 
@@ -81,12 +179,14 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
     )
     # Which modules get a unit by hand: the blocks, and the projections too when nothing is left outside units.
     edges_too = scenario.units == "hand" and not scenario.leftovers
+    if scenario.strategy == "model_parallel":
+        return Net(scenario.tied)  # the user's parallelize_fn does the rest (_parallelize)
     if scenario.strategy == "fsdp" and hand:
         from torch.distributed.fsdp.wrap import wrap
 
         with loom.init_module():  # wrap() makes units inside init_module (a no-op outside it, as in torch)
-            return Net(scenario.tied, wrap_fn=lambda m, edge: wrap(m) if (edges_too or not edge) else m)
-    if scenario.strategy == "fsdp2":
+            model = Net(scenario.tied, wrap_fn=lambda m, edge: wrap(m) if (edges_too or not edge) else m)
+    elif scenario.strategy == "fsdp2":
         model = Net(scenario.tied)
         if hand:
             from torch.distributed.fsdp import fully_shard
@@ -94,18 +194,40 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
             for block in model.blocks:
                 fully_shard(block, **loom.strategy.unit_kwargs())
             if edges_too:
-                fully_shard(model.inp, **loom.strategy.unit_kwargs())
-                fully_shard(model.out, **loom.strategy.unit_kwargs())
-        return model
-    with loom.init_module():
-        return Net(scenario.tied)
+                for edge in (model.inp, model.norm, model.out):
+                    fully_shard(edge, **loom.strategy.unit_kwargs())
+    else:
+        with loom.init_module():
+            model = Net(scenario.tied)
+        if scenario.act_ckpt and scenario.strategy in ("single", "ddp"):  # no strategy option: the user wraps
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = checkpoint_wrapper(block)
+    if scenario.compile:
+        model = torch.compile(model, backend=COMPILE_BACKEND)
+    return model
 
 
-def _loaders(loom, scenario: Scenario, world_size: int) -> list:
-    per_rank = GLOBAL_BATCH // world_size
+def _loaders(loom, scenario: Scenario, phase: str) -> list:
+    dp = scenario.dp(phase)
+    per_rank = GLOBAL_BATCH // dp
+    data = TensorDataset(*dataset("a"))
     if scenario.loop == "subset":
         sampler = SubsetRandomSampler(range(N_A), generator=loader_generator())
-        loaders = [DataLoader(TensorDataset(*dataset("a")), batch_size=per_rank, sampler=sampler)]
+        loaders = [DataLoader(data, batch_size=per_rank, sampler=sampler)]
+    elif scenario.sampler == "user_dist":  # over the data-parallel ranks: a tensor-parallel group reads alike
+        sampler = DistributedSampler(
+            data, num_replicas=dp, rank=loom.global_rank // scenario.tp(phase), shuffle=True, seed=SEED
+        )
+        loaders = [DataLoader(data, batch_size=per_rank, sampler=sampler)]
+    elif scenario.sampler == "custom":
+        loaders = [DataLoader(data, batch_size=per_rank, sampler=UserSampler(N_A, loader_generator()))]
+    elif scenario.sampler == "batch_sampler":
+        batches = BatchSampler(
+            RandomSampler(data, generator=loader_generator()), batch_size=per_rank, drop_last=False
+        )
+        loaders = [DataLoader(data, batch_sampler=batches)]
     else:
         loaders = [
             DataLoader(
@@ -176,32 +298,36 @@ def _full_optim(model, optimizers) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _setup(loom, scenario: Scenario, world_size: int):
+def _setup(loom, scenario: Scenario, phase: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-unit warning of a root-only layout is tested elsewhere
         model = loom.setup_module(_build_model(loom, scenario))
     optimizers = [loom.setup_optimizers(o) for o in make_optimizers(scenario, list(model.named_parameters()))]
     schedulers = make_schedulers(scenario, optimizers)
-    loaders = _loaders(loom, scenario, world_size)
+    loaders = _loaders(loom, scenario, phase)
     return model, optimizers, schedulers, loaders
 
 
-def _checkpoint_state(model, optimizers, schedulers, loaders, counters: dict) -> dict:
+def _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters: dict) -> dict:
+    """What the scenario saves and loads: everything, or (ckpt_state "partial") all but the optimizers."""
     state: dict[str, Any] = {"model": model, **counters}
-    state.update({f"optimizer{i}": o for i, o in enumerate(optimizers)})
+    if scenario.ckpt_state != "partial":
+        state.update({f"optimizer{i}": o for i, o in enumerate(optimizers)})
     state.update({f"scheduler{i}": s for i, s in enumerate(schedulers)})
     state.update({f"loader{i}": loader for i, loader in enumerate(loaders)})
     return state
 
 
-def _train(loom, scenario, model, optimizers, schedulers, loaders, counters, save_to: str | None) -> list:
+def _train(
+    loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to: str | None
+) -> list:
     """Train from `counters["step"]` to STEPS; returns this rank's sample indices of every micro-batch, and the
     gradient norms `clip_gradients` returned."""
     accum = accumulation(scenario)
     clip = clip_arguments(scenario)
     stream = _stream(scenario, loaders, counters)
     seen, norms = [], []
-    per_rank_a = GLOBAL_BATCH // loom.world_size
+    per_rank_a = GLOBAL_BATCH // scenario.dp(phase)
     while counters["step"] < STEPS:
         for micro in range(accum):
             x, y, idx = next(stream)
@@ -223,8 +349,9 @@ def _train(loom, scenario, model, optimizers, schedulers, loaders, counters, sav
             opt.zero_grad(set_to_none=scenario.set_to_none)
         counters["step"] += 1
         if save_to is not None and counters["step"] == scenario.save_step:
-            state = _checkpoint_state(model, optimizers, schedulers, loaders, counters)
-            loom.save(save_to, state, async_save=scenario.checkpoint == "async")
+            state = _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters)
+            kept = {"model": kept_by_filter} if scenario.ckpt_state == "filter" else None
+            loom.save(save_to, state, filter=kept, async_save=scenario.checkpoint == "async")
     return seen, norms
 
 
@@ -234,27 +361,28 @@ def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
     loom = Loom(
         accelerator="cpu",
         devices=world_size,
-        strategy=_strategy(scenario, world_size),
+        strategy=_strategy(scenario, world_size, phase),
         precision=scenario.precision,
         timeout=COLLECTIVE_TIMEOUT,
     )
     loom.launch()
     try:
         loom.seed_everything(SEED, verbose=False)
-        model, optimizers, schedulers, loaders = _setup(loom, scenario, world_size)
+        model, optimizers, schedulers, loaders = _setup(loom, scenario, phase)
         counters = {"step": 0, "epoch": 0, "in_epoch": 0}
         out: dict[str, Any] = {}
         if phase == "train":
             out["initial"] = _full_params(model)
             save_to = checkpoint_path(workdir, scenario) if scenario.saves else None
         else:
-            state = _checkpoint_state(model, optimizers, schedulers, loaders, counters)
-            loom.load(checkpoint_path(workdir, scenario), state)
+            state = _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters)
+            # A filtered checkpoint lacks the parameters the filter dropped: they keep their fresh values.
+            loom.load(checkpoint_path(workdir, scenario), state, strict=scenario.ckpt_state != "filter")
             counters = {k: state[k] for k in counters}
             out["loaded_step"] = counters["step"]
             save_to = None
         out["seen"], out["norms"] = _train(
-            loom, scenario, model, optimizers, schedulers, loaders, counters, save_to
+            loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to
         )
         out["params"] = _full_params(model)
         out["optim"] = _full_optim(model, optimizers)
