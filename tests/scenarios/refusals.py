@@ -148,36 +148,7 @@ class KnownFailure:
     phase: str = "train"  # where it fails: "resume" ones are preempted by a declared refusal of the load
 
 
-# Defects of issue 34 being fixed on other branches: each entry goes when its fix is merged.
-ISSUE_34: list[KnownFailure] = [
-    KnownFailure(
-        name="clipping with tensor parallel only and a sequence-parallel norm outside the units",
-        applies=lambda s: (
-            s.strategy == "model_parallel"
-            and s.seq_parallel == "blocks+norm"
-            and s.leftovers
-            and s.mesh == "1x2"
-            # Each tensor-parallel rank takes its own partial sums for the total norm: different clipping
-            # factors, so the replicated parameters diverge across the ranks (any precision). Value clipping
-            # clamps the partial sums (the same wrong result on every rank): low precision's tolerance hides
-            # that (1e-4 in the weights).
-            and (s.clip == "norm" or (s.clip == "value" and s.precision == "32-true"))
-        ),
-        reason="issue 34 item 1, fixed on another branch: at dp 1 x tp 2 the SequenceParallel norm's gradients "
-        "reach clip_gradients as Partial(sum) DTensors; the norm and the value clipping treat them as reduced "
-        "(fp32: off the reference; norm clipping: the tensor-parallel ranks' replicas diverge)",
-    ),
-    KnownFailure(
-        name="the user's DistributedSampler cannot resume",
-        applies=lambda s: s.sampler == "user_dist" and s.saves,
-        reason="issue 34 item 3, fixed on branch data: the load refuses 'this loader's sampler "
-        "(DistributedSampler) cannot start there', advising use_distributed_sampler=True, which changes nothing",
-        phase="resume",
-    ),
-]
-
 KNOWN_FAILURES: list[KnownFailure] = [
-    *ISSUE_34,
     KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
         applies=lambda s: (
