@@ -1,5 +1,6 @@
-"""The shape of the source tree, read from the files (no import of torchloom): its import graph has no circle, and
-docs/architecture.md names every module under src/torchloom (and no module that is gone).
+"""The shape of the source tree, read from the files (no import of torchloom): its import graph has no circle,
+docs/architecture.md's module table names every module under src/torchloom (and no module that is gone), and no
+module imports one of a higher layer than its own (the layers are the table's).
 
 Imports are read with `ast`, those inside functions included: an import deferred into a function still ties the
 two modules together (it only moves the failure from import time to the first call).
@@ -8,6 +9,7 @@ two modules together (it only moves the failure from import time to the first ca
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -110,3 +112,45 @@ def test_the_import_graph_has_no_circle():
     assert not new, f"import circles: {new}; edges inside them: {detail}"
     gone = [cycle for cycle in KNOWN_CYCLES if cycle not in found]
     assert not gone, f"these circles are broken now: remove them from KNOWN_CYCLES: {gone}"
+
+
+PAGE = SRC.parent / "docs" / "architecture.md"
+ROW = re.compile(r"^\|\s*`(torchloom(?:\.\w+)*)`\s*\|\s*(\d+)\s*\|")
+
+
+def page_layers(text: str) -> dict[str, int]:
+    """Module -> layer, from the rows of the page's module table (`| `torchloom.x` | 3 | ... |`)."""
+    return {m.group(1): int(m.group(2)) for line in text.splitlines() if (m := ROW.match(line))}
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return sorted(
+        f"{source} (layer {layers[source]}) imports {target} (layer {layers[target]})"
+        for source, targets in graph.items()
+        for target in targets
+        if source in layers and target in layers and layers[target] > layers[source]
+    )
+
+
+def test_the_architecture_page_names_every_module_and_only_those():
+    named = page_layers(PAGE.read_text())
+    modules = set(_modules())
+    assert not sorted(modules - set(named)), (
+        f"modules missing from the table of docs/architecture.md: {sorted(modules - set(named))}"
+    )
+    assert not sorted(set(named) - modules), (
+        f"docs/architecture.md names modules that do not exist: {sorted(set(named) - modules)}"
+    )
+
+
+def test_no_import_runs_from_a_lower_layer_up():
+    violations = layer_violations(import_graph(), page_layers(PAGE.read_text()))
+    assert not violations, "imports against the layers of docs/architecture.md:\n" + "\n".join(violations)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"torchloom.errors": {"torchloom.loom"}, "torchloom.loom": {"torchloom.errors"}}
+    table = "| `torchloom.errors` | 0 | exceptions |\n| `torchloom.loom` | 6 | the facade |\n"
+    assert layer_violations(graph, page_layers(table)) == [
+        "torchloom.errors (layer 0) imports torchloom.loom (layer 6)"
+    ]
