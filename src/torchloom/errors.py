@@ -61,9 +61,15 @@ class LaunchError(TorchloomError, RuntimeError):
 class CollectiveTimeoutError(TorchloomError, TimeoutError):
     """A collective waited longer than `Loom(timeout=...)` for the other ranks."""
 
+    #: What parted the ranks, from the desync report, when the collective that failed knows it.
+    culprit: str | None = None
+
 
 class CollectiveMismatchError(TorchloomError, RuntimeError):
     """Ranks called different collectives, or passed different shapes to one; the message names the culprit."""
+
+    #: What parted the ranks, from the desync report, when the collective that failed knows it.
+    culprit: str | None = None
 
 
 class RemoteError(TorchloomError):
