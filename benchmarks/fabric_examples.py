@@ -22,8 +22,8 @@ example has none (else neither framework repeats itself), and fixes the example 
 torch 2.13 whichever framework runs it.
 
 What cannot be installed or downloaded here is replaced by the stand-ins of
-`benchmarks/fabric_examples_standins/` (torchvision's MNIST/CelebA/transforms, scikit-learn's KFold, gymnasium's CartPole, learn2learn, cherry), put on
-PYTHONPATH as `standin_<name>` packages, the examples' imports rewritten to them in both copies (`import
+`benchmarks/fabric_examples_standins/` (torchvision's MNIST/CelebA/transforms, scikit-learn's KFold, gymnasium's
+CartPole, learn2learn, cherry), put on PYTHONPATH as `standin_<name>` packages, the examples' imports rewritten to them in both copies (`import
 gymnasium as gym` -> `import standin_gymnasium as gym`); WikiText-2 is a synthetic text written where Lightning's demo looks for it. The stand-ins are
 minimal and synthetic, identical for both runs; their data are not the real data, so only the comparison means
 something, not the losses.
