@@ -59,6 +59,11 @@ install-check:
 docs: $(VENV)/.installed-docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# ruff (rules and formatting), then mypy over the public API (the files and overrides are in pyproject.toml's
+# [tool.mypy]). Every step runs; the target fails when any does.
 lint: $(VENV)/.installed-dev
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	status=0; \
+	$(VENV)/bin/ruff check src tests examples || status=1; \
+	$(VENV)/bin/ruff format --check src tests examples || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	exit $$status

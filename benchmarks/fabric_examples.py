@@ -21,9 +21,9 @@ a minute or two on a CPU, a print of values the example only shows in a progress
 example has none (else neither framework repeats itself), and fixes the example needs under Lightning 2.6 and
 torch 2.13 whichever framework runs it.
 
-What cannot be installed or downloaded here is replaced by the stand-ins of `benchmarks/fabric_standins/`
-(torchvision's MNIST/CelebA/transforms, scikit-learn's KFold, gymnasium's CartPole, learn2learn, cherry), put on
-PYTHONPATH as `standin_<name>` packages, the examples' imports rewritten to them in both copies (`import
+What cannot be installed or downloaded here is replaced by the stand-ins of
+`benchmarks/fabric_examples_standins/` (torchvision's MNIST/CelebA/transforms, scikit-learn's KFold, gymnasium's
+CartPole, learn2learn, cherry), put on PYTHONPATH as `standin_<name>` packages, the examples' imports rewritten to them in both copies (`import
 gymnasium as gym` -> `import standin_gymnasium as gym`); WikiText-2 is a synthetic text written where Lightning's demo looks for it. The stand-ins are
 minimal and synthetic, identical for both runs; their data are not the real data, so only the comparison means
 something, not the losses.
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STANDINS = Path(__file__).resolve().parent / "fabric_standins"
+STANDINS = Path(__file__).resolve().parent / "fabric_examples_standins"
 DEFAULT_LIGHTNING = Path("/work/.mirror/Lightning-AI+pytorch-lightning/repo")
 TWO_CPU = ["--accelerator=cpu", "--devices=2"]
 _TRAIN = r"Train Epoch: \d+ \[\d+/\d+ \(\d+%\)\]\s+Loss: \d+\.\d+"

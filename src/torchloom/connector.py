@@ -8,6 +8,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+from torchloom._run_protocol import command_line_option, given_after_script, under_torchloom_run
 from torchloom._text import count
 from torchloom.accelerators import CPUAccelerator, select_accelerator
 from torchloom.environments import ClusterEnvironment, detect_environment, warn_if_srun_was_forgotten
@@ -57,17 +58,6 @@ _STRATEGY_CLASSES = {
 }
 
 
-# `torchloom run --strategy fsdp2 ...` passes its options to `Loom()` in the script through these variables.
-CLI_ENV = {
-    "accelerator": "TORCHLOOM_ACCELERATOR",
-    "devices": "TORCHLOOM_DEVICES",
-    "num_nodes": "TORCHLOOM_NUM_NODES",
-    "strategy": "TORCHLOOM_STRATEGY",
-    "precision": "TORCHLOOM_PRECISION",
-}
-# The names of `torchloom run`'s options that the command line gave after the script, comma-separated: the
-# place where a user may have meant them for the script.
-AFTER_SCRIPT_ENV = "TORCHLOOM_RUN_AFTER_SCRIPT"
 _DEFAULTS = {
     "accelerator": "auto",
     "devices": "auto",
@@ -84,7 +74,7 @@ def command_line_defaults(**given: Any) -> tuple[Any, ...]:
     line the user reads."""
     out = []
     for name, value in given.items():
-        raw = os.environ.get(CLI_ENV[name])
+        raw = command_line_option(name)
         if raw is None:
             out.append(value)
             continue
@@ -119,7 +109,7 @@ def _clash_message(name: str, value: Any, raw: str) -> str:
         f"them (leave {name} out of Loom(...) to follow the command line, or {flag} out of the command line to "
         f"follow the script), or make them agree."
     )
-    if name in os.environ.get(AFTER_SCRIPT_ENV, "").split(","):
+    if given_after_script(name):
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
         message += (
             f" {flag} {raw} came after the script on the command line, where it is still torchloom run's option "
@@ -235,9 +225,7 @@ def _launcher(env: ClusterEnvironment, *flags: tuple[str, str]) -> tuple[str, st
     """How to name the launcher that started this job, its command, and its spelling of each (torchrun's, torchloom
     run's) option in `flags`: `torchloom run`'s under `torchloom run`, which uses torchrun's machinery but is not
     what the user typed."""
-    from torchloom.run import RUN_ENV
-
-    if os.environ.get(RUN_ENV) == "1":
+    if under_torchloom_run():
         return "`torchloom run`", "torchloom run", tuple(ours for _, ours in flags)
     name = "torchrun" if type(env).__name__ == "TorchElasticEnvironment" else repr(env)
     return name, "torchrun", tuple(theirs for theirs, _ in flags)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -12,7 +13,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """`warnings.warn`, shown at the user's line: the first caller outside torchloom, however deep the call that
     warns sits (a fixed stacklevel points into torchloom whenever that depth differs between paths)."""
-    frame, level = sys._getframe(0), 1
+    frame: FrameType | None = sys._getframe(0)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
@@ -59,9 +61,15 @@ class LaunchError(TorchloomError, RuntimeError):
 class CollectiveTimeoutError(TorchloomError, TimeoutError):
     """A collective waited longer than `Loom(timeout=...)` for the other ranks."""
 
+    #: What parted the ranks, from the desync report, when the collective that failed knows it.
+    culprit: str | None = None
+
 
 class CollectiveMismatchError(TorchloomError, RuntimeError):
     """Ranks called different collectives, or passed different shapes to one; the message names the culprit."""
+
+    #: What parted the ranks, from the desync report, when the collective that failed knows it.
+    culprit: str | None = None
 
 
 class RemoteError(TorchloomError):

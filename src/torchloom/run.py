@@ -14,14 +14,12 @@ import socket
 import sys
 from pathlib import Path
 
+# RUN_ENV is re-exported for code written before the protocol had its own module (torchloom.loom reads it here).
+from torchloom._run_protocol import RUN_ENV as RUN_ENV
+from torchloom._run_protocol import publish
 from torchloom.accelerators import select_accelerator
-from torchloom.connector import AFTER_SCRIPT_ENV, CLI_ENV
 from torchloom.environments import find_free_port
 from torchloom.errors import ConfigurationError
-
-#: Set in the environment of ranks started by `torchloom run` (Fabric's `LT_CLI_USED`): `Loom()` then joins the
-#: process group in its constructor, as Fabric does under `fabric run`.
-RUN_ENV = "TORCHLOOM_RUN"
 
 
 def _processes_per_node(accelerator: str | None, devices: str | None) -> int:
@@ -151,16 +149,10 @@ def run(args: argparse.Namespace) -> int:
     low, high = _node_range(args)
     if low == high:  # an elastic job's node count is the rendezvous' to decide, attempt by attempt
         options["num_nodes"] = str(high)
-    for name, value in options.items():
-        if value is not None:
-            os.environ[CLI_ENV[name]] = str(value)
-    os.environ[RUN_ENV] = "1"
+    publish(options, getattr(args, "after_script", ""))
     # The ranks die with this agent (a node lost takes its ranks along, as a killed `loom.launch()` does).
     os.environ[LAUNCHED_ENV] = "1"
     avoid_shared_rendezvous_store(args.rdzv_backend)
-    after_script = getattr(args, "after_script", "")
-    if after_script:
-        os.environ[AFTER_SCRIPT_ENV] = after_script
     launch_args = get_args_parser().parse_args(torchrun_args(args))
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout

@@ -383,7 +383,7 @@ def parameters_on_meta() -> Generator[None, None, None]:
             meta.__dict__.update(extra)
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -405,7 +405,7 @@ def real_parameters() -> Generator[None, None, None]:
 _REGISTER_PARAMETER = nn.Module.register_parameter
 
 
-def _reduce_op(name: str) -> dist.ReduceOp:
+def _reduce_op(name: str) -> dist.ReduceOp.RedOpType:
     key = name.lower() if isinstance(name, str) else name
     if key not in _REDUCE_OPS:
         raise ValueError(f"Unknown reduce_op {name!r}. Valid: {', '.join(repr(k) for k in _REDUCE_OPS)}.")
@@ -423,7 +423,7 @@ def _params_without_state(optimizer: Optimizer, state: dict[str, Any]) -> list[t
         return [p for group in optimizer.param_groups for p in group["params"]]
     if len(saved_groups) != len(optimizer.param_groups):
         return []
-    out = []
+    out: list[torch.Tensor] = []
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
         names = saved.get("params") if isinstance(saved, dict) else None
         if not isinstance(names, list) or len(names) != len(group["params"]):

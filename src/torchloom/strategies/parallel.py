@@ -82,7 +82,7 @@ def agree_on_namespace(store: dist.Store, rank: int, world_size: int, timeout: t
         if rank == 0:
             _answer_joins(store, namespace, world_size, deadline, timeout)
         else:
-            store.append(_JOINS, nonce + " ")
+            store.append(_JOINS, nonce + " ")  # type: ignore[attr-defined]  # in torch, not in its stubs
             answer = f"torchloom/answer/{nonce}"
             store.wait([answer], timeout)
             namespace = store.get(answer).decode()
