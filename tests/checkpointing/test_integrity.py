@@ -207,3 +207,29 @@ def test_checksum_detects_single_word_changes_and_is_streamable(tmp_path) -> Non
             changed[position] ^= 1 << bit
             file.write_bytes(bytes(changed))
             assert integrity.file_digest(file)[1] != digest.hexdigest(), (position, bit)
+
+
+def test_a_full_file_saved_again_by_torch_save_loads_unchecked_and_a_damaged_trailer_is_refused(tmp_path):
+    """A torchloom checkpoint loaded and saved again with plain torch.save keeps its record (which says a checksum
+    was written) but has no zip comment: loaded with a warning. One flipped byte in the checksum's marker, or
+    bytes cut from the comment, leave the archive's comment length behind: refused."""
+    import pytest
+
+    loom = Loom(accelerator="cpu")
+    model = loom.setup(torch.nn.Linear(4, 3))
+    loom.save(tmp_path / "full.pt", {"model": model, "step": 3})
+    resaved = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert resaved[META_KEY].get("checksum")
+    torch.save(resaved, tmp_path / "resaved.pt")
+    with pytest.warns(UserWarning, match="written again without its checksum"):
+        assert loom.load(tmp_path / "resaved.pt", {"model": model})["step"] == 3
+    data = bytearray((tmp_path / "full.pt").read_bytes())
+    marker = data.rfind(b"torchloom-checksum:")
+    assert marker > 0
+    damaged = bytearray(data)
+    damaged[marker + 3] ^= 0xFF
+    (tmp_path / "marker.pt").write_bytes(bytes(damaged))
+    (tmp_path / "cut.pt").write_bytes(bytes(data[: marker + 5]))
+    for name in ("marker.pt", "cut.pt"):
+        with pytest.raises(CheckpointError, match=name):
+            loom.load(tmp_path / name, {"model": model})

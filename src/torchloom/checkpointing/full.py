@@ -32,7 +32,13 @@ from torchloom.checkpointing.state import (
     kinds_of,
     restore_entry,
 )
-from torchloom.errors import CheckpointError, CheckpointNotFoundError, describe_failure, raise_shared_failure
+from torchloom.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    describe_failure,
+    raise_shared_failure,
+    warn_user,
+)
 
 
 def write_file(obj: dict[str, Any], path: Path, fsync: bool = True) -> None:
@@ -274,6 +280,12 @@ def verify_file(path: Path) -> bool:
 def check_record_checksum(path: Path, record: Any, carried: bool) -> None:
     """A file whose record says it carries a checksum must have one (its trailer may be what was damaged)."""
     if not carried and isinstance(record, dict) and record.get("checksum"):
+        if integrity.rewritten_without_comment(path):
+            warn_user(
+                f"Checkpoint file {str(path)!r} was written again without its checksum (by plain torch.save, "
+                "its torchloom record copied along): it is loaded unchecked. Save it with loom.save to check it."
+            )
+            return
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} records that it carries a checksum, but none is at its end: the file "
             f"changed after it was written. Load another checkpoint, or restore this one from a good copy. "

@@ -289,6 +289,19 @@ def read_trailer(path: Path) -> tuple[int, str, str] | None:
     return size - len(comment), fields[0], fields[1]
 
 
+def rewritten_without_comment(path: Path) -> bool:
+    """Whether the file is a zip archive that ends in its end-of-central-directory record with no comment, as
+    plain `torch.save` writes one: a torchloom checkpoint loaded and saved again (its record copied along), not a
+    damaged trailer (which leaves a comment length, or bytes after the record)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _EOCD_SIZE:
+            return False
+        f.seek(size - _EOCD_SIZE)
+        tail = f.read()
+    return tail[:4] == _EOCD and tail[-2:] == b"\0\0"
+
+
 def check_full_file_shared(io: Any, path: Path) -> bool:
     """`check_full_file` with the work split over the ranks (each sums an equal share of the file's rows; the
     sums, 1/1024 of the file, are gathered on the checkpoint group); every rank raises if the file changed.
