@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, overload
@@ -442,15 +442,7 @@ class Loom:
         `**kwargs` gets exactly Fabric's, so a callback written for Fabric, or a `Mock(wraps=...)` of one, that
         forwards them to `def hook(self, fabric, module)` works unchanged. torchloom's own spellings
         (`own_names`, e.g. `loom=`) go only to a method that names them."""
-        for callback in self._callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                warn_user(
-                    f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
-                )
-                continue
+        for method in self._hook_methods(hook_name):
             named = _named_parameters(method)
             extra = {k: v for k, v in own_names.items() if k in named and k not in kwargs}
             method(**_accepted_kwargs(method, kwargs), **extra)
@@ -1089,6 +1081,12 @@ class Loom:
         """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method, as
         Fabric does: each gets only the keyword arguments its signature accepts (all of them with `**kwargs`), and
         an attribute of that name that is not callable is skipped with a warning."""
+        for method in self._hook_methods(hook_name):
+            method(*args, **_accepted_kwargs(method, kwargs))
+
+    def _hook_methods(self, hook_name: str) -> Iterator[Callable[..., Any]]:
+        """Each callback's `hook_name` method; an attribute of that name that is not callable is skipped with a
+        warning, as Fabric does."""
         for callback in self._callbacks:
             method = getattr(callback, hook_name, None)
             if method is None:
@@ -1098,7 +1096,7 @@ class Loom:
                     f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
                 )
                 continue
-            method(*args, **_accepted_kwargs(method, kwargs))
+            yield method
 
     @contextlib.contextmanager
     def autocast(self) -> Generator[None, None, None]:

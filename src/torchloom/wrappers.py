@@ -579,15 +579,8 @@ def with_distributed_sampler(
         sampler=user_sampler,
         rule=rule,
     )
-    dataset = loader.dataset
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
-    elif os.environ.get(SEED_WORKERS_ENV) != "0":
-        # Workers' random streams would depend on which batches each happened to load: seed every sample.
-        dataset, sampler.keyed = SeededPerSample(dataset), True
     try:
-        return _rebuild(loader, dataset, sampler, kwargs)
+        return _rebuild_reading(loader, sampler, kwargs)
     except MisuseError:
         if num_replicas > 1:
             raise
@@ -635,16 +628,22 @@ def with_users_distributed_sampler(loader: DataLoader) -> DataLoader:
         sampler=user,  # its set_epoch is still called, as Fabric's loader calls it
         rule=SEEDED,
     )
+    try:
+        return _rebuild_reading(loader, sampler, kwargs)
+    except MisuseError:
+        return loader  # its own DistributedSampler still splits the data; state_dict refuses inside an epoch
+
+
+def _rebuild_reading(loader: DataLoader, sampler: ResumableSampler, kwargs: dict[str, Any]) -> DataLoader:
+    """`loader` rebuilt to read through `sampler`, with its worker settings made consistent."""
     dataset = loader.dataset
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
     elif os.environ.get(SEED_WORKERS_ENV) != "0":
+        # Workers' random streams would depend on which batches each happened to load: seed every sample.
         dataset, sampler.keyed = SeededPerSample(dataset), True
-    try:
-        return _rebuild(loader, dataset, sampler, kwargs)
-    except MisuseError:
-        return loader  # its own DistributedSampler still splits the data; state_dict refuses inside an epoch
+    return _rebuild(loader, dataset, sampler, kwargs)
 
 
 def _rebuild(
