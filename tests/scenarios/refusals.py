@@ -87,9 +87,9 @@ REFUSALS.append(
 def _fused_sgd_drops_bf16() -> bool:
     import torch
 
-    from torchloom.loom import _fused_sgd_drops
+    from torchloom._optimizer_checks import fused_sgd_drops
 
-    return _fused_sgd_drops(torch.device("cpu"), torch.bfloat16)
+    return fused_sgd_drops(torch.device("cpu"), torch.bfloat16)
 
 
 REFUSALS.append(

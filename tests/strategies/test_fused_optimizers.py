@@ -17,13 +17,13 @@ from harness import run_ranks
 from torch import nn
 
 from torchloom import Loom
+from torchloom._optimizer_checks import fused_sgd_drops
 from torchloom.errors import MisuseError
-from torchloom.loom import _fused_sgd_drops
 from torchloom.strategies import FSDPStrategy
 
 REFUSED = "torch.optim.SGD(fused=True) does not update"
 # Whether the installed torch has the defect (asked of its kernel): a torch with the fix refuses nothing.
-DROPS = _fused_sgd_drops(torch.device("cpu"), torch.bfloat16)
+DROPS = fused_sgd_drops(torch.device("cpu"), torch.bfloat16)
 needs_defect = pytest.mark.skipif(
     not DROPS, reason="this torch's fused CPU SGD updates half-precision parameters"
 )
@@ -147,7 +147,7 @@ def test_the_probe_tells_whether_fused_sgd_loses_updates(dtype):
             opt.step()
         final[fused] = param.detach().float()
     lost = float((final[True] - final[False]).norm() / (final[False] - start).norm())
-    assert _fused_sgd_drops(torch.device("cpu"), dtype) == (lost > 0.5), lost
+    assert fused_sgd_drops(torch.device("cpu"), dtype) == (lost > 0.5), lost
 
 
 @needs_defect
