@@ -176,8 +176,9 @@ def test_failing_rank_ends_the_job(script, mode, launcher_kind):
     if mode == "kill":
         assert "SIGKILL" in proc.stdout
     # Measured from the failure, not from the start (startup on 2 shared cores varies): rank 0 alone would wait
-    # in its collective for the 30-minute process-group timeout.
-    assert ended - failing_at(proc.stdout) < 10, proc.stdout
+    # in its collective for the 30-minute process-group timeout. 30 s, not 10: under make test's three workers
+    # the agent's SIGTERM and teardown took 11.6 s once (2026-12-03, the oom case).
+    assert ended - failing_at(proc.stdout) < 30, proc.stdout
     _assert_clean(token)
 
 
