@@ -19,7 +19,7 @@ from torchloom import Loom
 from torchloom.checkpointing import rng
 from torchloom.checkpointing.hf import _on_mesh_device
 from torchloom.strategies import _sharded, fsdp
-from torchloom.strategies._sharded import _place_state_with_parameters
+from torchloom.strategies._placement import place_state_with_parameters
 
 
 # ---- broadcasts that start every rank from rank 0's weights ------------------------------------------------
@@ -133,7 +133,7 @@ def test_optimizer_state_follows_its_parameter_as_torch_places_it(capturable):
     opt.step()  # state as Adam makes it: step a host scalar, moments beside the parameter
     opt.param_groups[0]["capturable"] = capturable  # (a capturable Adam cannot step on a CPU machine)
     torch.utils.swap_tensors(param, nn.Parameter(torch.empty(3, device="meta")))  # where it went back to
-    _place_state_with_parameters(opt, {id(param)})
+    place_state_with_parameters(opt, {id(param)})
     state = opt.state[param]
     assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
     assert state["step"].is_meta == capturable

@@ -240,12 +240,13 @@ class _Wide(nn.Module):
 
 def _python_work_body(rank: int, world_size: int, n: int) -> dict:
     """For one backward of `_Wide(n)`: how many times the leftovers' sync tried to launch buckets, and how many
-    Python lines the FSDP2 strategy ran in `_sharded.py` besides its per-parameter gradient hook."""
+    Python lines the FSDP2 strategy ran in `_sharded.py` and the modules it calls into besides its per-parameter
+    gradient hook."""
     import sys
 
     from torch.distributed.fsdp import fully_shard
 
-    from torchloom.strategies import _sharded
+    from torchloom.strategies import _agreement, _norms, _sharded, _unit_watch
 
     launches = []
     launch = _replicated.ReplicatedGradSync._launch
@@ -258,10 +259,11 @@ def _python_work_body(rank: int, world_size: int, n: int) -> dict:
     loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
     loom.launch()
     lines = []
+    strategy_files = {m.__file__ for m in (_agreement, _norms, _sharded, _unit_watch)}
 
     def tracer(frame, event, arg):
         code = frame.f_code
-        if code.co_filename != _sharded.__file__ or code.co_name in ("_mark_grad", "_mark_run"):
+        if code.co_filename not in strategy_files or code.co_name in ("_mark_grad", "_mark_run"):
             return None
         if event == "line":
             lines.append(1)

@@ -18,14 +18,10 @@ from torch.optim import Optimizer
 from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.strategies._meta_init import init_fn, materialize_meta
+from torchloom.strategies._policies import as_module_policy, is_wrap_policy
 from torchloom.strategies._replicated import broadcast_tensors
-from torchloom.strategies._sharded import (
-    ShardedStrategy,
-    _init_fn,
-    as_module_policy,
-    is_wrap_policy,
-    materialize_meta,
-)
+from torchloom.strategies._sharded import ShardedStrategy
 from torchloom.strategies.base import real_parameters
 
 if TYPE_CHECKING:
@@ -167,7 +163,7 @@ class FSDPStrategy(ShardedStrategy):
         if not any(t.is_meta for t in own):
             return
         materialize_meta(module, self.root_device)  # only the meta tensors: real buffers keep their values
-        init = _init_fn(module)
+        init = init_fn(module)
         if init is not None:
             with torch.no_grad():
                 init()

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit
 from torchloom.errors import ConfigurationError
-from torchloom.strategies._sharded import ShardedStrategy, _init_fn, as_module_policy, materialize_meta
+from torchloom.strategies._meta_init import materialize_meta, run_init
+from torchloom.strategies._policies import as_module_policy
+from torchloom.strategies._sharded import ShardedStrategy
 
 # torch.distributed.fsdp and torch.distributed.tensor are imported where they are used, not here: together they
 # cost about a second of start-up, and this module is imported by `Loom(strategy="fsdp2")` in the launching
@@ -185,7 +187,7 @@ class FSDP2Strategy(ShardedStrategy):
                 full = torch.empty(param.shape, dtype=param.dtype, device=self.root_device)
                 mod._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
         try:
-            _init_fn(mod)()  # type: ignore[misc]
+            run_init(mod)
         finally:
             for name, param in originals.items():
                 full = mod._parameters[name]

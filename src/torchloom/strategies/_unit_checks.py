@@ -1,0 +1,77 @@
+"""Refusals of unit layouts the sharded strategies cannot train correctly, checked in `setup_module` before any
+collective: FSDP1 and FSDP2 units mixed (or of the other strategy's flavour), and tied parameters split by a unit
+boundary."""
+
+from __future__ import annotations
+
+from torchloom._layout import Layout
+from torchloom.errors import MisuseError
+
+
+def check_flavours(layout: Layout, flavour: str, strategy_name: str) -> None:
+    """Refuse units of both flavours, or only of the flavour the strategy `flavour` does not run."""
+    other = {"fsdp": "fsdp2", "fsdp2": "fsdp"}[flavour]
+    kinds = {"fsdp": "FullyShardedDataParallel (FSDP1)", "fsdp2": "fully_shard (FSDP2)"}
+    if len(layout.flavours) > 1:
+        raise MisuseError(
+            "The model mixes FullyShardedDataParallel (FSDP1) units and fully_shard (FSDP2) units, which "
+            "cannot train together. Shard every unit with one of them."
+        )
+    if layout.flavours == {other}:
+        raise MisuseError(
+            f"The model's units were made with {kinds[other]}, but the strategy is {strategy_name!r}. Use "
+            f"strategy={other!r}."
+        )
+
+
+def check_split_ties(layout: Layout, made_by: str = "") -> None:
+    """Refuse a tied parameter that a unit boundary splits (`tests/test_hf_models.py` found it with GPT-2's
+    tied embeddings and head): FSDP2 silently trains two copies, FSDP1 crashes with a shape error. Also
+    one held by two units (the scenario engine found it): FSDP2 trains two copies, FSDP1 aborts the ranks.
+    Runs on the user's units before sharding and again on those the policy made (`made_by`)."""
+    if layout.ties_across_units:
+        first, second = layout.ties_across_units[0]
+        users = " and ".join(
+            f"module '{_owner_path(name)}' (in unit '{_unit_path(layout, name) or '<root>'}')"
+            for name in (first, second)
+        )
+        fix = (
+            "leave both out of the policy, so that the unit of their common parent (the root) shards the "
+            "tied weight once"
+            if made_by
+            else "wrap neither, so that the unit of their common parent shards the tied weight once (the "
+            "root: unsharded_params='shard'), or make no unit of either (they stay replicated)"
+        )
+        raise MisuseError(
+            f"Parameters '{first}' and '{second}' are tied (the same tensor) but sit in two different FSDP "
+            f"units{' made by ' + made_by if made_by else ''}: {users}. Each unit shards its own copy, "
+            "so the tie would be broken: the copies would train apart (fully_shard) or the ranks would "
+            f"crash (FullyShardedDataParallel). Keep every module that uses it in one unit: {fix}. Both "
+            "strategy='fsdp' and 'fsdp2' need this (torchloom does not take fully_shard([module_a, "
+            "module_b]) as one unit)."
+        )
+    if not layout.split_ties:
+        return
+    outside, inside = layout.split_ties[0]
+    partner = f"'{inside}' inside an FSDP unit" if inside else "a parameter fully_shard() moved into a unit"
+    raise MisuseError(
+        f"Parameter '{outside}' is outside every FSDP unit but tied to (the same tensor as) {partner}, e.g. "
+        "tied input embeddings and output head with only the embedding in a unit. FSDP shards a parameter "
+        "only for the modules of its own unit, so the tie would be broken: the copies would train apart "
+        "(fully_shard) or the module outside would see a shard (FullyShardedDataParallel). Keep every "
+        "module that uses it on one side: make no unit of the shared module (it stays replicated), or a "
+        "unit that contains all its users (e.g. the root: unsharded_params='shard')."
+    )
+
+
+def _owner_path(param_name: str) -> str:
+    return param_name.rpartition(".")[0] or "<root>"
+
+
+def _unit_path(layout: Layout, param_name: str) -> str:
+    """The path of the innermost unit around the module that holds `param_name` ("" for a root unit)."""
+    module = param_name.rpartition(".")[0]
+    paths = [
+        u.path for u in layout.units if not u.path or module == u.path or module.startswith(u.path + ".")
+    ]
+    return max(paths, key=len, default="")
