@@ -71,6 +71,8 @@ def total_norm(
     # The local gradient pieces, by where their norms meet: each shard group, or None for the replicated.
     pieces: dict[tuple[int, ...] | None, list[torch.Tensor]] = {None: [], **{k: [] for k in order}}
     split: dict[tuple[int, Any], tuple[dist.ProcessGroup, ...]] = {}  # (mesh, placements) -> groups
+    shard_groups: tuple[dist.ProcessGroup, ...] | None
+    key: tuple[int, ...] | None
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is None:
@@ -84,10 +86,13 @@ def total_norm(
                 grad, shard_groups = p.grad, groups.get(id(p))
             if grad.numel() == 0:
                 continue
-            key = tuple(map(id, shard_groups)) if shard_groups else None
-            if key is not None and key not in order:
-                order[key] = shard_groups
-                pieces[key] = []
+            if shard_groups:
+                key = tuple(map(id, shard_groups))
+                if key not in order:
+                    order[key] = shard_groups
+                    pieces[key] = []
+            else:
+                key = None
             pieces[key].append(grad.detach())
     inf = math.isinf(norm_type)
 

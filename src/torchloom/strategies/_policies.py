@@ -104,7 +104,7 @@ def as_module_policy(policy: Any, what: str, wrap_form: bool = False) -> Any:
     raise ConfigurationError(f"{what} must be a set of nn.Module classes or a callable, got {policy!r}.")
 
 
-def fsdp_types(*names: str) -> tuple[type, ...]:
+def fsdp_types(*names: str) -> tuple[Any, ...]:
     """torch.distributed.fsdp's classes `names`, or () when nobody has imported it: an object of one of them
     cannot exist then, and importing it here would cost a second in the launching process."""
     fsdp = sys.modules.get("torch.distributed.fsdp")

@@ -259,7 +259,14 @@ class ShardedStrategy(ParallelStrategy):
         raise NotImplementedError
 
     # ---- setup -----------------------------------------------------------------------------------------------
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        """Shard `module` (see the class docstring); each rank's shards go to its device, so
+        `move_to_device=False` cannot be honoured and is refused."""
+        if not move_to_device:
+            raise MisuseError(
+                f"setup_module(move_to_device=False) cannot be honoured with strategy {self.name!r}: sharding puts "
+                "each rank's shards on its device. Leave move_to_device=True."
+            )
         self._require_group(f"setup_module with strategy={self.name!r}")
         layout = analyze(module)
         self._check_flavours(layout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -128,7 +128,7 @@ class FSDPStrategy(ShardedStrategy):
         from torch.distributed.fsdp import ShardingStrategy
 
         for unit in layout.units:
-            fsdp = unit.module
+            fsdp = cast("FSDP", unit.module)
             if fsdp.cpu_offload.offload_params and fsdp.sharding_strategy == ShardingStrategy.NO_SHARD:
                 raise ConfigurationError(
                     _unsharded_offload_error(
@@ -220,7 +220,7 @@ class FSDPStrategy(ShardedStrategy):
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
         for unit in units:
-            stack.enter_context(unit.module.no_sync())
+            stack.enter_context(cast("FSDP", unit.module).no_sync())
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Refuse an optimizer that holds some but not all of one unit's parameters: FSDP1 flattens a unit's
@@ -249,13 +249,13 @@ class FSDPStrategy(ShardedStrategy):
                     )
         return super().setup_optimizer(optimizer)
 
-    def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup]:
+    def _shard_groups(self, module: nn.Module) -> dict[int, dist.ProcessGroup | None]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
 
-        groups: dict[int, dist.ProcessGroup] = {}
+        groups: dict[int, dist.ProcessGroup | None] = {}
         for unit in analyze(module).units:
-            fsdp = unit.module
+            fsdp = cast(FSDP, unit.module)
             if fsdp.sharding_strategy == ShardingStrategy.NO_SHARD:
                 continue  # every rank holds the whole, already averaged, gradient
             nested = {

@@ -6,7 +6,7 @@ Units come from the user's own `fully_shard(block)` calls after `loom.launch()`,
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torchloom.errors import ConfigurationError
 from torchloom.strategies._meta_init import materialize_meta, run_init
 from torchloom.strategies._policies import as_module_policy
 from torchloom.strategies._sharded import ShardedStrategy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 # torch.distributed.fsdp and torch.distributed.tensor are imported where they are used, not here: together they
 # cost about a second of start-up, and this module is imported by `Loom(strategy="fsdp2")` in the launching
@@ -93,13 +96,13 @@ class FSDP2Strategy(ShardedStrategy):
         return kwargs
 
     # ---- making units ----------------------------------------------------------------------------------------
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        forward_module = super().setup_module(module)
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        forward_module = super().setup_module(module, move_to_device)
         layout = self._layouts[id(forward_module)]
         if not layout.root_is_unit and len(layout.top_units) > 1:
             # Without a root unit every top-level unit is an FSDP root, and FSDP2 treats roots in ways that undo a
             # per-block memory plan (benchmarks/memory.py measures both; a unit behaves as under a root unit after):
-            units = [unit.module for unit in layout.top_units]
+            units = [cast("FSDPModule", unit.module) for unit in layout.top_units]
             for unit in units:
                 # A root left at fully_shard's default reshard_after_forward keeps its parameters unsharded from
                 # forward to backward: with every block a root, the whole model. Non-root units reshard.
@@ -137,8 +140,9 @@ class FSDP2Strategy(ShardedStrategy):
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
         for unit in units:
-            unit.module.set_requires_gradient_sync(False)
-            stack.callback(unit.module.set_requires_gradient_sync, True)
+            fsdp = cast("FSDPModule", unit.module)
+            fsdp.set_requires_gradient_sync(False)
+            stack.callback(fsdp.set_requires_gradient_sync, True)
 
     def _shard_groups(self, module: nn.Module) -> dict[int, Any]:
         """id(parameter) -> the groups of the mesh dims its gradient is split over, in mesh order (a local norm
@@ -190,8 +194,10 @@ class FSDP2Strategy(ShardedStrategy):
             run_init(mod)
         finally:
             for name, param in originals.items():
-                full = mod._parameters[name]
+                filled = cast(nn.Parameter, mod._parameters[name])
                 mod._parameters[name] = param
                 # Every rank passes a full tensor; only rank 0's values are scattered (src_data_rank=0).
-                shard = distribute_tensor(full.detach(), param.device_mesh, param.placements, src_data_rank=0)
+                shard = distribute_tensor(
+                    filled.detach(), param.device_mesh, param.placements, src_data_rank=0
+                )
                 param.to_local().copy_(shard.to_local())

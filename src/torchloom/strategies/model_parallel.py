@@ -211,7 +211,12 @@ class ModelParallelStrategy(FSDP2Strategy):
     # ---- setup -------------------------------------------------------------------------------------------------
     _wraps_model_without_units = False
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        if not move_to_device:
+            raise MisuseError(
+                "setup_module(move_to_device=False) cannot be honoured with ModelParallelStrategy: sharding puts "
+                "each rank's shards on its device. Leave move_to_device=True."
+            )
         self._require_group("setup_module with ModelParallelStrategy")
         if any(unit_flavour(m) == "fsdp" for m in module.modules()):
             raise MisuseError(
@@ -232,7 +237,7 @@ class ModelParallelStrategy(FSDP2Strategy):
             )
         self._check_meshes(result)
         _explain_checkpoint_then_compile(result)
-        return super().setup_module(result)
+        return super().setup_module(result, move_to_device)
 
     def _call_parallelize_fn(self, module: nn.Module) -> nn.Module:
         """Run the user's `parallelize_fn`, turning what torch reports there in its own terms (an invariant deep in
@@ -288,7 +293,7 @@ class ModelParallelStrategy(FSDP2Strategy):
             "mesh=device_mesh['data_parallel']), or fully_shard(..., **loom.strategy.unit_kwargs()), which also "
             "passes torchloom's mixed-precision policy"
         )
-        if names is None:
+        if mesh is None or names is None:
             problem = (
                 f"ran with fully_shard's default mesh (a 1-D mesh over all {count(self.world_size, 'rank')}), "
                 f"not one sliced from the strategy's device mesh [{dims}]"
@@ -349,7 +354,7 @@ class ModelParallelStrategy(FSDP2Strategy):
         if tp == 1:
             return  # the data-parallel group is every rank: the mean over all of them is right
         # Sharded by fully_shard over the data-parallel ranks only: a copy per tensor-parallel rank.
-        unit_params = [
+        unit_params: list[tuple[str, nn.Parameter]] = [
             (name, p)
             for name, p in module.named_parameters()
             if isinstance(p, DTensor) and TENSOR_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
