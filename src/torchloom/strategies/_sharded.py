@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError, warn_user
-from torchloom.strategies import _agreement, _mesh, _norms
+from torchloom.strategies import _agreement, _norms
+from torchloom.strategies import _mesh as mesh_rules
 from torchloom.strategies._meta_init import PendingModules, materialize, meta_modules
 from torchloom.strategies._placement import on_one_device_for_full_load, place_outside_units
 from torchloom.strategies._policies import (
@@ -139,7 +140,7 @@ class ShardedStrategy(ParallelStrategy):
         self.cpu_offload = offload_params(cpu_offload, self._offload_types, owner)
         self._cpu_offload_option = cpu_offload
         self.mixed_precision = mixed_precision
-        self._mesh_option = _mesh.mesh_spec(device_mesh, owner)
+        self._mesh_option = mesh_rules.mesh_spec(device_mesh, owner)
         self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
         self.state_dict_type = state_dict_type
         self.unsharded_params = unsharded_params
@@ -176,10 +177,12 @@ class ShardedStrategy(ParallelStrategy):
         return False
 
     def _mesh_shape(self) -> tuple[int, ...]:
-        return _mesh.mesh_shape(self._mesh_option, self._hybrid, self.num_nodes, self.world_size)
+        return mesh_rules.mesh_shape(self._mesh_option, self._hybrid, self.num_nodes, self.world_size)
 
     def _check_mesh(self) -> None:
-        _mesh.check_mesh(self._mesh_option, self._mesh_shape(), self._hybrid, self.world_size, self.num_nodes)
+        mesh_rules.check_mesh(
+            self._mesh_option, self._mesh_shape(), self._hybrid, self.world_size, self.num_nodes
+        )
 
     def _check_mixed_precision(self) -> None:
         """An explicit `mixed_precision=` decides the units' dtypes. "32-true" leaves them to it alone; any other
@@ -211,7 +214,7 @@ class ShardedStrategy(ParallelStrategy):
     def mesh_shape(self) -> dict[str, int]:
         """The mesh's dims and sizes, outermost first (what a checkpoint records of its layout): "shard", with
         "replicate" before it for hybrid sharding; a given DeviceMesh's own dim names where it has them."""
-        return _mesh.dim_sizes(self._mesh_shape(), self._mesh)
+        return mesh_rules.dim_sizes(self._mesh_shape(), self._mesh)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -219,7 +222,7 @@ class ShardedStrategy(ParallelStrategy):
         a mesh of that shape), else for hybrid sharding (num_nodes, processes per node), else 1-D."""
         if self._mesh is None:
             self._require_group(f"the {self.name!r} device mesh")
-            self._mesh = _mesh.make_mesh(self.root_device.type, self._mesh_shape())
+            self._mesh = mesh_rules.make_mesh(self.root_device.type, self._mesh_shape())
         return self._mesh
 
     def unit_kwargs(self, mesh: DeviceMesh | None = None) -> dict[str, Any]:
