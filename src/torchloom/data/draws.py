@@ -7,7 +7,7 @@ import contextlib
 import math
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -34,7 +34,8 @@ def capture(own: Any) -> dict[str, torch.Tensor]:
     except ImportError:
         numpy = None  # type: ignore[assignment]
     if numpy is not None:
-        _, keys, pos, has_gauss, cached = numpy.random.get_state()
+        # The legacy tuple (get_state's default) of the MT19937 generator behind numpy.random's functions.
+        _, keys, pos, has_gauss, cached = cast("tuple[Any, ...]", numpy.random.get_state())
         states["numpy"] = torch.from_numpy(keys.astype(numpy.int64))
         states["numpy_rest"] = torch.tensor([pos, has_gauss, cached], dtype=torch.float64)
     if isinstance(own, torch.Generator):

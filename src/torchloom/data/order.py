@@ -146,7 +146,7 @@ class ResumableSampler(DistributedSampler):
             record = capture(own)
             draw = list(self.sampler)
         if _shares_draws(self.num_replicas):
-            shared = [draw, record]
+            shared: list[Any] = [draw, record]
             torch.distributed.broadcast_object_list(shared, src=0)
             if shared[0] != draw and not self._warned_ranks:
                 self._warned_ranks = True

@@ -74,9 +74,10 @@ def with_distributed_sampler(
         # batch_sampler=BatchSampler(sampler, ...) given explicitly: loader.sampler is a placeholder the
         # DataLoader made (SequentialSampler) and loader.batch_size None; the order and the batching are the
         # BatchSampler's.
-        user_sampler = loader.batch_sampler.sampler
-        kwargs["batch_size"] = loader.batch_sampler.batch_size
-        kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
+        batches: Any = loader.batch_sampler
+        user_sampler = batches.sampler
+        kwargs["batch_size"] = batches.batch_size
+        kwargs["drop_last"] = bool(batches.drop_last)
     if not hasattr(user_sampler, "__len__"):
         # A TypeError too: Fabric's DistributedSamplerWrapper fails on len() of such a sampler with one.
         raise MisuseTypeError(
@@ -136,9 +137,10 @@ def with_users_distributed_sampler(loader: DataLoader) -> DataLoader:
     if user is None:
         return loader
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
-    if loader.batch_size is None and loader.batch_sampler is not None:
-        kwargs["batch_size"] = loader.batch_sampler.batch_size
-        kwargs["drop_last"] = bool(loader.batch_sampler.drop_last)
+    batches: Any = loader.batch_sampler
+    if loader.batch_size is None and batches is not None:
+        kwargs["batch_size"] = batches.batch_size
+        kwargs["drop_last"] = bool(batches.drop_last)
     sampler = ResumableSampler(
         user.dataset,
         num_replicas=user.num_replicas,

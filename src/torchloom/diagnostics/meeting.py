@@ -144,7 +144,7 @@ _EXIT_FUNCTIONS = ("agree_to_exit", "shutdown_process_group")
 def where_now(frame: Any, asked: int) -> dict[str, Any]:
     """Where the main thread is, for `meet`: its innermost user line, whether it is blocked in a collective
     (its innermost Python frame is in torch.distributed) or in the job's exit, and the `meet` it is in."""
-    innermost = frame.f_code if frame is not None else None
+    innermost: Any = frame.f_code if frame is not None else None
     # torch.distributed's collectives, and DDP's own (its bucket and buffer broadcasts in forward), wait in C++
     # below their Python frame.
     in_collective = innermost is not None and any(
