@@ -1,6 +1,6 @@
-"""What `setup_dataloaders` returns: `LoomDataLoader` iterates the user's loader on this rank, one epoch a pass,
-and moves the batches to the device; where it stands in its data is its `Position` (`torchloom.data.position`),
-saved and restored by `torchloom.data.resume`."""
+"""What `setup_dataloaders` returns: `LoomDataLoader` iterates the user's loader on this rank, one epoch a
+pass, and moves the batches to the device. Where it stands in its data is its `Position`
+(`torchloom.data.position`), saved and restored by `torchloom.data.resume`."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ class LoomDataLoader:
     identically on every rank), and batches are moved to the device.
 
     `state_dict()` / `load_state_dict()` record and restore the position in the global order (see
-    `torchloom.data`), so `loom.save(path, {..., "loader": loader})` and `loom.load` resume mid-epoch, at any world size.
-    A batch counts as consumed once the loader has handed it out.
+    `torchloom.data`), so `loom.save(path, {..., "loader": loader})` and `loom.load` resume mid-epoch, at any
+    world size. A batch counts as consumed once the loader has handed it out.
 
     A pass starts at `iter(loader)` and is over when it reaches its end or is left: `break` out of the loop, an
     exception out of it, or the iterator closed or garbage collected. The next pass reads the next epoch, so a

@@ -287,7 +287,7 @@ def _log_resume(position: Position, state: dict[str, Any], epoch: int, consumed:
 
 def _load_rule(sampler: ResumableSampler, state: dict[str, Any], consumed: int) -> None:
     """The saved epoch's rule (kept for the rest of the run: later epochs continue the saved run's orders,
-    see the module docstring) and the states its draw came from."""
+    see `torchloom.data`) and the states its draw came from."""
     rule = state.get("rule")
     if rule is None:  # an older torchloom: DistributedSampler's order, but its own split of custom samplers
         if consumed and not isinstance(sampler.sampler, (RandomSampler, SequentialSampler)):

@@ -17,7 +17,7 @@ from torchloom.diagnostics.record import POLL_SECONDS, RECORD, store_key
 from torchloom.diagnostics.report import explain
 
 # On NCCL the process group times out this much later than the job's timeout, when torchloom's own watchdog
-# starts the report: the answers take at most `_ANSWER_SECONDS`, the printing well under a second.
+# starts the report: the answers take at most `report._ANSWER_SECONDS`, the printing well under a second.
 NCCL_REPORT_GRACE = timedelta(seconds=15)
 
 
