@@ -296,7 +296,7 @@ def _answer(rank: int, name: str, seq: int, shapes: str = "", inside: bool = Tru
 
 
 def test_with_more_ranks_the_minority_is_the_culprit():
-    from torchloom.diagnostics import _culprit
+    from torchloom.diagnostics.report import _culprit
 
     answers = {0: _answer(0, "all_reduce", 7), 1: _answer(1, "barrier", 7), 2: _answer(2, "all_reduce", 7)}
     assert _culprit(answers, {}, 3, evidence_only=False) == (
@@ -309,7 +309,7 @@ def test_with_more_ranks_the_minority_is_the_culprit():
 
 def test_ranks_parted_inside_a_loom_call_are_torchlooms_fault_not_the_users():
     """Every rank inside the same loom.save(): none skipped it, so the culprit is where they wait inside it."""
-    from torchloom.diagnostics import _culprit
+    from torchloom.diagnostics.report import _culprit
 
     def inside(rank: int, internal: list[str], in_distributed: bool = True) -> dict:
         # At line 20 of train.py, as the helper places a barrier.

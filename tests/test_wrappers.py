@@ -331,7 +331,7 @@ def test_a_dataloader_subclass_that_cannot_be_rebuilt_is_refused(cls, says):
     """Refused where the data must be split (several ranks: the rebuild fails before any collective); handed
     back untouched in one process, as Fabric does there, never replaced by a plain DataLoader."""
     from torchloom import Loom, MisuseError
-    from torchloom.wrappers import with_distributed_sampler
+    from torchloom.data import with_distributed_sampler
 
     loader = cls(torch.arange(8), 3) if cls is _Forgetful else cls(torch.arange(8))
     with pytest.raises(MisuseError, match=says):

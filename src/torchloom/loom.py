@@ -27,7 +27,12 @@ from torchloom._optimizer_checks import check_fused_kernel
 from torchloom._torch_compat import compiled_parts
 from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
-from torchloom.data import gather_per_replica
+from torchloom.data import (
+    gather_per_replica,
+    ordering_sampler,
+    with_distributed_sampler,
+    with_users_distributed_sampler,
+)
 from torchloom.diagnostics import RECORD as _record
 from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import (
@@ -52,11 +57,8 @@ from torchloom.wrappers import (
     LoomOptimizer,
     _explain_skipped_call,
     joint_owner,
-    ordering_sampler,
     state_module,
     unwrap_optimizer,
-    with_distributed_sampler,
-    with_users_distributed_sampler,
 )
 from torchloom.wrappers import (
     move_to_device as move_data_to_device,

@@ -479,9 +479,10 @@ def test_meshes_other_than_the_strategys_are_refused(results):
 
 
 def test_desync_report_places_ranks_on_the_mesh(monkeypatch):
-    from torchloom import diagnostics
+    from torchloom.diagnostics import RECORD
+    from torchloom.diagnostics.report import _report
 
-    monkeypatch.setattr(diagnostics.RECORD, "mesh", (("data_parallel", "tensor_parallel"), (2, 2)))
+    monkeypatch.setattr(RECORD, "mesh", (("data_parallel", "tensor_parallel"), (2, 2)))
     answer = {
         "pid": 1,
         "inside": True,
@@ -492,7 +493,7 @@ def test_desync_report_places_ranks_on_the_mesh(monkeypatch):
         "stack": [],
     }
     answer.update(file="/x/train.py", line=10, function="main")
-    report = diagnostics._report({r: dict(answer) for r in range(4)}, {}, 4, 0, "timeout", "culprit: ?")
+    report = _report({r: dict(answer) for r in range(4)}, {}, 4, 0, "timeout", "culprit: ?")
     assert "device mesh: data_parallel 2 x tensor_parallel 2" in report
     assert "rank 2 [data_parallel 1, tensor_parallel 0] (pid 1): in" in report
     assert "rank 1 [data_parallel 0, tensor_parallel 1]" in report
