@@ -1,6 +1,7 @@
 """The shape of the source tree, read from the files (no import of torchloom): its import graph has no circle,
-docs/architecture.md's module table names every module under src/torchloom (and no module that is gone), and no
-module imports one of a higher layer than its own (the layers are the table's).
+docs/architecture.md's module table names every module under src/torchloom (and no module that is gone), no
+module imports one of a higher layer than its own (the layers are the table's), and no module holds more than
+500 lines of code unless its opening docstring says why.
 
 Imports are read with `ast`, those inside functions included: an import deferred into a function still ties the
 two modules together (it only moves the failure from import time to the first call).
@@ -9,7 +10,9 @@ two modules together (it only moves the failure from import time to the first ca
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -154,3 +157,98 @@ def test_the_layer_check_sees_an_upward_import():
     assert layer_violations(graph, page_layers(table)) == [
         "torchloom.errors (layer 0) imports torchloom.loom (layer 6)"
     ]
+
+
+# The size rule: a module holds at most this many lines of code (docstrings, comments and blank lines not counted),
+# unless its opening docstring has a sentence starting "Larger than 500 lines because" that gives the reason.
+MAX_CODE_LINES = 500
+ALLOWED_LARGER = re.compile(r"(?:^|[.!?]\s+)Larger than 500 lines because\b")
+
+
+
+def code_lines(source: str) -> int:
+    """The lines holding code: every line a token other than a comment or a line break touches, less the lines
+    of docstrings (of the module, its classes and functions)."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    skipped = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def says_why_larger(source: str) -> bool:
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    return bool(ALLOWED_LARGER.search(" ".join(doc.split())))
+
+
+def oversized(src: Path = SRC) -> dict[str, int]:
+    """Module -> its lines of code, for each module over the limit whose docstring does not say why."""
+    found = {}
+    for name, path in _modules(src).items():
+        source = path.read_text()
+        lines = code_lines(source)
+        if lines > MAX_CODE_LINES and not says_why_larger(source):
+            found[name] = lines
+    return found
+
+
+def test_the_line_counter_skips_docstrings_comments_and_blank_lines():
+    source = '''"""Module docstring,
+over two lines."""
+
+# a comment
+import os  # trailing comment
+
+
+class A:
+    """Class docstring."""
+
+    x = (
+        1,
+        2,
+    )
+
+    def f(self):
+        """One."""
+        return """a string
+that is not a docstring"""
+'''
+    # import, class, x = ( 1, 2, ), def, return and its string's second line.
+    assert code_lines(source) == 1 + 1 + 4 + 1 + 2
+
+
+def test_the_size_rule_sees_a_large_module_and_its_reason(tmp_path):
+    package = tmp_path / "torchloom"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    body = "".join(f"x{i} = {i}\n" for i in range(MAX_CODE_LINES + 1))
+    (package / "big.py").write_text('"""Big."""\n' + body)
+    (package / "fine.py").write_text('"""A table. Larger than 500 lines because it is data."""\n' + body)
+    (package / "small.py").write_text('"""Small."""\n' + body.split("\n", 1)[1])
+    assert oversized(tmp_path) == {"torchloom.big": MAX_CODE_LINES + 1}
+
+
+def test_no_module_is_larger_than_500_lines_of_code_without_a_reason():
+    over = oversized()
+    assert not over, (
+        f"modules over {MAX_CODE_LINES} lines of code: {over}. Split them by concern (see docs/architecture.md), "
+        'or say why in the opening docstring: "Larger than 500 lines because ...".'
+    )

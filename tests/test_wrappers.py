@@ -237,7 +237,7 @@ def test_mixed_group_split_is_computed_once_per_set_of_groups(monkeypatch):
     """Which groups mix DTensors and plain tensors is worked out once, not on every step and zero_grad (a scan
     of every parameter: thousands in MoE models), and again when the groups change. Plumbing: DTensors are
     faked by a mark, counted where torchloom asks."""
-    from torchloom import wrappers
+    from torchloom import _mixed_groups
 
     asked = []
 
@@ -245,30 +245,30 @@ def test_mixed_group_split_is_computed_once_per_set_of_groups(monkeypatch):
         asked.append(t)
         return getattr(t, "fake_dtensor", False)
 
-    monkeypatch.setattr(wrappers, "_is_dtensor", fake_is_dtensor)
+    monkeypatch.setattr(_mixed_groups, "_is_dtensor", fake_is_dtensor)
     params = [nn.Parameter(torch.zeros(2)) for _ in range(6)]
     for p in params[:3]:
         p.fake_dtensor = True
     opt = torch.optim.SGD(params[:4], lr=0.1)
     for _ in range(3):
-        with wrappers._kinds_apart(opt):
+        with _mixed_groups._kinds_apart(opt):
             assert [len(g["params"]) for g in opt.param_groups] == [3, 1]  # split for the step
         assert [len(g["params"]) for g in opt.param_groups] == [4]  # the user's group afterwards
-        assert wrappers._mixes_kinds(opt)
+        assert _mixed_groups._mixes_kinds(opt)
     first = len(asked)
     assert 0 < first <= 2 * 4  # one scan, on the first step only
     opt.add_param_group({"params": params[4:]})  # plain only: not split
-    with wrappers._kinds_apart(opt):
+    with _mixed_groups._kinds_apart(opt):
         assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 2]
     assert len(asked) > first  # new groups: scanned again
     opt.param_groups[1]["params"] = params[:1]  # replaced list: scanned again
-    with wrappers._kinds_apart(opt):
+    with _mixed_groups._kinds_apart(opt):
         assert [len(g["params"]) for g in opt.param_groups] == [3, 1, 1]
     # A parameter swapped in place (same list, same length): the split groups hold the new one, so the step
     # updates it and not the one it replaced.
     swapped = nn.Parameter(torch.zeros(2))
     opt.param_groups[0]["params"][3] = swapped
-    with wrappers._kinds_apart(opt):
+    with _mixed_groups._kinds_apart(opt):
         assert any(p is swapped for p in opt.param_groups[1]["params"])
         assert not any(p is params[3] for g in opt.param_groups for p in g["params"])
 

@@ -4,123 +4,54 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import torch
 from torch import nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from torchloom import launcher
+from torchloom import (
+    _callbacks,
+    _launching,
+    _loader_setup,
+    _module_setup,
+    _optimizer_setup,
+    _preemption,
+    _save_call,
+    launcher,
+)
 from torchloom._convert import numbers_to_tensors, reduce_op_name
 from torchloom._layout import clean_name
-from torchloom._optimizer_checks import check_fused_kernel
-from torchloom._torch_compat import compiled_parts
+from torchloom._module_forward import explain_skipped_call as _explain_skipped_call
+from torchloom._preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from torchloom._run_protocol import under_torchloom_run
 from torchloom.checkpointing import Checkpointer
 from torchloom.connector import command_line_defaults, configure
-from torchloom.data import (
-    gather_per_replica,
-    ordering_sampler,
-    with_distributed_sampler,
-    with_users_distributed_sampler,
-)
 from torchloom.diagnostics import RECORD as _record
-from torchloom.environments import TorchElasticEnvironment
 from torchloom.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigurationError,
     MisuseError,
-    MisuseTypeError,
     MisuseValueError,
-    warn_user,
 )
 from torchloom.loggers import Logger, finalize_logger, mark_launching_process, to_scalar
 from torchloom.progress import Progress
-from torchloom.run import RUN_ENV
-from torchloom.seed import add_worker_seeding, sampler_seed, seed_everything
+from torchloom.seed import seed_everything
 from torchloom.strategies.base import Strategy
-from torchloom.strategies.parallel import ParallelStrategy
-from torchloom.wrappers import (
-    SETUP_MARK,
-    LoomDataLoader,
-    LoomModule,
-    LoomOptimizer,
-    _explain_skipped_call,
-    joint_owner,
-    state_module,
-    unwrap_optimizer,
-)
-from torchloom.wrappers import (
-    move_to_device as move_data_to_device,
-)
+from torchloom.wrappers import LoomModule, LoomOptimizer, state_module, unwrap_optimizer
+from torchloom.wrappers import move_to_device as move_data_to_device
 
-#: The exit status of `loom.exit_for_restart()`: EX_TEMPFAIL, "try again later".
-PREEMPTED_EXIT_CODE = 75
-
-
-def _requeue_slurm_job() -> None:
-    import subprocess
-
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        raise ConfigurationError(
-            "on_preempt(requeue=True) requeues a SLURM job, but SLURM_JOB_ID is not set: this is not a SLURM job. "
-            "Leave requeue out; under torchrun, --max-restarts restarts the ranks."
-        )
-    try:
-        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        raise ConfigurationError(
-            f"`scontrol requeue {job}` failed: {detail}. The job must be requeueable (sbatch --requeue)."
-        ) from None
-
-
-#: `launch()`'s default: no function (an explicit None is `launch(train(loom))`, refused as Fabric does).
-_NO_FUNCTION: Any = object()
-
-
-def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments `method` accepts (all of them if it takes `**kwargs` or has no signature)."""
-    import inspect
-
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return kwargs
-    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in kwargs.items() if k in names}
-
-
-def _named_parameters(method: Callable[..., Any]) -> set[str]:
-    """The parameters `method` names (that a keyword can fill); empty where it has no signature to read."""
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-def _takes_the_loom(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` accepts a first positional argument (the Loom launch passes it)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
-        return True
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+_NO_FUNCTION = _launching.NO_FUNCTION
 
 
 class Loom:
@@ -146,6 +77,9 @@ class Loom:
     Under `torchloom run`, arguments left at their defaults take the command line's values; arguments given
     here win, with a warning when they disagree with the command line.
     """
+
+    #: A subclass's own `run` (Fabric's subclass entry point), which `run` starts on every rank.
+    _user_run: ClassVar[Callable[..., Any]]
 
     def __init__(
         self,
@@ -194,20 +128,12 @@ class Loom:
         self._elastic = elastic
         self._modules: list[LoomModule] = []
         self._joint_modules: dict[tuple[int, ...], nn.Module] = {}  # see _holder_of
-        self._loggers: list[Logger] = (
-            [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
-        )
+        self._loggers: list[Logger] = _callbacks.as_list(loggers)
         env = self._strategy.cluster_environment
         if env is not None and not env.creates_processes_externally and env.world_size() > 1:
             mark_launching_process(self._loggers)  # this process launches the ranks and is none of them
-        self._callbacks: list[Any] = (
-            []
-            if callbacks is None
-            else list(callbacks)
-            if isinstance(callbacks, (list, tuple))
-            else [callbacks]
-        )
-        if os.environ.get(RUN_ENV) == "1":
+        self._callbacks: list[Any] = _callbacks.as_list(callbacks)
+        if under_torchloom_run():
             # Under `torchloom run` every rank constructs its Loom at the same point, so the group can be joined
             # here, as Fabric does under `fabric run`: a script may then use torch.distributed directly (e.g. an
             # optimizer wrapper that all-reduces gradients itself) before any torchloom call needs the group.
@@ -256,7 +182,7 @@ class Loom:
         return self._strategy.accelerator
 
     # ---- launching -------------------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any] | None = _NO_FUNCTION, *args: Any, **kwargs: Any) -> Any:  # type: ignore[assignment]
+    def launch(self, fn: Callable[..., Any] | None = _NO_FUNCTION, *args: Any, **kwargs: Any) -> Any:
         """Start the ranks and join the process group.
 
         Without `fn`, a plain `python train.py` that wants several local processes re-runs itself once per rank
@@ -268,53 +194,16 @@ class Loom:
         process group joins it, so launch() is optional there; a second call, or a call in a rank that already
         joined, starts nothing (with `fn`, it runs `fn` in this process).
         """
-        if fn is _NO_FUNCTION:
-            fn = None
-        elif not callable(fn):
-            # `launch(train(loom))` (None, or whatever train returned): Fabric's TypeError, with the same hint.
-            raise MisuseTypeError(
-                f"loom.launch(fn) needs a callable, got {'None' if fn is None else type(fn).__name__}. HINT: do `loom.launch(train)` instead of "
-                "`loom.launch(train(loom))`. Pass a function defined at module level, `loom.launch(train, *args)`, "
-                "which runs train(loom, *args) on every rank; or call loom.launch() without arguments."
-            )
-        if fn is not None and not _takes_the_loom(fn):
-            raise MisuseTypeError(
-                f"loom.launch({getattr(fn, '__qualname__', fn)}) needs a function that takes at least one "
-                "argument: every rank calls it as fn(loom, *args, **kwargs). Add the parameter, e.g. "
-                "`def train(loom): ...`."
-            )
+        fn = _launching.checked_function(fn)
         env = self._strategy.cluster_environment
-        start_method = getattr(self._strategy, "start_method", "spawn")
-        if (
-            fn is None
-            and start_method == "fork"
-            and not (self._rank_ready or env.creates_processes_externally)
-        ):
-            # Fabric's TypeError for its forking strategies, on one device too (the same notebook then fails the
-            # same way at devices=1 and devices=2). A forked rank runs a function: there is no script to re-run.
-            raise MisuseTypeError(
-                "strategy='ddp_notebook' (or 'ddp_fork') forks ranks that run a function: call loom.launch(train) "
-                "with train(loom, ...) defined anywhere, even in a notebook cell (loom.launch() without a "
-                "function leaves them nothing to run)."
-            )
+        in_a_rank = self._rank_ready or env.creates_processes_externally
+        start_method = _launching.start_method(self._strategy, fn, in_a_rank)
         self._launched = True
-        # With elastic options the rendezvous decides the world, so even one local process gets an agent.
-        alone = env.world_size() == 1 and self._elastic is None
-        if self._rank_ready or env.creates_processes_externally or alone:
+        if _launching.runs_here(self._strategy, self._rank_ready, self._elastic):
             if not self._rank_ready:
                 self._setup_rank()
             return fn(self, *args, **kwargs) if fn is not None else None
-        num_processes = len(self._strategy.parallel_devices)
-        where = (num_processes, self._strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
-        if start_method == "fork":
-            launcher.check_fork_is_safe(fn)
-        if fn is None:
-            launcher.launch_script(
-                *where, self._elastic
-            )  # never returns: this process waits for the ranks, then exits
-        if kwargs:
-            fn = functools.partial(fn, **kwargs)  # picklable when fn is
-        return launcher.launch_function(self, fn, args, *where, self._elastic, start_method=start_method)
+        return _launching.start_ranks(self, self._strategy, fn, args, kwargs, self._elastic, start_method)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Fabric's subclass entry point. Override `run` in a subclass of Loom and call `loom.run(...)`: the
@@ -336,24 +225,15 @@ class Loom:
         cls.run = run  # type: ignore[method-assign]
 
     def _setup_rank(self) -> None:
-        # In a rank started by an elastic agent, the environment it inherited from its parent's Loom is stale.
-        if TorchElasticEnvironment.detect() and not isinstance(
-            self._strategy.cluster_environment, TorchElasticEnvironment
-        ):
-            self._strategy.cluster_environment = TorchElasticEnvironment()
         self._launched = True
-        launcher.record_errors_in_rank()
-        self._strategy.setup_environment()
-        if isinstance(self._strategy, ParallelStrategy) and self.world_size > 1:
-            self._strategy.start_diagnostics()
+        _launching.set_up_rank(self._strategy)
         self._rank_ready = True
 
     def _join_if_started_externally(self) -> None:
         """Where the processes exist already (torchloom run, torchrun, SLURM), join the process group on the first
         call that needs it, so a script written for `fabric run` needs no launch(). Constructing a Loom does not
         block: the group is joined by the first setup, collective or checkpoint call, which every rank makes."""
-        env = self._strategy.cluster_environment
-        if not self._launched and self._strategy.is_distributed and env.creates_processes_externally:
+        if _launching.joins_on_first_call(self._strategy, self._launched):
             self._setup_rank()
 
     def close(self) -> None:
@@ -425,30 +305,18 @@ class Loom:
         if not optimizers:
             self._after_setup(module)
             return module if scheduler is None else (module, scheduler)
-        if self._strategy.replaces_parameters:
-            # Parameters of models set up before (one optimizer over several models) are sharded already.
-            earlier = {id(p) for m in self._modules if m is not module for p in m.module.parameters()}
-            for optimizer in optimizers:
-                _rebind_optimizer(optimizer, names, module.module, earlier)
+        _optimizer_setup.rebind(self._strategy, optimizers, names, module, self._modules)
         out = (module, *self._setup_optimizers(optimizers))
         if hasattr(module.module, "_fabric_optimizers"):  # a LightningModule: self.optimizers() reads these
-            module.module._fabric_optimizers = list(out[1:])
+            setattr(module.module, "_fabric_optimizers", list(out[1:]))  # noqa: B010 - not a Module or Tensor
         self._after_setup(module)
         return out if scheduler is None else (*out, scheduler)
 
     def _after_setup(self, module: LoomModule) -> None:
         # Fabric's hook, called by keyword from setup() (not setup_module), once the optimizers are set up too.
-        self._call_builtin_hook("on_after_setup", {"fabric": self, "module": module}, {"loom": self})
-
-    def _call_builtin_hook(self, hook_name: str, kwargs: dict[str, Any], own_names: dict[str, Any]) -> None:
-        """A hook torchloom itself calls, as `call` does with Fabric's keywords (`kwargs`): a method that takes
-        `**kwargs` gets exactly Fabric's, so a callback written for Fabric, or a `Mock(wraps=...)` of one, that
-        forwards them to `def hook(self, fabric, module)` works unchanged. torchloom's own spellings
-        (`own_names`, e.g. `loom=`) go only to a method that names them."""
-        for method in self._hook_methods(hook_name):
-            named = _named_parameters(method)
-            extra = {k: v for k, v in own_names.items() if k in named and k not in kwargs}
-            method(**_accepted_kwargs(method, kwargs), **extra)
+        _callbacks.call_builtin_hook(
+            self._callbacks, "on_after_setup", {"fabric": self, "module": module}, {"loom": self}
+        )
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> LoomModule:
         """Move and wrap `module` for the strategy; returns a `LoomModule`. With `move_to_device=False` the model
@@ -458,54 +326,11 @@ class Loom:
         A model from `torch.compile` is set up as the module it compiled, and the strategy's wrapper is compiled
         the same way (backend, mode, options): the returned model's forward runs compiled; `.module` is the
         uncompiled model and checkpoints use its names."""
-        if isinstance(module, LoomModule):
-            raise MisuseValueError(
-                "setup_module was given a LoomModule, which is set up already: pass the model itself, or keep "
-                "using the LoomModule that setup_module returned."
-            )
-        if getattr(module, SETUP_MARK, False):
-            earlier = next((m for m in self._modules if m.module is module), None)
-            if earlier is None:
-                raise MisuseValueError(
-                    "setup_module was given a model that another Loom set up (and wrapped or sharded for its "
-                    "own processes). Build the model again for this Loom, or keep using the first one."
-                )
-            # The same model set up again on this Loom (a notebook cell run twice): wrapping or sharding it a
-            # second time would stack a second DDP or FSDP over the first, so it gets the same LoomModule.
+        earlier = _module_setup.set_up_before(module, self._modules)
+        if earlier is not None:
             return earlier
-        if not isinstance(module, nn.Module):
-            raise MisuseError(
-                f"setup_module expects a torch.nn.Module, got {type(module).__name__}. Pass the model itself "
-                "(an nn.Module), not its state_dict or parameters."
-            )
         self._require_launch("setup_module")
-        compiled = compiled_parts(module)
-        if compiled is not None:
-            # A model from torch.compile: wrap (DDP, FSDP units) the module it compiled, then compile the wrapper
-            # the same way, the order PyTorch documents (DDP's graph splitting at its buckets; FSDP1's state-dict
-            # names would otherwise keep the compile wrapper's `_orig_mod.` segment).
-            module, compile_like = compiled
-        precision = self._strategy.precision
-        module = precision.convert_module(module)
-        if move_to_device:
-            forward_module = self._strategy.setup_module(module)
-        elif self._strategy.replaces_parameters:
-            raise MisuseError(
-                f"setup_module(move_to_device=False) cannot be honoured with strategy {self._strategy.name!r}: "
-                "sharding puts each rank's shards on loom.device. Leave move_to_device=True (create the model "
-                "under loom.init_module() to build it there directly)."
-            )
-        else:
-            forward_module = self._strategy.setup_module(module, move_to_device=False)
-        object.__setattr__(module, SETUP_MARK, True)
-        if hasattr(module, "_fabric"):
-            # A LightningModule: its self.log, self.logger and self.backward go through this back-reference, and,
-            # as Fabric does, it becomes a callback, so `loom.call("on_train_start")` reaches its hooks.
-            module._fabric = self
-            if not any(c is module for c in self._callbacks):
-                self._callbacks.append(module)
-        compiled_forward = compile_like(forward_module) if compiled is not None else None
-        wrapped = LoomModule(forward_module, module, precision, compiled_forward=compiled_forward)
+        wrapped = _module_setup.wrap(self._strategy, module, move_to_device, self, self._callbacks)
         self._modules.append(wrapped)
         return wrapped
 
@@ -520,55 +345,7 @@ class Loom:
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_optimizers(self, optimizers: tuple[Optimizer, ...]) -> list[LoomOptimizer]:
-        known = {id(p) for m in self._modules for p in m.module.parameters()}
-        out = []
-        for optimizer in optimizers:
-            if isinstance(optimizer, LoomOptimizer):
-                raise MisuseValueError(
-                    "setup_optimizers was called twice on the same optimizer. Set it up once."
-                )
-            if not isinstance(optimizer, Optimizer):
-                raise MisuseError(
-                    f"setup_optimizers expects torch.optim.Optimizer, got {type(optimizer).__name__}. "
-                    "Pass an optimizer built from the set-up model, e.g. "
-                    "torch.optim.AdamW(model.parameters())."
-                )
-            optimizer = self._strategy.setup_optimizer(optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            check_fused_kernel(optimizer, params)
-            stray = sum(id(p) not in known for p in params)
-            if stray and self._strategy.replaces_parameters:
-                raise MisuseError(
-                    f"The optimizer {type(optimizer).__name__} holds {stray} parameter(s) that strategy "
-                    f"{self._strategy.name!r} replaced with sharded ones in setup_module. Create the optimizer after "
-                    "setup_module: `model = loom.setup_module(model); optimizer = torch.optim.AdamW(model.parameters())"
-                    "`, or pass both to `loom.setup(model, optimizer)`, which rebinds a fresh optimizer for you."
-                )
-            wrapped = LoomOptimizer(optimizer, self._strategy.precision, self._strategy, self._callbacks)
-            checks: list[Callable[[], None]] = []
-            if stray and self._strategy.is_distributed:
-                # As in Fabric, the model may be set up after its optimizer (the parameters stay the same
-                # objects without sharding); by the first step it must be, or those parameters' gradients
-                # would never be averaged and the ranks would drift apart.
-                checks.append(functools.partial(self._check_no_strays, optimizer))
-            if stray:
-                # setup_module may yet convert these parameters to the precision's dtype (bf16-true), in place.
-                checks.append(functools.partial(check_fused_kernel, optimizer))
-            if checks:
-                wrapped.before_first_step(lambda checks=checks: [check() for check in checks])
-            out.append(wrapped)
-        return out
-
-    def _check_no_strays(self, optimizer: Optimizer) -> None:
-        known = {id(p) for m in self._modules for p in m.module.parameters()}
-        stray = sum(id(p) not in known for group in optimizer.param_groups for p in group["params"])
-        if stray:
-            raise MisuseError(
-                f"The optimizer {type(optimizer).__name__} updates {stray} parameter(s) that belong to no module "
-                f"set up with loom.setup_module; with {self.world_size} processes their gradients would never be "
-                "averaged and the ranks would drift apart. Set up the model they belong to (before or after the "
-                "optimizer, but before the first step)."
-            )
+        return _optimizer_setup.setup_optimizers(self._strategy, optimizers, self._modules, self._callbacks)
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
@@ -589,81 +366,13 @@ class Loom:
         turns this off."""
         if not dataloaders:
             raise MisuseValueError("setup_dataloaders needs at least one DataLoader.")
-        out = []
-        # Ranks that compute on one batch together (tensor parallel) read the same samples, with the same worker
-        # seeds: the data is split over the data-parallel ranks only.
-        split = self._strategy.distributed_sampler_kwargs
-        replicas, rank = split["num_replicas"], split["rank"]
-        gather = self._strategy.all_gather_object
-        if replicas != self.world_size:  # an iterable dataset's position: one per replica
-            gather = functools.partial(gather_per_replica, gather, rank, replicas)
-        for loader in dataloaders:
-            if isinstance(loader, LoomDataLoader):
-                raise MisuseValueError(
-                    "setup_dataloaders was given a loader it returned before; pass the DataLoader only once "
-                    "(Fabric raises the same ValueError)."
-                )
-            if not isinstance(loader, DataLoader):
-                raise MisuseTypeError(
-                    f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
-                )
-            if use_distributed_sampler:
-                # In one process too (keeping the user's sampler's order there): a resumable sampler is what lets
-                # a checkpoint resume inside an epoch, also on another number of ranks (see torchloom.data).
-                loader = with_distributed_sampler(
-                    loader,
-                    replicas,
-                    rank,
-                    seed=sampler_seed(),
-                    distributed=self._distributed_order(),
-                )
-            else:
-                # The user's own DistributedSampler, kept (same order), made resumable inside an epoch.
-                loader = with_users_distributed_sampler(loader)
-            add_worker_seeding(loader, rank)
-            # A DistributedSampler of the user's splits the data over its own replicas (a global position counts
-            # its batches over those).
-            own = ordering_sampler(loader)
-            own = own if isinstance(own, DistributedSampler) else None
-            if (
-                own is not None
-                and replicas != self.world_size
-                and (own.num_replicas, own.rank) != (replicas, rank)
-            ):
-                # Tensor-parallel ranks compute on one batch together: different samples on them is silently wrong.
-                raise MisuseError(
-                    f"The dataloader's {type(own).__name__} splits the data over {own.num_replicas} replicas (this "
-                    f"rank reads part {own.rank}), but under {type(self._strategy).__name__} the ranks of one "
-                    f"tensor-parallel group must read the same samples: the data is split over the {replicas} "
-                    f"data-parallel replicas (this rank is replica {rank}). Build it as "
-                    f"DistributedSampler(dataset, num_replicas={replicas}, rank={rank}) "
-                    "(**loom.strategy.distributed_sampler_kwargs), or give the DataLoader an undistributed sampler "
-                    "and let setup_dataloaders split it."
-                )
-            out.append(
-                LoomDataLoader(
-                    loader,
-                    self.device if move_to_device else None,
-                    replicas if own is None else own.num_replicas,
-                    rank=rank if own is None else own.rank,
-                    all_gather_object=gather,
-                    global_rank=self.global_rank,
-                    ranks=self.world_size,
-                )
-            )
+        out = _loader_setup.setup_dataloaders(
+            self._strategy, dataloaders, use_distributed_sampler, self.device if move_to_device else None
+        )
         # Before launch this process would split the data as rank 0 of a job that does not exist yet. Checked
         # after the loaders themselves, whose mistakes (a sampler without len()) are named first.
         self._require_launch("setup_dataloaders")
         return out[0] if len(out) == 1 else out  # several: a list, as Fabric returns them
-
-    def _distributed_order(self) -> bool:
-        """Whether set-up loaders read DistributedSampler's order (Fabric's rule for its parallel strategies)
-        rather than the loader's own sampler (its one-device rule). Also a lone process started by torchrun or
-        `torchloom run`: its job may restart at another world size (elastic), and DistributedSampler's order is
-        the one a restart can continue exactly in every epoch (Fabric keeps the loader's sampler there)."""
-        return isinstance(self._strategy, ParallelStrategy) or isinstance(
-            self._strategy.cluster_environment, TorchElasticEnvironment
-        )
 
     # ---- training calls --------------------------------------------------------------------------------------
     def backward(
@@ -701,10 +410,12 @@ class Loom:
             raise ValueError(
                 "clip_gradients needs exactly one of max_norm= (clip by global norm) or clip_val= (clip by value)."
             )
-        forward_module = self._setup_of(module, "clip_gradients").forward_module
+        forward_module = _module_setup.set_up_one(module, self._modules, "clip_gradients").forward_module
         optimizer = unwrap_optimizer(optimizer)
         if self._strategy.replaces_parameters:
-            forward_module = self._holder_of(forward_module, optimizer)
+            forward_module = _optimizer_setup.holder_of(
+                forward_module, optimizer, self._forward_modules(), self._joint_modules
+            )
         if max_norm is not None:
             return self._strategy.clip_gradients_norm(
                 forward_module,
@@ -716,24 +427,11 @@ class Loom:
         self._strategy.clip_gradients_value(forward_module, optimizer, float(clip_val))  # type: ignore[arg-type]
         return None
 
-    def _holder_of(self, forward_module: nn.Module, optimizer: Optimizer) -> nn.Module:
-        """The module whose parameters `optimizer` updates, for the strategy's norm (it combines each sharded
-        gradient over that module's shard groups): `forward_module`, or, for an optimizer over several set-up
-        models, one `JointModule` of them (kept, so the strategy's per-module caches hold)."""
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if ids <= {id(p) for p in forward_module.parameters()}:
-            return forward_module
-        joint = joint_owner(optimizer, {str(i): m for i, m in enumerate(self._forward_modules())})
-        if joint is None:
-            return forward_module
-        key = tuple(id(m) for m in joint.children())
-        return self._joint_modules.setdefault(key, joint)
-
     @contextlib.contextmanager
     def no_backward_sync(self, module: LoomModule, enabled: bool = True) -> Generator[None, None, None]:
         """Skip gradient synchronisation for the forward and backward passes inside (gradient accumulation);
         the first backward outside the block synchronises everything accumulated."""
-        forward_module = self._setup_of(module, "no_backward_sync").forward_module
+        forward_module = _module_setup.set_up_one(module, self._modules, "no_backward_sync").forward_module
         with self._strategy.no_backward_sync(forward_module, enabled=enabled):
             yield
 
@@ -741,31 +439,8 @@ class Loom:
         """Run a model method through the strategy like forward (see `LoomModule.mark_forward_method`), given as
         the bound method of a set-up model (`loom.mark_forward_method(model.generate)`) or by name, for every
         set-up model that has it."""
-        # Read from a set-up model, a method comes back wrapped.
-        method = getattr(method, "__wrapped__", method)
-        owner = getattr(method, "__self__", None)
-        targets = [
-            m
-            for m in self._modules
-            if (owner is None and callable(getattr(m.module, str(method), None))) or owner in (m, m.module)
-        ]
-        if not targets:
-            raise MisuseError(
-                f"mark_forward_method({method!r}): no model set up with this Loom has that method. Call it after "
-                "setup, on a method of the set-up model, e.g. loom.mark_forward_method(model.generate)."
-            )
-        for wrapped in targets:
-            wrapped.mark_forward_method(method if owner is None else method.__name__)
-
-    def _setup_of(self, module: Any, what: str) -> LoomModule:
-        if isinstance(module, LoomModule):
-            return module
-        for wrapped in self._modules:
-            if wrapped.module is module:
-                return wrapped
-        raise MisuseTypeError(
-            f"{what} got a module that was not set up. Pass the object returned by loom.setup_module(model)."
-        )
+        for wrapped, name in _module_setup.forward_method_targets(method, self._modules):
+            wrapped.mark_forward_method(name)
 
     # ---- collectives -----------------------------------------------------------------------------------------
     def all_reduce(self, data: Any, group: Any = None, reduce_op: str | ReduceOp = "mean") -> Any:
@@ -773,11 +448,11 @@ class Loom:
         "mean", "sum", "max", "min", "product" or a `torch.distributed.ReduceOp`. Numbers come back as tensors
         on `loom.device`."""
         self._require_launch("all_reduce")
-        reduce_op = reduce_op_name(_not_an_op(group, reduce_op))
+        op: str = reduce_op_name(_not_an_op(group, reduce_op))
         data = numbers_to_tensors(data, self.device)
         # Every collective entered here is recorded (see `diagnostics`): a hang can then say who is where.
         with _record("all_reduce", data):
-            return self._strategy.all_reduce(data, reduce_op, group=group)
+            return self._strategy.all_reduce(data, op, group=group)
 
     def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Gather tensors and numbers (or nested collections of them) from all ranks, or from `group`; each comes
@@ -835,62 +510,15 @@ class Loom:
         met = False
         try:
             with _record("save"):
-                met = self._meet("save")
+                met = _save_call.meet("save", self.global_rank, self._strategy.timeout)
                 self._checkpointer.save(
                     Path(path), state, self._forward_modules(), filter, async_save=async_save, fsync=fsync
                 )
         except (CollectiveTimeoutError, CollectiveMismatchError) as error:
-            if str(error).startswith("loom.save()"):
-                raise  # from `_meet`: it names the call already
-            if met:
-                # Every rank was seen entering this save: the call is right, and what parted the ranks is inside
-                # it (the desync report's culprit says what: a rank still writing, or torchloom's own collectives).
-                culprit = getattr(error, "culprit", None) or (
-                    "culprit: unknown (no desync report); unless a rank was still writing a large checkpoint, "
-                    "this is a torchloom bug: please report it"
-                )
-                failed = (
-                    f"timed out after {self._strategy.timeout}"
-                    if isinstance(error, CollectiveTimeoutError)
-                    else "lost a peer"
-                )
-                raise type(error)(
-                    f"loom.save() on rank {self.global_rank} {failed} inside the save: every rank entered this "
-                    f"loom.save() together (checked as each entered), so none skipped it or called it alone. "
-                    f"{culprit}."
-                ) from error
-            if isinstance(error, CollectiveMismatchError):
+            restated = _save_call.save_failure(error, met, self.global_rank, self._strategy.timeout)
+            if restated is None:
                 raise
-            # The collective that timed out is one inside save; what the user must change is the call to save.
-            raise CollectiveTimeoutError(
-                f"loom.save() on rank {self.global_rank} timed out waiting for the other ranks. Every rank "
-                "must call loom.save at the same point (not only rank 0: drop any `if loom.is_global_zero:` "
-                f"around it; rank 0 alone writes the file). {error}"
-            ) from error
-
-    def _meet(self, call: str) -> bool:
-        """Before a call whose collectives every rank must join: check through the job's store that every rank
-        is in it (see `diagnostics.meet`), so that a call made on some ranks only fails with an error naming it
-        instead of gloo's abort (or NCCL's hang) in its first collective. True: every rank was seen in it."""
-        from torchloom import diagnostics
-
-        fix = (
-            f"Call loom.{call} on every rank at the same point: it is a collective that writes the checkpoint once "
-            f"for all ranks (drop any `if loom.is_global_zero:` around it)."
-        )
-        try:
-            return diagnostics.meet(call, self._strategy.timeout)
-        except diagnostics.PeersElsewhere as error:
-            raise MisuseError(
-                f"loom.{call}() on rank {self.global_rank} waits for the other ranks, but they did not call it: "
-                f"{error}. {fix}"
-            ) from None
-        except diagnostics.PeersLate as error:
-            where = f" ({error})" if str(error) else ""
-            raise CollectiveTimeoutError(
-                f"loom.{call}() on rank {self.global_rank} timed out waiting for the other ranks after "
-                f"{self._strategy.timeout}{where}. {fix}"
-            ) from None
+            raise restated from error
 
     def load(
         self,
@@ -1004,17 +632,8 @@ class Loom:
         `scontrol requeue $SLURM_JOB_ID`; the job must be requeueable, `sbatch --requeue`), so it starts again
         and resumes from its newest checkpoint (`torchloom.latest_checkpoint`). Outside a SLURM job it is refused
         here, on every rank (not when the job is already stopping)."""
-        if requeue and not os.environ.get("SLURM_JOB_ID"):
-            # Refused at the call, where every rank sees the same environment: at exit_for_restart only rank 0
-            # would fail, after the preemption checkpoint, with the job already ending.
-            raise ConfigurationError(
-                "on_preempt(requeue=True) requeues a SLURM job, but SLURM_JOB_ID is not set: this is not a SLURM "
-                "job. Leave requeue out (under torchrun, --max-restarts restarts the ranks after "
-                "exit_for_restart())."
-            )
+        _preemption.catch(signals, self._note_preemption, requeue)
         self._requeue = bool(requeue)
-        for sig in signals:
-            signal.signal(sig, self._note_preemption)
 
     def exit_for_restart(self) -> None:
         """End this attempt after its preemption checkpoint, so that the job is restarted: wait for the pending
@@ -1025,7 +644,7 @@ class Loom:
         requeue = self._requeue and self.is_global_zero
         self.close()
         if requeue:
-            _requeue_slurm_job()
+            _preemption.requeue_slurm_job()
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _note_preemption(self, signum: int, frame: Any) -> None:
@@ -1035,12 +654,9 @@ class Loom:
         """True on every rank once any rank has caught a preemption signal (see `on_preempt`). It is a
         collective (one scalar all-reduce): every rank must call it at the same point of the loop, so that all
         of them stop, and checkpoint, at the same step."""
-        flag = torch.tensor(1.0 if self._preempted else 0.0, device=self.device)
         if self._strategy.is_distributed:
             self._require_launch("should_stop")
-            with _record("should_stop"):
-                flag = self._strategy.all_reduce(flag, reduce_op="max")
-        return bool(flag.item() > 0)
+        return _preemption.any_rank_caught(self._strategy, self._preempted)
 
     # ---- logging and progress --------------------------------------------------------------------------------
     @property
@@ -1084,22 +700,7 @@ class Loom:
         """Call `hook_name(*args, **kwargs)` on every callback (`Loom(callbacks=...)`) that has such a method, as
         Fabric does: each gets only the keyword arguments its signature accepts (all of them with `**kwargs`), and
         an attribute of that name that is not callable is skipped with a warning."""
-        for method in self._hook_methods(hook_name):
-            method(*args, **_accepted_kwargs(method, kwargs))
-
-    def _hook_methods(self, hook_name: str) -> Iterator[Callable[..., Any]]:
-        """Each callback's `hook_name` method; an attribute of that name that is not callable is skipped with a
-        warning, as Fabric does."""
-        for callback in self._callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                warn_user(
-                    f"Skipping the callback `{type(callback).__name__}.{hook_name}`: it is not callable."
-                )
-                continue
-            yield method
+        _callbacks.call(self._callbacks, hook_name, args, kwargs)
 
     @contextlib.contextmanager
     def autocast(self) -> Generator[None, None, None]:
@@ -1164,31 +765,6 @@ def _not_an_op(group: Any, reduce_op: Any) -> Any:
             f"operation by name: all_reduce(data, reduce_op={group!r})."
         )
     return reduce_op
-
-
-def _rebind_optimizer(
-    optimizer: Optimizer, names: dict[int, str], module: nn.Module, earlier: set[int] = frozenset()
-) -> None:
-    """Point a not-yet-stepped optimizer at the parameters that sharding put in place of the originals
-    (`earlier`: those of other set-up models, left as they are)."""
-    current = {id(p) for p in module.parameters()} | earlier
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(id(p) in current for p in params):
-        return
-    if optimizer.state:
-        raise MisuseError(
-            "The optimizer has already taken steps on the unsharded parameters, so it cannot be moved to the sharded "
-            "ones. Create the optimizer after setup_module."
-        )
-    by_name = {clean_name(n): p for n, p in module.named_parameters()}
-    for group in optimizer.param_groups:
-        try:
-            group["params"] = [by_name[names[id(p)]] if id(p) not in current else p for p in group["params"]]
-        except KeyError:
-            raise MisuseError(
-                "The optimizer holds parameters of another model than the one passed to setup(); create it from "
-                "model.parameters()."
-            ) from None
 
 
 def _prints_here(rank_zero: str, local_rank: int, global_rank: int) -> bool:

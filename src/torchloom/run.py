@@ -14,8 +14,6 @@ import socket
 import sys
 from pathlib import Path
 
-# RUN_ENV is re-exported for code written before the protocol had its own module (torchloom.loom reads it here).
-from torchloom._run_protocol import RUN_ENV as RUN_ENV
 from torchloom._run_protocol import publish
 from torchloom.accelerators import select_accelerator
 from torchloom.environments import find_free_port
