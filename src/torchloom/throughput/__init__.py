@@ -4,6 +4,7 @@
 from torchloom.throughput import ThroughputMonitor, measure_flops, get_available_flops
 """
 
+from torchloom.throughput.breakdown import BreakdownSummary, TimeBreakdown
 from torchloom.throughput.flops import FlopCount, count_flops, get_available_flops, measure_flops
 from torchloom.throughput.monitor import Throughput, ThroughputMonitor
 
@@ -14,4 +15,6 @@ __all__ = [
     "get_available_flops",
     "count_flops",
     "FlopCount",
+    "TimeBreakdown",
+    "BreakdownSummary",
 ]
