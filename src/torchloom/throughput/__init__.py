@@ -7,6 +7,7 @@ from torchloom.throughput import ThroughputMonitor, measure_flops, get_available
 from torchloom.throughput.breakdown import BreakdownSummary, TimeBreakdown
 from torchloom.throughput.flops import FlopCount, count_flops, get_available_flops, measure_flops
 from torchloom.throughput.monitor import Throughput, ThroughputMonitor
+from torchloom.throughput.profiler import StepProfiler, profile_steps
 
 __all__ = [
     "Throughput",
@@ -17,4 +18,6 @@ __all__ = [
     "FlopCount",
     "TimeBreakdown",
     "BreakdownSummary",
+    "profile_steps",
+    "StepProfiler",
 ]
