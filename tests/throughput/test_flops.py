@@ -27,7 +27,6 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchloom.throughput import count_flops, get_available_flops, measure_flops
-from torchloom.throughput import flops as flops_module
 
 
 class Block(nn.Module):
@@ -301,7 +300,6 @@ def test_tf32_and_unknown_devices():
             assert get_available_flops(torch.device("cuda"), torch.float32) == 494.5e12
         finally:
             torch.set_float32_matmul_precision(previous)
-    flops_module._warned.clear()
     with (
         mock.patch("torch.cuda.get_device_name", return_value="CocoNut 9000"),
         pytest.warns(UserWarning, match="FLOPs not found for 'CocoNut 9000'.*available_flops="),

@@ -17,7 +17,7 @@ from lightning.fabric.utilities import throughput as fabric_tp
 
 from torchloom import Loom
 from torchloom.loggers import Logger
-from torchloom.throughput import Throughput, ThroughputMonitor, flops
+from torchloom.throughput import Throughput, ThroughputMonitor
 
 
 def _updates(seed: int, n: int, with_lengths: bool, with_flops: bool) -> list[dict]:
@@ -93,7 +93,6 @@ def test_refusals_match_fabric():
 
 
 def test_dense_by_default_sparse_on_request():
-    flops._warned.clear()  # warned once per process: forget earlier tests' warnings
     with pytest.warns(UserWarning, match="assumes dense"):
         Throughput(available_flops=1e12)
     with warnings.catch_warnings():
@@ -144,7 +143,6 @@ def _monitor_body(rank: int, world_size: int) -> dict:
         accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto", loggers=logger
     )
     loom.launch()
-    flops._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor = ThroughputMonitor(loom, window_size=3)
@@ -221,3 +219,40 @@ def test_monitor_on_two_ranks():
 def test_monitor_refuses_what_is_not_a_loom():
     with pytest.raises(ValueError, match="takes a torchloom `Loom`"):
         ThroughputMonitor(object())
+
+
+def _litgpt_loop(monitor) -> None:
+    """litgpt's pattern with fake times: update with running totals after each step, then compute_and_log."""
+    lengths = 0
+    for iteration in range(1, 7):
+        lengths += 3 * (2 + iteration)  # 3 sequences, growing lengths
+        monitor.update(
+            time=iteration + 0.5, batches=iteration, samples=3 * iteration, lengths=lengths, flops=10
+        )
+        monitor.compute_and_log()
+
+
+@pytest.mark.parametrize("separator", ["/", "|"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_monitor_logs_what_fabrics_logs(separator, world_size):
+    from unittest import mock
+
+    from lightning.fabric import Fabric
+
+    fabric_logger = mock.Mock()
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=fabric_logger)
+    ours_logger = _Capture()
+    loom = Loom(accelerator="cpu", loggers=ours_logger)
+    with (
+        mock.patch("lightning.fabric.utilities.throughput.get_available_flops", return_value=100),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        theirs = fabric_tp.ThroughputMonitor(fabric, window_size=4, separator=separator)
+        ours = ThroughputMonitor(loom, window_size=4, separator=separator, available_flops=100)
+    theirs.world_size = ours.world_size = world_size  # as Fabric's own test simulates 2 devices
+    _litgpt_loop(theirs)
+    _litgpt_loop(ours)
+    expected = [(c.kwargs["step"], c.kwargs["metrics"]) for c in fabric_logger.log_metrics.mock_calls]
+    assert len(expected) == 6 and ours_logger.rows == expected
+    assert f"device{separator}mfu" in expected[-1][1]

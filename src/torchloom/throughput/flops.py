@@ -22,18 +22,15 @@ from torchloom.errors import MisuseValueError, warn_user
 _TF32 = "tfloat32"
 _FP8 = getattr(torch, "float8_e4m3fn", "float8")
 
-_warned: set[str] = set()
-
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _warn_once(message: str) -> None:
-    """Warn on global rank 0 only, once per process: every rank computes the same peak, and a monitor is often
-    made once per run phase."""
-    if _rank() == 0 and message not in _warned:
-        _warned.add(message)
+def _warn_rank_zero(message: str) -> None:
+    """Warn on global rank 0 only (every rank computes the same peak), at the user's line, so Python's warning
+    filter shows it once per line of the user's code, as Fabric's `rank_zero_warn`."""
+    if _rank() == 0:
         warn_user(message)
 
 
@@ -167,7 +164,7 @@ def get_available_flops(device: torch.device, dtype: torch.dtype | str) -> int |
     matmuls approach."""
     device = torch.device(device)
     if device.type != "cuda":
-        _warn_once(
+        _warn_rank_zero(
             f"No peak FLOPs are known for a {device.type!r} device, so MFU is not computed: pass "
             "available_flops= (the measured peak of one device) to Throughput or ThroughputMonitor."
         )
@@ -175,7 +172,7 @@ def get_available_flops(device: torch.device, dtype: torch.dtype | str) -> int |
     device_name = torch.cuda.get_device_name(device)
     chip = _chip(device_name)
     if chip is None or chip not in _CUDA_FLOPS:
-        _warn_once(
+        _warn_rank_zero(
             f"FLOPs not found for {device_name!r}{f', chip is {chip!r}' if chip else ''}: MFU is not computed. "
             "Pass available_flops= (the dense peak from its datasheet) to Throughput or ThroughputMonitor."
         )
@@ -184,7 +181,9 @@ def get_available_flops(device: torch.device, dtype: torch.dtype | str) -> int |
     if dtype is torch.float32 and _uses_tf32(device):
         dtype = _TF32
     if dtype not in table:
-        _warn_once(f"{device_name!r} does not support {dtype} (no peak FLOPs known): MFU is not computed.")
+        _warn_rank_zero(
+            f"{device_name!r} does not support {dtype} (no peak FLOPs known): MFU is not computed."
+        )
         return None
     return int(table[dtype])
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from torchloom.errors import MisuseValueError
-from torchloom.throughput.flops import _warn_once, get_available_flops
+from torchloom.throughput.flops import _warn_rank_zero, get_available_flops
 
 _THROUGHPUT_METRICS = dict[str, int | float]
 
@@ -90,7 +90,7 @@ class Throughput:
                 f"window_size={window_size}: a rate needs two updates to difference; give at least 2."
             )
         if using_sparse_model is None and available_flops is not None:
-            _warn_once(
+            _warn_rank_zero(
                 "MFU assumes dense model FLOPs (no sparsity acceleration). Set 'using_sparse_model=True' for MFU "
                 "to use sparse FLOPs (or False to silence this)."
             )
@@ -178,7 +178,7 @@ class Throughput:
 def _compute_dtype(loom: Any) -> torch.dtype:
     """The dtype the matmuls of `loom`'s precision run in: the autocast dtype, else the parameters' dtype."""
     precision = loom.strategy.precision
-    return precision.autocast_dtype or precision.param_dtype
+    return getattr(precision, "autocast_dtype", None) or getattr(precision, "param_dtype", torch.float32)
 
 
 class ThroughputMonitor(Throughput):
@@ -223,5 +223,5 @@ class ThroughputMonitor(Throughput):
             return {}
         self.step = self.step + 1 if step is None else step
         metrics = self.compute(**kwargs)
-        self._loom.log_dict(metrics, step=self.step)
+        self._loom.log_dict(metrics=metrics, step=self.step)
         return metrics
