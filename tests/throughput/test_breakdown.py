@@ -5,8 +5,6 @@ HTML and PNG."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 from harness import run_ranks
@@ -16,7 +14,7 @@ from torchloom.errors import MisuseError
 from torchloom.loggers import Logger
 from torchloom.throughput.breakdown import PARTS, TimeBreakdown
 
-STEPS, ACCUMULATE = 8, 2
+STEPS, ACCUMULATE = 6, 2
 
 
 class _Capture(Logger):
@@ -33,7 +31,7 @@ class _Net(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.Tanh(), torch.nn.Linear(512, 128))
+        self.body = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x).square().mean()
@@ -48,7 +46,7 @@ def _breakdown_body(rank: int, world_size: int, out_dir: str) -> dict:
     loom.launch()
     net = _Net()
     model, optimizer = loom.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
-    batches = [torch.randn(64, 128) for _ in range(STEPS * ACCUMULATE)]
+    batches = [torch.randn(128, 256) for _ in range(STEPS * ACCUMULATE)]
     breakdown = TimeBreakdown(loom, model, optimizer)
     with pytest.raises(MisuseError, match="already timed"):
         TimeBreakdown(loom, model, optimizer)
@@ -93,8 +91,11 @@ def _check(results: list[dict], world_size: int) -> None:
     assert set(zero["rows"][0][1]) == {f"time/{p}" for p in PARTS} | {"time/step"}
     assert zero["rows"][-1][1]["time/step"] == per_rank[0][-1]["step"]
     for steps in per_rank:
-        # the parts measured (all but `other`, the user's code in between) make up the step within 5%
-        unaccounted = statistics.median(s["other"] / s["step"] for s in steps[1:])
+        # the parts measured (all but `other`, the user's code in between) make up the run's steps within 5%
+        # (after the first two, which pay for lazy initialisation; summed, so that one step of a loaded machine
+        # descheduling the process between two calls does not decide)
+        later = steps[2:]
+        unaccounted = sum(s["other"] for s in later) / sum(s["step"] for s in later)
         assert unaccounted < 0.05, [s["other"] / s["step"] for s in steps]
         for s in steps:
             assert s["forward"] > 0 and s["backward"] > 0 and s["optimizer"] > 0 and s["data"] > 0

@@ -15,15 +15,17 @@ A step ends when `optimizer.step()` returns (gradient accumulation: its micro-ba
 | `data` | time inside the loader's `next()` (the loader returned by `breakdown.loader`) |
 | `forward` | the forward of the module torchloom runs (DDP, FSDP, the model): forward pre/post hooks |
 | `backward` | `loom.backward`'s autograd run through the strategy, minus `communication` |
-| `communication` | with several processes, the exposed tail of the gradient reduction: from the last gradient the backward accumulated (`register_post_accumulate_grad_hook`) to the end of the backward; 0 in one process |
-| `optimizer` | the optimizer's own `step` (step pre/post hooks of the torch optimizer) |
+| `communication` | with several processes and unsharded parameters (DDP), the exposed tail of the gradient reduction: from the last gradient the backward accumulated (`register_post_accumulate_grad_hook`) to the end of the backward; 0 in one process and under FSDP/tensor parallelism (see below) |
+| `optimizer` | the optimizer's own `step` (step pre/post hooks of the torch optimizer) and `zero_grad` |
 | `torchloom` | torchloom's own host time: the set-up module's, `loom.backward`'s and the set-up optimizer's time around the parts above |
 | `other` | the rest of the step: the user's code between the calls (loss, logging, metrics) |
 
 On a CPU every part is wall clock. On CUDA `data`, `forward`, `backward`, `communication`, `optimizer` and the
 step are CUDA events on the current stream, read when the metrics are logged (one synchronisation per logged step,
 none in between); `torchloom` stays host wall clock. What `communication` can see: the reduction a backward still
-waits for after its last gradient (DDP's last buckets, the leftovers' all-reduce of FSDP). Collectives inside the
+waits for after its last gradient (DDP's last buckets). Under FSDP1 (flat parameters), FSDP2 and tensor
+parallelism (DTensor parameters) a parameter receives its gradient only after the reduction, so no hook marks the
+end of the compute: the reduction counts in `backward` there. Collectives inside the
 forward or the backward (FSDP's all-gathers and reduce-scatters, tensor-parallel all-reduces) count in `forward`
 and `backward`: on CPU/gloo a collective blocks the thread that computes, so its time cannot be told apart from
 compute from outside; the profiler (`torchloom.throughput.profile_steps`) shows each collective.
@@ -42,6 +44,12 @@ from torchloom.errors import MisuseError
 
 PARTS = ("data", "forward", "backward", "communication", "optimizer", "torchloom", "other")
 _COLUMNS = (*PARTS, "step")
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 class _Mark:
@@ -93,7 +101,7 @@ class TimeBreakdown:
     `log_every` steps (keys `time/<part>` and `time/step`, seconds) and summarises them at `close()`.
 
     `model` and `optimizer` are what `loom.setup(...)` returned. The breakdown registers hooks on them (and wraps
-    `loom.backward`, the strategy's backward and the optimizer's `step` on these instances) and removes them all
+    `loom.backward`, the strategy's backward and the optimizer's `step` and `zero_grad` on these instances) and removes them all
     at `close()`. The loader's wait is measured on the iterator `breakdown.loader(loader)` returns."""
 
     def __init__(
@@ -151,14 +159,21 @@ class TimeBreakdown:
                 model.register_forward_pre_hook(outer_pre),
                 model.register_forward_hook(outer_post),
             ]
-        self._handles += [inner.register_forward_pre_hook(inner_pre), inner.register_forward_hook(inner_post)]
+        # first in and last out of the module's own hooks: FSDP's all-gathers in its forward hooks count as forward
+        self._handles += [
+            inner.register_forward_pre_hook(inner_pre, prepend=True),
+            inner.register_forward_hook(inner_post),
+        ]
 
         def grad_done(_: torch.Tensor) -> None:
             self._last_grad = self._mark()
 
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                self._handles.append(parameter.register_post_accumulate_grad_hook(grad_done))
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        # Sharded parameters (FSDP2, tensor parallel: DTensors) receive their gradient only after the reduction,
+        # so their hooks cannot mark the end of the compute: there the reduction stays in `backward`.
+        self._split_communication = self._many and not any(_is_dtensor(p) for p in parameters)
+        if self._split_communication:
+            self._handles += [p.register_post_accumulate_grad_hook(grad_done) for p in parameters]
 
     def _hook_optimizer(self, optimizer: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -184,6 +199,15 @@ class TimeBreakdown:
             return output
 
         self._patch(optimizer, "step", step)
+        original_zero_grad = optimizer.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            start = self._mark()
+            output = original_zero_grad(*args, **kwargs)
+            self._step.add("optimizer", start, self._mark())
+            return output
+
+        self._patch(optimizer, "zero_grad", zero_grad)
 
     def _hook_backward(self, loom: Any) -> None:
         strategy = loom.strategy
@@ -197,7 +221,7 @@ class TimeBreakdown:
             end = self._mark()
             self._inner_backward_wall = end.wall - start.wall
             self._step.add("backward", start, end)
-            if self._many and self._last_grad is not None:
+            if self._split_communication and self._last_grad is not None:
                 self._step.add("communication", self._last_grad, end)
             return output
 
@@ -233,13 +257,13 @@ class TimeBreakdown:
         step.end = self._mark()
         self._step = _Step(step.end)
         self._pending.append(step)
-        if (
-            len(self.steps) + len(self._pending) == 1
-            or (len(self.steps) + len(self._pending)) % self._log_every == 0
-        ):
+        done = len(self.steps) + len(self._pending)
+        if done == 1 or done % self._log_every == 0:
             self._resolve()
             latest = {f"{self._prefix}{k}": v for k, v in self.steps[-1].items()}
             self._loom.log_dict(latest, step=len(self.steps) - 1)
+            # the logging is the breakdown's own time, in the next step: torchloom's
+            self._step.host += time.perf_counter() - step.end.wall
 
     def _resolve(self) -> None:
         self.steps += [step.seconds() for step in self._pending]
