@@ -31,7 +31,9 @@ class _Net(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x).square().mean()
