@@ -178,7 +178,8 @@ class Throughput:
 def _compute_dtype(loom: Any) -> torch.dtype:
     """The dtype the matmuls of `loom`'s precision run in: the autocast dtype, else the parameters' dtype."""
     precision = loom.strategy.precision
-    return getattr(precision, "autocast_dtype", None) or getattr(precision, "param_dtype", torch.float32)
+    dtype = getattr(precision, "autocast_dtype", None) or getattr(precision, "param_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 class ThroughputMonitor(Throughput):
@@ -206,9 +207,18 @@ class ThroughputMonitor(Throughput):
         self._active = bool(loom.is_global_zero)
         self.step = -1
 
-    def update(self, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(
+        self,
+        *,
+        time: float,
+        batches: int,
+        samples: int,
+        lengths: int | None = None,
+        flops: float | None = None,
+    ) -> None:
+        """`Throughput.update` on global rank 0; nothing elsewhere."""
         if self._active:
-            super().update(**kwargs)
+            super().update(time=time, batches=batches, samples=samples, lengths=lengths, flops=flops)
 
     def compute(self) -> _THROUGHPUT_METRICS:
         return super().compute() if self._active else {}
