@@ -8,6 +8,7 @@ dropped. This module imports nothing of Lightning: it is only given Lightning's 
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +46,25 @@ _FSDP2_SHARDING = {
 }
 
 
+def _is_instance(classes: tuple[type, ...], module: Any) -> bool:
+    return isinstance(module, classes)
+
+
+def _picklable_policies(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Policies given as classes, as a predicate that pickles (a module-level function over the classes):
+    `launch(fn)` pickles the Loom and its strategy for spawned ranks (litgpt passes `{Block}`)."""
+    out = dict(kwargs)
+    for name in ("activation_checkpointing_policy", "activation_checkpointing", "shard_policy"):
+        policy = out.get(name)
+        if isinstance(policy, type):
+            policy = {policy}
+        if isinstance(policy, (set, frozenset, list, tuple)) and all(isinstance(c, type) for c in policy):
+            out[name] = functools.partial(_is_instance, tuple(policy))
+    if "activation_checkpointing" in out:  # Fabric's deprecated spelling of the same
+        out.setdefault("activation_checkpointing_policy", out.pop("activation_checkpointing"))
+    return out
+
+
 def _refuse_loom_options(owner: str, kwargs: dict[str, Any]) -> None:
     for name, instead in _LOOM_DECIDES.items():
         if kwargs.get(name) is not None:
@@ -72,7 +92,7 @@ def build(lightning_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], fs
         kwargs = {k: v for k, v in kwargs.items() if k not in _LOOM_DECIDES}
         if fsdp == "fsdp2":
             return _as_fsdp2(kwargs)
-        return strategies.FSDPStrategy(**kwargs)
+        return strategies.FSDPStrategy(**_picklable_policies(kwargs))
     if lightning_name == "DDPStrategy":
         _refuse_loom_options(lightning_name, kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in _LOOM_DECIDES}
@@ -146,7 +166,7 @@ def _as_fsdp2(kwargs: dict[str, Any]) -> Strategy:
         )
     if kwargs.get("device_mesh") is not None:
         options.pop("hybrid", None)  # the mesh's shape decides, as FSDPStrategy's device_mesh does
-    return FSDP2Strategy(**options, **kwargs)
+    return FSDP2Strategy(**_picklable_policies({**options, **kwargs}))
 
 
 def is_lightning_strategy(obj: Any) -> bool:

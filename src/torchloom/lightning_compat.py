@@ -164,7 +164,8 @@ def _program(name: str) -> str:
     """A script path, or a command on PATH (a console script such as `litgpt`)."""
     if Path(name).is_file():
         return name
-    found = shutil.which(name)
+    # The interpreter's own bin directory first: the program's environment, activated or not.
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if found is None:
         raise ConfigurationError(
             f"{name!r} is neither a file nor a command on PATH. Give the program's script, or the command its "
