@@ -85,3 +85,66 @@ def write_instructions(path: Path, n: int = 24) -> None:
         {"instruction": f"add {i} and {i + 1}", "input": "", "output": f"{2 * i + 1}"} for i in range(n)
     ]
     path.write_text(json.dumps(rows))
+
+
+def write_fixtures(folder: Path) -> dict[str, Path]:
+    """Everything litgpt's scripts read, under `folder`: the base model's checkpoint directory (`base/`: random
+    weights, config, tokenizer, instructions) and one config file per script."""
+    import yaml
+
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    base = folder / "base"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "model_config.yaml").write_text(yaml.safe_dump(CONFIG))
+    write_tokenizer(base)
+    write_instructions(base / "instructions.json")
+    torch.manual_seed(3)
+    torch.save(GPT(Config(**CONFIG)).state_dict(), base / "lit_model.pth")
+    common = {"precision": "32-true", "logger_name": "csv"}
+    pretrain = {
+        **common,
+        "model_name": "tiny-pythia",
+        "model_config": CONFIG,
+        "data": {"class_path": "tinydata.RandomTokens"},
+        "seed": 7,
+        "train": {
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "max_tokens": 256,  # 8 micro-batches of 2 x 16 tokens on one process, 4 steps on any number
+            "lr_warmup_steps": 1,
+            "save_interval": 2,
+            "log_interval": 1,
+            "min_lr": 1e-4,
+        },
+        "eval": {"interval": 100, "max_iters": 2},
+        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01, "weight_decay": 0.1}},
+    }
+    lora = {
+        **common,
+        "checkpoint_dir": str(base),
+        "seed": 5,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.1,
+        "data": {
+            "class_path": "litgpt.data.JSON",
+            "init_args": {"json_path": str(base / "instructions.json"), "val_split_fraction": 0.25, "num_workers": 0},
+        },
+        "train": {
+            "epochs": 1,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "save_interval": 2,
+            "log_interval": 1,
+            "lr_warmup_steps": 1,
+            "max_seq_length": BLOCK,
+        },
+        "eval": {"interval": 100, "max_iters": 2, "max_new_tokens": 4, "initial_validation": False},
+        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
+    }
+    paths = {"base": base, "pretrain": folder / "pretrain.yaml", "lora": folder / "lora.yaml"}
+    paths["pretrain"].write_text(yaml.safe_dump(pretrain))
+    paths["lora"].write_text(yaml.safe_dump(lora))
+    return paths
