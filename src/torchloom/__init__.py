@@ -6,7 +6,6 @@ loom.launch()
 """
 
 import logging as _logging
-import os as _os
 
 from torchloom._describe import describe
 from torchloom.checkpointing.resume import latest_checkpoint, rotate_checkpoints
@@ -25,13 +24,6 @@ from torchloom.seed import seed_everything
 from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, is_wrapped, unwrap
 
 __version__ = "0.1.0"
-
-if _os.environ.get("TORCHLOOM_FABRIC_COMPAT"):
-    # A rank started by a process under the Fabric switch (torchloom.lightning_compat): switch it too, before
-    # the program's function, unpickled after torchloom, imports Lightning's names.
-    from torchloom.lightning_compat import install_from_environment as _install_from_environment
-
-    _install_from_environment()
 
 # torchloom reports (sharding summaries) on its own logger; rank 0 only. Silence with
 # logging.getLogger("torchloom").setLevel(logging.WARNING).
