@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 
-from harness import run_ranks
 from torchloom import Loom
 from torchloom.errors import ConfigurationError
 from torchloom.strategies import DDPStrategy, FSDP2Strategy, FSDPStrategy
@@ -30,7 +30,11 @@ def _python(code: str, timeout: float = 240) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(Path(__file__).parent)])}
     env.pop("TORCHLOOM_FABRIC_COMPAT", None)
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
@@ -91,13 +95,13 @@ def test_switch_maps_fabric_names_and_translates_strategies():
     assert out.strip().endswith("ok")
 
 
-_SPAWNED = '''
+_SPAWNED = """
 from lightning.fabric.strategies import FSDPStrategy  # bound when the rank imports this module
 
 
 def check(fabric):
     return type(fabric).__name__, isinstance(fabric.strategy, FSDPStrategy), FSDPStrategy.__module__
-'''
+"""
 
 
 def test_spawned_ranks_are_switched_before_the_program_imports_lightning(tmp_path):
@@ -136,7 +140,9 @@ def test_switch_without_lightning_says_so(monkeypatch):
     from torchloom import lightning_compat
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a)
+    )
     with pytest.raises(ConfigurationError, match="Lightning is not installed"):
         lightning_compat.install()
 

@@ -80,7 +80,9 @@ def build(lightning_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], fs
     from torchloom import strategies
 
     if lightning_name in REFUSED:
-        raise ConfigurationError(f"Lightning's {lightning_name} has no torchloom counterpart: {REFUSED[lightning_name]}.")
+        raise ConfigurationError(
+            f"Lightning's {lightning_name} has no torchloom counterpart: {REFUSED[lightning_name]}."
+        )
     kwargs = dict(kwargs)
     if lightning_name == "FSDPStrategy":
         if args:
@@ -179,7 +181,8 @@ def from_instance(obj: Any) -> Strategy:
     (Lightning 2.x). Subclasses are refused: their overrides are Lightning internals torchloom cannot run."""
     name = type(obj).__name__
     lightning = [c for c in type(obj).__mro__ if is_lightning_strategy_class(c)]
-    if type(obj) is not lightning[0] or name in REFUSED:
+    own_class: type = type(obj)
+    if own_class is not lightning[0] or name in REFUSED:
         if name in REFUSED:
             raise ConfigurationError(f"Lightning's {name} has no torchloom counterpart: {REFUSED[name]}.")
         raise ConfigurationError(
@@ -206,8 +209,8 @@ def from_instance(obj: Any) -> Strategy:
         checkpointing = dict(obj._activation_checkpointing_kwargs)
         if "auto_wrap_policy" in checkpointing:
             kwargs["activation_checkpointing_policy"] = checkpointing["auto_wrap_policy"]
-        elif "check_fn" in checkpointing:
-            kwargs["activation_checkpointing_policy"] = checkpointing["check_fn"]  # torchloom takes a predicate
+        elif "check_fn" in checkpointing:  # Fabric's deprecated activation_checkpointing=: a predicate
+            kwargs["activation_checkpointing_policy"] = checkpointing["check_fn"]
         kwargs.update(
             sharding_strategy=obj.sharding_strategy,
             cpu_offload=obj.cpu_offload,

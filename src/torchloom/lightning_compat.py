@@ -77,7 +77,9 @@ class _LightningStrategy(type):
 
 
 def _stand_in(name: str) -> type:
-    return _LightningStrategy(name, (), {"lightning_name": name, "__module__": __name__, "__doc__": f"{name} -> torchloom"})
+    return _LightningStrategy(
+        name, (), {"lightning_name": name, "__module__": __name__, "__doc__": f"{name} -> torchloom"}
+    )
 
 
 def _throughput(name: str) -> Any:

@@ -8,7 +8,9 @@ import pytest
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "clients" in (config.getoption("markexpr") or ""):
         return
-    skip = pytest.mark.skip(reason="a client program's test: run with `make clients` (pytest -m clients tests/clients)")
+    skip = pytest.mark.skip(
+        reason="a client program's test: run with `make clients` (pytest -m clients tests/clients)"
+    )
     for item in items:
         if item.get_closest_marker("clients") is not None:
             item.add_marker(skip)

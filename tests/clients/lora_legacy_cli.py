@@ -2,7 +2,6 @@
 two lines its `litgpt finetune_lora` entry would be (litgpt itself unchanged)."""
 
 from jsonargparse import CLI
-
 from litgpt.finetune.lora_legacy import setup
 
 if __name__ == "__main__":

@@ -107,27 +107,42 @@ def test_pretrain_two_processes_resumes_exactly(fixtures: dict[str, Path], fsdp:
     args = ["litgpt", "pretrain", "--config", config, "--devices", "2"]
     if fsdp == "fsdp":  # the program launches its ranks (Fabric's launch() runs the command again per rank)
         _run(_switched(*args, "--out_dir", full, fsdp=fsdp), cwd)
-    else:  # torchloom run starts them
-        run = [sys.executable, "-m", "torchloom", "run", "--fabric-compat", "--fabric-fsdp", fsdp, "--devices", "2"]
-        _run([*run, *args, "--out_dir", full], cwd)
+    else:  # torchloom run starts them; after `--`, litgpt's own --devices
+        run = [
+            sys.executable,
+            "-m",
+            "torchloom",
+            "run",
+            "--fabric-compat",
+            "--fabric-fsdp",
+            fsdp,
+            "--devices",
+            "2",
+        ]
+        _run([*run, "litgpt", "--", *args[1:], "--out_dir", full], cwd)
     checkpoint = cwd / full / "step-00000002" / "lit_model.pth"
     _run(_switched(*args, "--out_dir", resumed, "--resume", str(checkpoint), fsdp=fsdp), cwd)
     before, after = _losses(cwd / full), _losses(cwd / resumed)
     assert sorted(before) == [1, 2, 3, 4] and sorted(after) == [3, 4]
     assert {i: before[i] for i in after} == after
-    _assert_same(_tensors(cwd / full / "final/lit_model.pth"), _tensors(cwd / resumed / "final/lit_model.pth"))
+    _assert_same(
+        _tensors(cwd / full / "final/lit_model.pth"), _tensors(cwd / resumed / "final/lit_model.pth")
+    )
 
 
 @pytest.mark.parametrize("fsdp", ["fsdp", "fsdp2"])
 def test_lora_two_processes_saves_adapter_and_merges(fixtures: dict[str, Path], fsdp: str) -> None:
-    from litgpt.config import Config
-    from litgpt.lora import GPT, merge_lora_weights
-
     import tinydata
+    from litgpt.lora import GPT, Config, merge_lora_weights
 
     cwd = fixtures["base"].parent
     out = cwd / f"lora-{fsdp}"
-    _run(_switched(str(LORA), "--config", str(fixtures["lora"]), "--out_dir", out.name, "--devices", "2", fsdp=fsdp), cwd)
+    _run(
+        _switched(
+            str(LORA), "--config", str(fixtures["lora"]), "--out_dir", out.name, "--devices", "2", fsdp=fsdp
+        ),
+        cwd,
+    )
     assert len(_losses(out)) == 5  # 18 training samples, 2 ranks x micro-batches of 2: 5 steps
     adapter = _tensors(out / "final/lit_model.pth.lora")
     lora_config = Config(**tinydata.CONFIG, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True)
@@ -135,7 +150,9 @@ def test_lora_two_processes_saves_adapter_and_merges(fixtures: dict[str, Path], 
     trainable = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert set(adapter) == trainable  # filter= kept the adapter alone
     base = _tensors(fixtures["base"] / "lit_model.pth")
-    assert not any(torch.equal(t, torch.zeros_like(t)) for n, t in adapter.items() if "lora_B" in n)  # it trained
+    assert not any(
+        torch.equal(t, torch.zeros_like(t)) for n, t in adapter.items() if "lora_B" in n
+    )  # it trained
     # The merged file is what litgpt's merge_lora makes of base + adapter (on rank 0, in its own one-device Fabric).
     model.load_state_dict({**base, **adapter}, strict=False)
     merge_lora_weights(model)

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
-
 from litgpt.data import DataModule
+from torch.utils.data import DataLoader
 
 VOCAB = 64
 BLOCK = 16
@@ -51,7 +50,9 @@ class RandomTokens(DataModule):
 
     def setup(self, stage: str = "") -> None:
         generator = torch.Generator().manual_seed(self.seed)
-        tokens = torch.randint(0, VOCAB, (self.n_train + self.n_val, self.max_seq_length + 1), generator=generator)
+        tokens = torch.randint(
+            0, VOCAB, (self.n_train + self.n_val, self.max_seq_length + 1), generator=generator
+        )
         self.train, self.val = tokens[: self.n_train], tokens[self.n_train :]
 
     def train_dataloader(self) -> DataLoader:
@@ -63,7 +64,7 @@ class RandomTokens(DataModule):
 
 def write_tokenizer(folder: Path) -> None:
     """A character-level tokenizer (tokenizer.json, tokenizer_config.json) with VOCAB ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     chars = "abcdefghijklmnopqrstuvwxyz .,:!?\n#0123456789ABCDEFGHIJKLMNOPQRSTU"
     vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
@@ -75,15 +76,15 @@ def write_tokenizer(folder: Path) -> None:
     tokenizer.decoder = decoders.Fuse()
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "tokenizer_class": "Tiny"})
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "tokenizer_class": "Tiny"}
+        )
     )
 
 
 def write_instructions(path: Path, n: int = 24) -> None:
     """An Alpaca-style JSON file for litgpt's JSON data module."""
-    rows = [
-        {"instruction": f"add {i} and {i + 1}", "input": "", "output": f"{2 * i + 1}"} for i in range(n)
-    ]
+    rows = [{"instruction": f"add {i} and {i + 1}", "input": "", "output": f"{2 * i + 1}"} for i in range(n)]
     path.write_text(json.dumps(rows))
 
 
@@ -91,7 +92,6 @@ def write_fixtures(folder: Path) -> dict[str, Path]:
     """Everything litgpt's scripts read, under `folder`: the base model's checkpoint directory (`base/`: random
     weights, config, tokenizer, instructions) and one config file per script."""
     import yaml
-
     from litgpt.config import Config
     from litgpt.model import GPT
 
@@ -130,7 +130,11 @@ def write_fixtures(folder: Path) -> dict[str, Path]:
         "lora_dropout": 0.1,
         "data": {
             "class_path": "litgpt.data.JSON",
-            "init_args": {"json_path": str(base / "instructions.json"), "val_split_fraction": 0.25, "num_workers": 0},
+            "init_args": {
+                "json_path": str(base / "instructions.json"),
+                "val_split_fraction": 0.25,
+                "num_workers": 0,
+            },
         },
         "train": {
             "epochs": 1,
