@@ -41,6 +41,7 @@ import torchloom
 from torchloom import Loom
 from torchloom.loggers import CSVLogger, TensorBoardLogger
 from torchloom.strategies import ModelParallelStrategy
+from torchloom.throughput import ThroughputMonitor, count_flops
 
 # ---- settings -------------------------------------------------------------------------------------------------
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -283,6 +284,42 @@ def evaluate() -> float:
     return loom.all_reduce(torch.stack(losses).mean()).item()
 
 
+# ---- throughput ---------------------------------------------------------------------------------------------------
+# The FLOPs of one micro-batch on one device, counted by torch's FlopCounterMode on a meta-device copy of the model
+# (nothing allocated): the model FLOPs (forward and backward; a checkpointed model's recomputation would be
+# counted apart), per device: tensor parallelism splits the blocks' matmuls over --tp ranks (the embedding and
+# head, replicated, are counted split too: a slight undercount under --tp).
+with torch.device("meta"):
+    meta_model = GPT(config)
+    meta_x = torch.zeros(per_rank, args.block_size, dtype=torch.long)
+micro_flops = count_flops(
+    meta_model, lambda: meta_model(meta_x), lambda y: y.sum(), tensor_parallel_size=args.tp or 1
+)
+# MFU needs the device's peak FLOPs: known for data-centre GPUs (dense, in the precision's dtype), not for a CPU.
+monitor = ThroughputMonitor(
+    loom,
+    window_size=2,
+    using_sparse_model=False,
+    **({"available_flops": None} if loom.device.type == "cpu" else {}),
+)
+t_start, start_step, throughput = time.perf_counter(), step, {}
+
+
+def measure(step: int) -> dict:
+    """Throughput since the last log, from the running totals of this rank (a GPU is synchronised first)."""
+    if loom.device.type == "cuda":
+        torch.cuda.synchronize()
+    micro = (step - start_step) * args.accumulate
+    monitor.update(
+        time=time.perf_counter() - t_start,
+        batches=micro,
+        samples=micro * per_rank,
+        lengths=micro * per_rank * args.block_size,
+        flops=micro_flops.model * args.accumulate * steps_since_log,
+    )
+    return monitor.compute()
+
+
 # ---- training loop --------------------------------------------------------------------------------------------
 if step == 0:
     val_loss = evaluate()
@@ -293,9 +330,8 @@ tokens_per_step = args.batch_size * args.block_size * args.accumulate
 loss_sum = torch.zeros((), device=loom.device)  # summed on the device: no host sync until the next log
 steps_since_log = 0
 bar = loom.progress(range(step + 1, args.steps + 1), total=args.steps - step, desc="training")
+measure(step)
 for step in bar:
-    if steps_since_log == 0:
-        t_log = time.perf_counter()
     for micro in range(args.accumulate):
         x, y = next(train_batches)
         # Skip gradient sync on all but the last micro-batch: every unit and the replicated layers accumulate
@@ -310,21 +346,22 @@ for step in bar:
     optimizer.zero_grad()
     scheduler.step()
     steps_since_log += 1
+    bar.count(tokens_per_step)  # the bar shows tokens/s
 
     if step % args.log_every == 0 or step == args.steps:
         # The mean loss over every micro-batch of every rank since the last log: one all-reduce, one host sync.
         train_loss = loom.all_reduce(loss_sum).item() / (args.accumulate * steps_since_log)
-        throughput = tokens_per_step * steps_since_log / (time.perf_counter() - t_log)
-        loom.log_dict(
-            {
-                "train_loss": train_loss,
-                "grad_norm": grad_norm.item(),
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_s": throughput,
-            },
-            step=step,
-        )
-        bar.set_postfix(loss=train_loss, tok_s=f"{throughput:,.0f}")
+        # Rank 0's monitor (the others get {}): its tokens per second times the data-parallel ranks (the ranks of
+        # a tensor-parallel group read the same tokens), and on a GPU its MFU.
+        throughput = measure(step)
+        metrics = {"train_loss": train_loss, "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0]}
+        if "device/items_per_sec" in throughput:
+            metrics["tokens_per_s"] = throughput["device/items_per_sec"] * data_parallel
+        if "device/mfu" in throughput:
+            metrics["mfu"] = throughput["device/mfu"]
+            bar.set_postfix(mfu=f"{throughput['device/mfu']:.1%}")
+        loom.log_dict(metrics, step=step)
+        bar.set_postfix(loss=train_loss)
         loss_sum.zero_()
         steps_since_log = 0
     if step % args.eval_every == 0 or step == args.steps:
@@ -339,6 +376,12 @@ for step in bar:
         break
 bar.close()
 loom.finalize_loggers()
+if throughput.get("time"):
+    tokens = throughput["lengths"] * data_parallel
+    mfu = f", MFU {throughput['device/mfu']:.1%} of the dense peak" if "device/mfu" in throughput else ""
+    loom.print(
+        f"throughput: {tokens / throughput['time']:,.0f} tokens/s over the run{mfu}", rank_zero="global"
+    )
 
 
 # ---- a sample ---------------------------------------------------------------------------------------------------

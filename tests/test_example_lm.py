@@ -71,7 +71,7 @@ def whole(tmp_path_factory):
     """An uninterrupted 2-process run (fsdp2)."""
     whole = tmp_path_factory.mktemp("lm") / "whole"
     out = _run(whole)
-    assert "replicated on every rank" in out and "sample:" in out
+    assert "replicated on every rank" in out and "sample:" in out and "tokens/s over the run" in out
     return whole
 
 

@@ -21,6 +21,7 @@ from torchloom.errors import (
 from torchloom.launcher import Elastic
 from torchloom.loom import Loom
 from torchloom.seed import seed_everything
+from torchloom.throughput import ThroughputMonitor, measure_flops
 from torchloom.wrappers import LoomDataLoader, LoomModule, LoomOptimizer, is_wrapped, unwrap
 
 __version__ = "0.1.0"
@@ -45,6 +46,8 @@ __all__ = [
     "LoomOptimizer",
     "LoomDataLoader",
     "seed_everything",
+    "ThroughputMonitor",
+    "measure_flops",
     "is_wrapped",
     "unwrap",
     "TorchloomError",

@@ -39,6 +39,35 @@ def check_torch_version(version: str = torch.__version__) -> None:
 check_torch_version()
 
 
+# ---- flop counting -------------------------------------------------------------------------------------------
+def check_flop_counter_count_hook() -> None:
+    """`FlopCounterMode._count_flops(func_packet, out, args, kwargs)` and its `flop_registry`: the one place every
+    counted op passes, which `torchloom.throughput.count_flops` extends to tell recomputed FLOPs apart."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not callable(getattr(FlopCounterMode, "_count_flops", None)) or not hasattr(
+        FlopCounterMode(display=False), "flop_registry"
+    ):
+        raise _missing("torch.utils.flop_counter.FlopCounterMode._count_flops and .flop_registry")
+
+
+def cuda_memory_history(enabled: bool) -> None:
+    """Start (or stop) recording every CUDA allocation with its stack, for `cuda_memory_snapshot`
+    (`torch.cuda.memory._record_memory_history`, documented in "Understanding CUDA Memory Usage")."""
+    record = getattr(torch.cuda.memory, "_record_memory_history", None)
+    if record is None:
+        raise _missing("torch.cuda.memory._record_memory_history")
+    record(max_entries=100_000) if enabled else record(enabled=None)
+
+
+def cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded allocations to `path` (a pickle https://pytorch.org/memory_viz opens)."""
+    dump = getattr(torch.cuda.memory, "_dump_snapshot", None)
+    if dump is None:
+        raise _missing("torch.cuda.memory._dump_snapshot")
+    dump(path)
+
+
 # ---- autograd ------------------------------------------------------------------------------------------------
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run `callback` once at the end of the current backward pass, after every hook (what DDP's reducer and
