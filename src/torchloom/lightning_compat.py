@@ -1,15 +1,15 @@
 """Run a Lightning Fabric program you cannot edit (litgpt, ...) on torchloom: the one switch.
 
-    torchloom run --fabric-compat --devices 2 litgpt pretrain ...     # every rank started by torchloom run
+    torchloom run --fabric-compat --devices 2 litgpt -- pretrain ...   # every rank started by torchloom run
     python -m torchloom.lightning_compat litgpt pretrain --devices 2 ...   # the program launches its ranks
     import torchloom.lightning_compat; torchloom.lightning_compat.install()   # in code, before Lightning is used
 
 After the switch, `lightning.Fabric` and `lightning.fabric.Fabric` are `torchloom.Loom`; Lightning's strategy
 classes build torchloom's strategies (`FSDPStrategy(...)` an `"fsdp"` one, or an `"fsdp2"` one with `fsdp="fsdp2"`,
 `ModelParallelStrategy`, `DDPStrategy`, `SingleDeviceStrategy`; DeepSpeed and XLA refused by name), and
-`isinstance(loom.strategy, FSDPStrategy)` answers for them; `ThroughputMonitor`, `Throughput` and
-`measure_flops` of `lightning.fabric.utilities(.throughput)` are `torchloom.throughput`'s. The rest of Lightning
-(loggers, `LightningDataModule`, utilities) stays Lightning's. Ranks started from a switched process inherit the
+`isinstance(loom.strategy, FSDPStrategy)` answers for them; `ThroughputMonitor`, `Throughput`, `measure_flops`
+and `get_available_flops` of `lightning.fabric.utilities(.throughput)` are `torchloom.throughput`'s. The rest of
+Lightning (loggers, `LightningDataModule`, utilities) stays Lightning's. Ranks started from a switched process inherit the
 switch (`TORCHLOOM_FABRIC_COMPAT` in their environment).
 """
 
@@ -32,7 +32,7 @@ ENV = "TORCHLOOM_FABRIC_COMPAT"
 FSDP_FLAVOURS = ("fsdp", "fsdp2")
 
 _STRATEGY_NAMES = ("FSDPStrategy", "ModelParallelStrategy", "DDPStrategy", "SingleDeviceStrategy")
-_THROUGHPUT_NAMES = ("ThroughputMonitor", "Throughput", "measure_flops")
+_THROUGHPUT_NAMES = ("ThroughputMonitor", "Throughput", "measure_flops", "get_available_flops")
 _STRATEGY_MODULES = {
     "FSDPStrategy": "fsdp",
     "ModelParallelStrategy": "model_parallel",
