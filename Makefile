@@ -35,7 +35,8 @@ test: $(VENV)/.installed-test
 
 # Real Fabric programs run unchanged through torchloom's Fabric switch (tests/clients, marked `clients`): litgpt
 # 0.5.13's pretrain and LoRA on a tiny model, one process against Lightning Fabric bit for bit, two processes
-# under fsdp and fsdp2. Heavy (litgpt and its dependencies; 6-9 minutes on 2 cores), so not in `make test`.
+# under fsdp and fsdp2. Heavy (litgpt and its dependencies; about 9 minutes on 2 idle cores, 19 on a loaded
+# machine), so not in `make test`.
 clients: $(VENV)/.installed-test,clients
 	$(PY) -m pytest -q -n 0 -m clients tests/clients
 

@@ -8,7 +8,8 @@ nothing downloaded): `pretrain` and `finetune/lora_legacy.py`.
   `save(..., filter=...)` and merges it on rank 0 in a one-device `Fabric(devices=1)` made inside the job.
 
 Run by `make clients` (`pytest -m clients tests/clients`, after `pip install -e .[test,clients]`); skipped
-elsewhere. About 6-9 minutes on 2 loaded cores, most of it starting litgpt (its imports) 14 times.
+elsewhere. About 9 minutes on 2 idle cores (19 on a loaded machine), most of it starting litgpt (its imports)
+14 times.
 """
 
 from __future__ import annotations
