@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint docs gpu-check install-check
+.PHONY: demo test clients lint docs gpu-check install-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ demo: $(VENV)/.installed-test
 TEST_WORKERS ?= 3
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# Real Fabric programs run unchanged through torchloom's Fabric switch (tests/clients, marked `clients`): litgpt
+# 0.5.13's pretrain and LoRA on a tiny model, one process against Lightning Fabric bit for bit, two processes
+# under fsdp and fsdp2. Heavy (litgpt and its dependencies; about 9 minutes on 2 idle cores, 19 on a loaded
+# machine), so not in `make test`.
+clients: $(VENV)/.installed-test,clients
+	$(PY) -m pytest -q -n 0 -m clients tests/clients
 
 # The scenario engine's long run (tests/scenarios): a seeded random sample of user choices (strategy, layout,
 # world size, optimizer, precision, accumulation, clipping, loop, checkpoint and resume), each judged against

@@ -27,6 +27,12 @@ def main() -> None:
         if agent and os.getppid() != int(agent):
             # The launcher died before the request above took effect: nobody will watch this rank.
             os._exit(1)
+    if os.environ.get("TORCHLOOM_FABRIC_COMPAT") and "-c" in command[:-1]:
+        # A spawned rank (`python [flags] -c CODE`) of a program under torchloom's Fabric switch: switch before
+        # multiprocessing imports the program's main module, which binds Lightning's names (lightning_compat).
+        at = command.index("-c") + 1
+        install = "import torchloom.lightning_compat as _c; _c.install_from_environment(); del _c\n"
+        command = [*command[:at], install + command[at], *command[at + 1 :]]
     os.execv(sys.executable, [sys.executable, *command])
 
 

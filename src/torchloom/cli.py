@@ -47,6 +47,19 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="free port on node 0 (default: any free port)",
     )
+    run.add_argument(
+        "--fabric-compat",
+        action="store_true",
+        help="run a Lightning Fabric program unchanged: lightning.Fabric, its strategies and ThroughputMonitor "
+        "become torchloom's in every rank (torchloom.lightning_compat); SCRIPT may then be a command on PATH, "
+        "such as litgpt",
+    )
+    run.add_argument(
+        "--fabric-fsdp",
+        choices=("fsdp", "fsdp2"),
+        default="fsdp",
+        help="with --fabric-compat: run Lightning's FSDPStrategy as 'fsdp' (FSDP1, the default) or 'fsdp2'",
+    )
     _add_elastic_options(run)
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -158,6 +171,7 @@ RUN_OPTIONS = frozenset(
         "--rdzv_conf",
         "--monitor-interval",
         "--monitor_interval",
+        "--fabric-fsdp",
     )
 )
 

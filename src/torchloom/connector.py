@@ -8,10 +8,16 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+from torchloom._fabric_strategies import from_instance, is_lightning_strategy
 from torchloom._run_protocol import command_line_option, given_after_script, under_torchloom_run
 from torchloom._text import count
 from torchloom.accelerators import CPUAccelerator, select_accelerator
-from torchloom.environments import ClusterEnvironment, detect_environment, warn_if_srun_was_forgotten
+from torchloom.environments import (
+    ClusterEnvironment,
+    LocalEnvironment,
+    detect_environment,
+    warn_if_srun_was_forgotten,
+)
 from torchloom.errors import ConfigurationError
 from torchloom.precision import select_precision
 from torchloom.strategies.base import Strategy
@@ -72,6 +78,10 @@ def command_line_defaults(**given: Any) -> tuple[Any, ...]:
     different value (as Fabric refuses a clash with `fabric run`): the processes are already started by then, so
     the script cannot win for devices and nodes, and letting it win for the others would contradict the command
     line the user reads."""
+    if given.get("devices") in _ONE_DEVICE and _inside_running_job():
+        # A one-device Loom made inside a running job (litgpt's merge_lora on rank 0): the command line
+        # described the job's own Loom, not this one (see `configure`).
+        return tuple(given.values())
     out = []
     for name, value in given.items():
         raw = command_line_option(name)
@@ -151,7 +161,19 @@ def configure(
         devices = env.local_world_size() or max(1, env.world_size() // num_nodes)
     parallel_devices = acc.parse_devices(devices)
     num_processes = len(parallel_devices)
-    if env.creates_processes_externally:
+    if (
+        env.creates_processes_externally
+        and num_processes * num_nodes == 1
+        and env.world_size() > 1
+        and given_devices in _ONE_DEVICE
+        and not (isinstance(strategy, Strategy) and strategy.is_distributed)
+        and _inside_running_job()
+    ):
+        # As Fabric(devices=1) inside a running job: a process of its own (rank 0 of 1) beside the job, which its
+        # collectives never involve. Without a running group, devices=1 under torchrun stays refused below: every
+        # launched process would train alone.
+        env = _LoneProcess()
+    elif env.creates_processes_externally:
         _check_external_world(env, num_processes, num_nodes, given_devices)
     else:
         warn_if_srun_was_forgotten()
@@ -169,6 +191,9 @@ def configure(
 def _select_strategy(strategy: Any, world_size: int) -> Strategy:
     if isinstance(strategy, str) and strategy.lower() in REFUSED_STRATEGIES:
         raise ConfigurationError(f"strategy={strategy!r}: {REFUSED_STRATEGIES[strategy.lower()]}")
+    if not isinstance(strategy, (str, Strategy)) and is_lightning_strategy(strategy):
+        # Lightning's own FSDPStrategy(...) etc., built by a program that imports them (issue 39).
+        strategy = from_instance(strategy)
     if isinstance(strategy, Strategy):
         instance = strategy
     elif isinstance(strategy, str) and strategy.lower() in FABRIC_STRATEGIES:
@@ -190,6 +215,33 @@ def _select_strategy(strategy: Any, world_size: int) -> Strategy:
             "Use strategy='ddp', 'fsdp' or 'fsdp2' (or 'auto'), or devices=1."
         )
     return instance
+
+
+_ONE_DEVICE = (1, "1", [0], (0,))
+
+
+def _inside_running_job() -> bool:
+    """Whether this process already takes part in a process group (another Loom of the job, or the user's)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+class _LoneProcess(LocalEnvironment):
+    """The environment of a one-device Loom inside a running job: rank 0 of its own world of one process, whatever
+    the job's RANK and LOCAL_RANK say (Fabric's SingleDeviceStrategy has rank 0 on every process)."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+
+    def global_rank(self) -> int:
+        return 0
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return 0
 
 
 def _nodes_of_launch(env: ClusterEnvironment, num_nodes: int | None) -> int | None:

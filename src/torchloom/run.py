@@ -64,7 +64,11 @@ def _node_range(args: argparse.Namespace) -> tuple[int, int]:
 def torchrun_args(args: argparse.Namespace) -> list[str]:
     """The `torch.distributed.run` command line for these options (checked first)."""
     script = Path(args.script)
-    if not script.is_file():
+    program: list[str] = [str(script)]
+    if getattr(args, "fabric_compat", False):
+        # Each rank installs the switch, then runs the program (a script or a command such as `litgpt`).
+        program = ["-m", "torchloom.lightning_compat", "--fsdp", args.fabric_fsdp, args.script]
+    elif not script.is_file():
         raise ConfigurationError(f"The script {args.script!r} does not exist (looked in {os.getcwd()}).")
     low, high = _node_range(args)
     nproc = _processes_per_node(args.accelerator, args.devices)
@@ -76,7 +80,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         f"--monitor-interval={args.monitor_interval}",
     ]
     if (args.rdzv_backend or "static") != "static":
-        return [*common, *_elastic_rendezvous(args, low, high), str(script), *args.script_args]
+        return [*common, *_elastic_rendezvous(args, low, high), *program, *args.script_args]
     if not 0 <= args.node_rank < high:
         raise ConfigurationError(f"--node-rank {args.node_rank} must be in 0..{high - 1} for {high} nodes.")
     if high > 1 and (args.main_address is None or args.main_port is None):
@@ -95,7 +99,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         f"--node-rank={args.node_rank}",
         f"--master-addr={address}",
         f"--master-port={port}",
-        str(script),
+        *program,
         *args.script_args,
     ]
 

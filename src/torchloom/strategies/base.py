@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode
 
 from torchloom import _torch_compat
 from torchloom.accelerators import Accelerator
@@ -52,6 +53,18 @@ class _Binding:
     parallel_devices: list[torch.device]
     num_nodes: int
     timeout: timedelta
+
+
+class _SkipNNInit(TorchFunctionMode):
+    """Inside, the functions of `torch.nn.init` return their tensor unchanged (Fabric's `_EmptyInit`)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
 
 
 class Strategy:
@@ -194,12 +207,16 @@ class Strategy:
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Modules created inside land on the right device and dtype. `empty_init=True` skips initialisation
         work: strategies that can materialise create parameters on the meta device (buffers stay real, so the
-        ones computed in `__init__`, such as rotary `inv_freq`, keep their values); others create everything on
-        the target device without copies."""
+        ones computed in `__init__`, such as rotary `inv_freq`, keep their values); others (one device, DDP)
+        create everything on the target device and skip `torch.nn.init`, as Fabric does there: the parameters
+        hold uninitialised memory until loaded or reset, and no random numbers are drawn, so a program that
+        calls `reset_parameters()` afterwards starts from Fabric's weights."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.root_device)
             if empty_init and self.supports_meta_init:
                 stack.enter_context(parameters_on_meta())
+            elif empty_init:
+                stack.enter_context(_SkipNNInit())
             stack.enter_context(self.precision.module_init_context())
             yield
 
