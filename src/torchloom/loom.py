@@ -727,6 +727,16 @@ class Loom:
         key = tuple(id(m) for m in joint.children())
         return self._joint_modules.setdefault(key, joint)
 
+    def forward_backward(
+        self, model: LoomModule, inputs: Any, target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward of one batch, returning the loss (detached) on every rank: through the pipeline
+        schedule under `PipelineStrategy`, else `loss_fn(model(*inputs), target)` and `backward(loss)`."""
+        from torchloom.pipelining import forward_backward
+
+        module = self._setup_of(model, "forward_backward")
+        return forward_backward(self._strategy, module, inputs, target, loss_fn, self.backward)
+
     @contextlib.contextmanager
     def no_backward_sync(self, module: LoomModule, enabled: bool = True) -> Generator[None, None, None]:
         """Skip gradient synchronisation for the forward and backward passes inside (gradient accumulation);

@@ -1,0 +1,488 @@
+"""`PipelineStrategy`: pipeline parallelism (torch's schedules) on a 3-D mesh with data and tensor parallelism.
+
+The stage code (splitting, schedules) lives in `torchloom.pipelining`; this file binds it to a `Loom`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+
+from torchloom._text import count
+from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.pipelining import _schedule, _split
+from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies.parallel import ParallelStrategy
+
+PIPELINE_PARALLEL = "pipeline_parallel"
+DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+
+
+def _positive(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ConfigurationError(f"PipelineStrategy({what}={value!r}): {what} must be a positive int.")
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism: the model cut into stages, one (or several) per pipeline rank, run by one of
+    torch's schedules; with data and tensor parallelism inside each stage on the same mesh.
+
+    Args:
+        parallelize_fn: optional `fn(stage_module, device_mesh) -> stage_module`, called once per stage of this
+            rank, as `ModelParallelStrategy` calls it for the whole model: `parallelize_module` over
+            `device_mesh["tensor_parallel"]`, `fully_shard` over `device_mesh["data_parallel"]` (or
+            `**strategy.unit_kwargs()`). Parameters it leaves plain are kept identical on the stage's
+            data-parallel ranks and their gradients averaged.
+        pipeline_parallel_size: ranks a batch flows through, one after another.
+        data_parallel_size: ranks that read different data. `pp x dp x tp` must be the world size.
+        tensor_parallel_size: ranks that split each layer of a stage.
+        split_points: module names where a stage begins (e.g. `["layers.4"]`), one fewer than the stages; the
+            forward is traced (torch's `pipeline()`) on the meta device with `example_input`.
+        split_fn: instead of split points, `fn(model, stage_index, num_stages) -> stage module`: a module that
+            runs one stage, holding that stage's layers under their names in the model (a copy of the model with
+            the other layers deleted). Needed for a forward the tracer cannot follow, and for tensor parallelism
+            (its plans match `nn.Linear` children, which traced stages do not keep).
+        example_input: one micro-batch of the model's input (a tensor or a tuple), for tracing `split_points`.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+            "zbv_zero_bubble".
+        n_microbatches: micro-batches each batch is cut into (must divide the per-rank batch).
+        stages_per_rank: stages each pipeline rank holds (2 or more for the interleaved and zero-bubble ones).
+        save_distributed_checkpoint: True: every rank writes its stage's shards (a directory); False: rank 0
+            writes one file with the whole model.
+    """
+
+    name = "pipeline"
+    replaces_parameters = True
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+        pipeline_parallel_size: int = 2,
+        data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        *,
+        split_points: Sequence[str] | None = None,
+        split_fn: _split.SplitFn | None = None,
+        example_input: Any = None,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        stages_per_rank: int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise ConfigurationError(
+                f"PipelineStrategy(parallelize_fn={parallelize_fn!r}) must be a function (stage, device_mesh) -> "
+                "stage, or None."
+            )
+        if (split_points is None) == (split_fn is None):
+            raise ConfigurationError(
+                "PipelineStrategy needs exactly one of split_points=[module names where a stage begins] and "
+                "split_fn=fn(model, stage_index, num_stages) -> stage module."
+            )
+        if split_points is not None and example_input is None:
+            raise ConfigurationError(
+                "PipelineStrategy(split_points=...) traces the forward: pass example_input= one micro-batch of the "
+                "model's input (a tensor or a tuple), or pass split_fn instead."
+            )
+        self.parallelize_fn = parallelize_fn
+        self.pipeline_parallel_size = _positive(pipeline_parallel_size, "pipeline_parallel_size")
+        self.data_parallel_size = _positive(data_parallel_size, "data_parallel_size")
+        self.tensor_parallel_size = _positive(tensor_parallel_size, "tensor_parallel_size")
+        self.split_points = list(split_points) if split_points is not None else None
+        self.split_fn = split_fn
+        self.example_input = example_input
+        self.schedule = _schedule.schedule_name(schedule)
+        self.stages_per_rank = _positive(stages_per_rank, "stages_per_rank")
+        _schedule.check_stages_per_rank(self.schedule, self.stages_per_rank)
+        self.n_microbatches = _positive(
+            n_microbatches if n_microbatches is not None else self.num_stages, "n_microbatches"
+        )
+        self.save_distributed_checkpoint = bool(save_distributed_checkpoint)
+        self._mesh: DeviceMesh | None = None
+        self._runner: _schedule.Runner | None = None
+        self._plain: list[nn.Parameter] = []
+        self._stage_group: dist.ProcessGroup | None = None
+        self._syncing = True
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {
+            PIPELINE_PARALLEL: self.pipeline_parallel_size,
+            DATA_PARALLEL: self.data_parallel_size,
+            TENSOR_PARALLEL: self.tensor_parallel_size,
+        }
+
+    def validate(self) -> None:
+        super().validate()
+        pp, dp, tp, world = (*self.mesh_shape.values(), self.world_size)
+        if pp * dp * tp != world:
+            fix = (
+                f"data_parallel_size={world // (pp * tp)}"
+                if world % (pp * tp) == 0
+                else f"pipeline_parallel_size={world}, data_parallel_size=1, tensor_parallel_size=1"
+            )
+            raise ConfigurationError(
+                f"PipelineStrategy(pipeline_parallel_size={pp}, data_parallel_size={dp}, tensor_parallel_size={tp}) "
+                f"makes a mesh of {pp} x {dp} x {tp} = {pp * dp * tp} ranks, but this job has "
+                f"{count(world, 'process')}: the product must equal the world size (devices x num_nodes), e.g. "
+                f"{fix}."
+            )
+
+    def setup_environment(self) -> None:
+        self.validate()
+        super().setup_environment()
+
+    def teardown(self) -> None:
+        self._runner = None
+        self._mesh = None
+        self._stage_group = None
+        super().teardown()
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ("pipeline_parallel", "data_parallel", "tensor_parallel"), made on first use."""
+        if self._mesh is None:
+            self._require_group("the 'pipeline' device mesh")
+            shape = self.mesh_shape
+            self._mesh = init_device_mesh(
+                self.root_device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)
+            )
+        return self._mesh
+
+    def unit_kwargs(self) -> dict[str, Any]:
+        """What to pass to `fully_shard` in `parallelize_fn`: the data-parallel mesh (and the precision's policy)."""
+        kwargs: dict[str, Any] = {"mesh": self.device_mesh[DATA_PARALLEL]}
+        param_dtype = getattr(self.precision, "param_dtype", None)
+        if self.precision.is_mixed and param_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        return kwargs
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Data is split over the data-parallel ranks only: a pipeline (and its tensor-parallel ranks) reads one
+        batch."""
+        mesh = self.device_mesh[DATA_PARALLEL]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "sharded" if self.save_distributed_checkpoint else "full"
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        self._require_group("setup_module with PipelineStrategy")
+        if self._runner is not None:
+            raise MisuseError(
+                "PipelineStrategy sets up one model per Loom: make a Loom for each pipelined model."
+            )
+        if self.precision.scaler is not None:
+            raise MisuseError(
+                "PipelineStrategy does not support fp16 loss scaling yet: use precision='bf16-mixed', "
+                "'bf16-true' or '32-true'."
+            )
+        mesh = self.device_mesh
+        pp_mesh = mesh[PIPELINE_PARALLEL]
+        pp_rank = pp_mesh.get_local_rank()
+        ids = _schedule.stage_ids_of(
+            pp_rank, self.pipeline_parallel_size, self.stages_per_rank, self.schedule
+        )
+        problems: list[str] = []
+        stages: dict[int, nn.Module] = {}
+        try:
+            if self.split_points is not None:
+                _split.check_split_points(module, self.split_points, self.num_stages)
+                example = (
+                    self.example_input if isinstance(self.example_input, tuple) else (self.example_input,)
+                )
+                stages = _split.trace_stages(module, self.split_points, example, ids)
+            else:
+                assert self.split_fn is not None
+                stages = _split.user_stages(module, self.split_fn, self.num_stages, ids)
+            problems = _split.stage_problems(stages)
+        except MisuseError as error:
+            problems = [str(error)]
+        # Every rank learns every rank's problems, so all raise together instead of some waiting in a collective.
+        everyone = self.all_gather_object(problems)
+        found = sorted({p for rank_problems in everyone for p in rank_problems})
+        if found:
+            raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
+        for stage in stages.values():
+            _split.materialize(stage, module, self.root_device)
+            stage.to(self.root_device)
+        # The stage's data- and tensor-parallel ranks start from one set of values (their first rank's).
+        self._stage_group = self._make_stage_groups(mesh)
+        for stage in stages.values() if self._stage_group is not None else ():
+            broadcast_tensors(
+                [t for t in (*stage.parameters(), *stage.buffers()) if type(t.data) is torch.Tensor],
+                device=self.root_device,
+                group=self._stage_group,
+            )
+        if self.parallelize_fn is not None:
+            for i in sorted(stages):
+                result = self.parallelize_fn(stages[i], mesh)
+                if not isinstance(result, nn.Module):
+                    raise MisuseError(
+                        f"parallelize_fn returned {type(result).__name__} for stage {i}, not the stage module: it "
+                        "must end with `return model`."
+                    )
+                stages[i] = result
+        self._plain = [p for s in stages.values() for p in s.parameters() if type(p.data) is torch.Tensor]
+        _split.graft(module, [stages[i] for i in sorted(stages)])
+        module.register_forward_pre_hook(_refuse_forward)
+        self._runner = _schedule.Runner(
+            stages,
+            self.num_stages,
+            self.schedule,
+            self.n_microbatches,
+            self.root_device,
+            pp_mesh.get_group(),
+            [int(r) for r in _along_pp(mesh)],
+        )
+        return module
+
+    def _make_stage_groups(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+        if self.data_parallel_size * self.tensor_parallel_size == 1:
+            return None
+        grid = mesh.mesh.reshape(self.pipeline_parallel_size, -1).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(grid, backend=self.backend)
+        return group
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    def forward_backward(
+        self, module: nn.Module, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """One batch's forward and backward through the schedule; the loss on every rank."""
+        if self._runner is None:
+            raise MisuseError("Set the model up with loom.setup_module before loom.forward_backward.")
+        precision = self.precision
+        inputs, target = precision.convert_input((tuple(inputs), target))
+        with precision.forward_context():
+            loss = self._runner.run(tuple(inputs), target, loss_fn)
+        if self._syncing:
+            self._average_plain_grads()
+        return loss
+
+    def _average_plain_grads(self) -> None:
+        """Gradients of the parameters `parallelize_fn` left plain, averaged over the data-parallel ranks (units
+        of `fully_shard` reduce their own)."""
+        if self.data_parallel_size == 1:
+            return
+        group = self.device_mesh[DATA_PARALLEL].get_group()
+        for p in self._plain:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank issues the same all-reduces
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(self.data_parallel_size)
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
+        raise MisuseError(
+            "Under pipeline parallelism the forward and backward run together through the schedule: call "
+            "loss = loom.forward_backward(model, inputs, target, loss_fn) instead of model(...) and loom.backward."
+        )
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+        if not enabled:
+            yield
+            return
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        total = self._total_norm(optimizer, float(norm_type))
+        if not torch.isfinite(total) and error_if_nonfinite:
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
+                "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in _local_grads(optimizer):
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
+
+    def _total_norm(self, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
+        """The norm over every stage and shard: each gradient's local piece combined over the mesh dims it is
+        split on, plain (replicated) gradients once per stage, then the stages summed over the pipeline ranks."""
+        inf = math.isinf(norm_type)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        by_groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if hasattr(g, "to_local"):
+                    dims = [i for i, pl in enumerate(g.placements) if not pl.is_replicate()]
+                    key = tuple(g.device_mesh.get_group(i) for i in dims)
+                    by_groups.setdefault(key, []).append(g.to_local().detach())
+                else:
+                    by_groups.setdefault((), []).append(g.detach())
+        total = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        # Every rank of a stage holds the same kinds of gradients, so the all-reduces pair up; sorted by group
+        # identity for the same order on each rank.
+        for key in sorted(by_groups, key=lambda k: [dist.get_process_group_ranks(g) for g in k]):
+            tensors = [t for t in by_groups[key] if t.numel()]
+            value = (
+                torch.nn.utils.get_total_norm(tensors, norm_type).to(self.root_device, torch.float64)
+                if tensors
+                else torch.zeros((), dtype=torch.float64, device=self.root_device)
+            )
+            value = value if inf else value**norm_type
+            for g in key:
+                dist.all_reduce(value, op=op, group=g)
+            total = torch.maximum(total, value) if inf else total + value
+        dist.all_reduce(total, op=op, group=self.device_mesh[PIPELINE_PARALLEL].get_group())
+        return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
+        with torch.no_grad():
+            for g in _local_grads(optimizer):
+                g.clamp_(min=-clip_val, max=clip_val)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not full:
+            return get_model_state_dict(module)
+        own = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        return self._gather_to_zero({k: _to_cpu(v) for k, v in own.items()})
+
+    def load_module_state_dict(
+        self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
+    ) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if not full:
+            return set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
+        own = {k for k in module.state_dict()}
+        missing = sorted(own - set(state))
+        if strict and missing:
+            raise MisuseError(f"The checkpoint lacks this stage's keys {missing[:5]}.")
+        mine = {k: v for k, v in state.items() if k in own}
+        return set_model_state_dict(
+            module, mine, options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+
+    def optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, full: bool = True, template: bool = False
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if not full:
+            return super().optimizer_state_dict(module, optimizer, full=False, template=template)
+        had_state = bool(optimizer.state)
+        own = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+        if not had_state:
+            optimizer.state.clear()
+            own["state"] = {}
+        own = {
+            "state": {k: {n: _to_cpu(v) for n, v in s.items()} for k, s in own["state"].items()},
+            "param_groups": own["param_groups"],
+        }
+        pieces = self._gather_pieces(own)
+        if pieces is None:
+            return {}
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        for piece in pieces:
+            merged["state"].update(piece["state"])
+            for i, group in enumerate(piece["param_groups"]):
+                if i == len(merged["param_groups"]):
+                    merged["param_groups"].append({**group, "params": []})
+                merged["param_groups"][i]["params"].extend(group["params"])
+        return merged
+
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
+    ) -> None:
+        if full:
+            own = {n for n, _ in module.named_parameters()}
+            state = {
+                "state": {k: v for k, v in state["state"].items() if k in own},
+                "param_groups": [
+                    {**g, "params": [n for n in g["params"] if n in own]} for g in state["param_groups"]
+                ],
+            }
+        super().load_optimizer_state_dict(module, optimizer, state, full=full)
+
+    def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=full, **kwargs)
+
+    def _gather_pieces(self, own: Any) -> list[Any] | None:
+        """Every stage's piece on global rank 0 (None elsewhere): one rank of each stage sends."""
+        mesh = self.device_mesh
+        first_of_stage = (
+            mesh[DATA_PARALLEL].get_local_rank() == 0 and mesh[TENSOR_PARALLEL].get_local_rank() == 0
+        )
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(
+            own if first_of_stage else None, gathered if self.global_rank == 0 else None, dst=0
+        )
+        if self.global_rank != 0:
+            return None
+        return [g for g in gathered if g is not None]
+
+    def _gather_to_zero(self, own: dict[str, Any]) -> dict[str, Any]:
+        pieces = self._gather_pieces(own)
+        merged: dict[str, Any] = {}
+        for piece in pieces or []:
+            merged.update(piece)
+        return merged
+
+
+def _along_pp(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of this rank's pipeline, by pipeline rank."""
+    return [int(r) for r in mesh[PIPELINE_PARALLEL].mesh.tolist()]
+
+
+def _local_grads(optimizer: Optimizer) -> list[torch.Tensor]:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return value.detach().cpu()
+    return value
+
+
+def _refuse_forward(module: nn.Module, args: Any) -> None:
+    raise MisuseError(
+        "Under pipeline parallelism each rank holds only its stages, so the model cannot be called: run a batch "
+        "with loss = loom.forward_backward(model, inputs, target, loss_fn), which works without pipeline "
+        "parallelism too."
+    )
