@@ -274,3 +274,101 @@ def test_pipeline_degree_must_divide_the_world() -> None:
         PipelineStrategy(split_points=["layers.2"], split_fn=split_fn)
     with pytest.raises(ConfigurationError, match="stages_per_rank=2"):
         PipelineStrategy(split_fn=split_fn, schedule="interleaved_1f1b")
+
+
+def shard_blocks(strategy: list, root: bool):
+    """parallelize_fn for pp x dp: fully_shard each block of the stage (and, with `root`, the stage)."""
+
+    def parallelize(stage: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for name, mod in stage.named_modules():
+            if name.startswith("layers.") and name.count(".") == 1:
+                fully_shard(mod, **strategy[0].unit_kwargs())
+        if root:
+            fully_shard(stage, **strategy[0].unit_kwargs())
+        return stage
+
+    return parallelize
+
+
+def tensor_parallel(stage: nn.Module, device_mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in stage.layers.values():
+        parallelize_module(
+            block, device_mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        )
+    return stage
+
+
+def _pipeline_with(world: int, make_fn, **kwargs) -> Loom:
+    holder: list = []
+    kwargs.setdefault("n_microbatches", MICRO)
+    if "split_fn" not in kwargs:
+        kwargs.setdefault("split_points", ["layers.2"])
+        # One micro-batch of one data-parallel rank's batch.
+        kwargs.setdefault(
+            "example_input", torch.zeros(GLOBAL // kwargs.get("data_parallel_size", 1) // MICRO, IN)
+        )
+    strategy = PipelineStrategy(make_fn(holder) if make_fn is not None else None, **kwargs)
+    holder.append(strategy)
+    loom = Loom(strategy=strategy, accelerator="cpu", devices=world)
+    loom.launch()
+    return loom
+
+
+def _pp2_4ranks_body(rank: int, world: int, tmp: str) -> dict:
+    out: dict = {}
+    # pp 2 x dp 2, each block and the stage a fully_shard unit (torch's pipelining drives FSDP's reductions)
+    loom = _pipeline_with(
+        world, lambda h: shard_blocks(h, root=True), pipeline_parallel_size=2, data_parallel_size=2
+    )
+    out["dp_fsdp_1f1b"] = _results(run(loom))
+    # interleaved, the blocks units and embed/head plain: torchloom averages their gradients over dp
+    loom = _pipeline_with(
+        world,
+        lambda h: shard_blocks(h, root=False),
+        pipeline_parallel_size=2,
+        data_parallel_size=2,
+        schedule="interleaved_1f1b",
+        stages_per_rank=2,
+        split_points=["layers.1", "layers.2", "layers.3"],
+    )
+    out["dp_plain_interleaved"] = _results(run(loom))
+    # pp 2 x tp 2: split_fn's stages keep nn.Linear, so a tensor-parallel plan applies
+    loom = _pipeline_with(
+        world, lambda h: tensor_parallel, pipeline_parallel_size=2, tensor_parallel_size=2, split_fn=split_fn
+    )
+    out["tp_gpipe"] = _results(run(loom))
+    # checkpoint at pp 2 x dp 2 after 2 steps, resumed at pp 1 x dp 4 and in fsdp2 at 4 ranks
+    loom = _pipeline_with(
+        world, lambda h: shard_blocks(h, root=True), pipeline_parallel_size=2, data_parallel_size=2
+    )
+    res = run(loom, steps=range(2))
+    loom.save(f"{tmp}/pp2dp2", {"model": res["model"], "opt": res["opt"]})
+    loom = _pipeline_with(
+        world,
+        lambda h: shard_blocks(h, root=True),
+        pipeline_parallel_size=1,
+        data_parallel_size=4,
+        split_points=[],
+    )
+    out["pp2dp2->pp1dp4"] = run(loom, steps=range(2, STEPS), ckpt=f"{tmp}/pp2dp2")["state"]
+    loom = Loom(strategy="fsdp2", accelerator="cpu", devices=world)
+    loom.launch()
+    out["pp2dp2->fsdp2"] = run(loom, steps=range(2, STEPS), ckpt=f"{tmp}/pp2dp2")["state"]
+    return out
+
+
+def test_pp2_with_dp2_and_tp2(tmp_path) -> None:
+    expected, losses, norms = reference()
+    results = run_ranks(_pp2_4ranks_body, 4, str(tmp_path), timeout=300)
+    for key in ("dp_fsdp_1f1b", "dp_plain_interleaved", "tp_gpipe"):
+        assert close(merged(results, key), expected) <= TOL, key
+        for r in results:
+            assert r[key]["norms"] == pytest.approx(norms, abs=TOL), key
+    for r in results:  # tensor parallel: every rank reads the whole batch, and sees its loss
+        assert r["tp_gpipe"]["losses"] == pytest.approx(losses, abs=TOL)
+    for key in ("pp2dp2->pp1dp4", "pp2dp2->fsdp2"):
+        assert close(merged(results, key), expected) <= TOL, key
