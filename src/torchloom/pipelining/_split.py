@@ -157,10 +157,10 @@ def materialize(stage: nn.Module, model: nn.Module, device: torch.device) -> Non
             )
         with torch.no_grad():
             if init is mod:
-                mod.reset_parameters()
+                mod.reset_parameters()  # type: ignore[operator]
             else:
                 init.to_empty(device=device, recurse=False)
-                init.reset_parameters()
+                init.reset_parameters()  # type: ignore[operator]
                 for key, t in [*init.named_parameters(recurse=False), *init.named_buffers(recurse=False)]:
                     target = getattr(mod, key, None)
                     if isinstance(target, torch.Tensor):

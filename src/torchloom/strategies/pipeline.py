@@ -185,7 +185,7 @@ class PipelineStrategy(ParallelStrategy):
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     @property
-    def checkpoint_format(self) -> str:
+    def checkpoint_format(self) -> str:  # type: ignore[override]
         return "sharded" if self.save_distributed_checkpoint else "full"
 
     # ---- setup -------------------------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ class PipelineStrategy(ParallelStrategy):
         if not full:
             return super().optimizer_state_dict(module, optimizer, full=False, template=template)
         had_state = bool(optimizer.state)
-        own = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+        own: Any = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
         if not had_state:
             optimizer.state.clear()
             own["state"] = {}
