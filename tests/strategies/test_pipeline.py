@@ -174,6 +174,11 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
         ("1f1b", {}),
         ("interleaved_1f1b", {"stages_per_rank": 2, "split_points": ["layers.1", "layers.2", "layers.3"]}),
         ("zbv_zero_bubble", {"stages_per_rank": 2, "split_points": ["layers.1", "layers.2", "layers.3"]}),
+        (
+            "interleaved_zero_bubble",
+            {"stages_per_rank": 2, "split_points": ["layers.1", "layers.2", "layers.3"]},
+        ),
+        ("looped_bfs", {"stages_per_rank": 2, "split_points": ["layers.1", "layers.2", "layers.3"]}),
     ]:
         out[schedule] = _results(run(pipeline(world, schedule=schedule, **extra)))
     out["split_fn"] = _results(run(pipeline(world, split_fn=split_fn)))
@@ -242,7 +247,15 @@ def merged(results: list[dict], key: str) -> dict[str, torch.Tensor]:
 def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     expected, losses, norms = reference()
     results = run_ranks(_pp2_body, 2, str(tmp_path), timeout=300)
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv_zero_bubble", "split_fn"):
+    schedules = (
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "zbv_zero_bubble",
+        "interleaved_zero_bubble",
+        "looped_bfs",
+    )
+    for schedule in (*schedules, "split_fn"):
         assert close(merged(results, schedule), expected) <= TOL, schedule
         for r in results:  # the loss and the norm on every rank, as one process computes them
             assert r[schedule]["losses"] == pytest.approx(losses, abs=TOL), schedule

@@ -170,11 +170,12 @@ class PipelineStrategy(ParallelStrategy):
     def unit_kwargs(self) -> dict[str, Any]:
         """What to pass to `fully_shard` in `parallelize_fn`: the data-parallel mesh (and the precision's policy)."""
         kwargs: dict[str, Any] = {"mesh": self.device_mesh[DATA_PARALLEL]}
-        param_dtype = getattr(self.precision, "param_dtype", None)
-        if self.precision.is_mixed and param_dtype is not None:
+        compute = self.precision.autocast_dtype
+        if compute is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+            # Half-precision compute over fp32 sharded weights, gradients reduced in fp32 (as "fsdp2" does).
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         return kwargs
 
     @property
