@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")

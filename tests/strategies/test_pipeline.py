@@ -82,7 +82,9 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target) / ACCUM
 
 
-def reference(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+def reference(
+    steps: int = STEPS, autocast: bool = False
+) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -90,7 +92,8 @@ def reference(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float],
     losses, norms = [], []
     for step in range(steps):
         for micro in range(ACCUM):
-            loss = loss_fn(model(x[step, micro]), y[step, micro])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_fn(model(x[step, micro]), y[step, micro])
             loss.backward()
             losses.append(loss.item())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -129,7 +132,8 @@ def pipeline(world: int, **kwargs) -> Loom:
     if "split_fn" not in kwargs:
         kwargs.setdefault("split_points", ["layers.2"])
         kwargs.setdefault("example_input", torch.zeros(GLOBAL // MICRO, IN))
-    loom = Loom(strategy=PipelineStrategy(**kwargs), accelerator="cpu", devices=world)
+    precision = kwargs.pop("precision", "32-true")
+    loom = Loom(strategy=PipelineStrategy(**kwargs), accelerator="cpu", devices=world, precision=precision)
     loom.launch()
     return loom
 
@@ -182,6 +186,15 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
     ]:
         out[schedule] = _results(run(pipeline(world, schedule=schedule, **extra)))
     out["split_fn"] = _results(run(pipeline(world, split_fn=split_fn)))
+    # bf16-mixed: the stages' forwards under the precision's autocast (judged against one process under autocast)
+    loom = pipeline(world, precision="bf16-mixed")
+    seen: list = []
+    res = run(loom, steps=range(0))
+    up = dict(res["model"].module.named_modules()).get("layers.2.up")  # on the second stage only
+    if up is not None:
+        up.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    train(loom, res["model"], res["opt"])
+    out["bf16"] = {"state": full_state(res["model"]), "seen": set(seen)}
     # ---- checkpoints: saved at pp 2 after 2 steps (sharded and full), resumed elsewhere for the last step --------
     res = run(pipeline(world, schedule="1f1b"), steps=range(2))
     state = {"model": res["model"], "opt": res["opt"]}
@@ -215,6 +228,7 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
         except MisuseError as error:
             out[name] = str(error)
     for name, kwargs in [
+        ("fp16", {"precision": "16-mixed"}),
         ("no_module", {"split_points": ["layers.9"]}),
         ("no_params", {"split_fn": lambda m, i, n: split_fn(m, i, n) if i == 0 else nn.Identity()}),
         ("untraceable", {}),
@@ -234,7 +248,7 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def merged(results: list[dict], key: str) -> dict[str, torch.Tensor]:
-    """The whole model from every rank's stage (ranks of one stage agree: checked by taking each once)."""
+    """The whole model from every rank's stage (each key from the first rank that holds it)."""
     out: dict[str, torch.Tensor] = {}
     for r in results:
         for k, v in (
@@ -246,6 +260,7 @@ def merged(results: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     expected, losses, norms = reference()
+    initial = reference(steps=0)[0]
     results = run_ranks(_pp2_body, 2, str(tmp_path), timeout=300)
     schedules = (
         "gpipe",
@@ -269,7 +284,14 @@ def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     )
     for resumed in ("sharded->ddp", "sharded->fsdp2", "full->ddp", "full->fsdp2", "sharded->pp1"):
         assert close(merged(results, resumed), expected) <= TOL, resumed
+    # bf16: the blocks computed in bf16 on the stage, and training went where one process under autocast goes
+    # (rounding differs with the micro-batch size: judged against how far training moved the weights).
+    bf16_expected = reference(autocast=True)[0]
+    moved = max((bf16_expected[k] - initial[k]).abs().max().item() for k in initial)
+    assert results[1]["bf16"]["seen"] == {torch.bfloat16}
+    assert close(merged(results, "bf16"), bf16_expected) <= 0.05 * moved
     r = results[0]
+    assert "fp16 loss scaling" in r["fp16"]
     assert "loom.forward_backward" in r["call"] and "loom.forward_backward" in r["backward"]
     assert "3 samples" in r["indivisible"] and "n_microbatches=2" in r["indivisible"]
     assert "'layers.9' names no module" in r["no_module"]

@@ -111,6 +111,12 @@ class PipelineStrategy(ParallelStrategy):
         self.n_microbatches = _positive(
             n_microbatches if n_microbatches is not None else self.num_stages, "n_microbatches"
         )
+        if self.schedule == "1f1b" and self.n_microbatches < self.num_stages:
+            raise ConfigurationError(
+                f"schedule='1f1b' needs at least as many micro-batches as stages: n_microbatches="
+                f"{self.n_microbatches} < {self.num_stages} stages. Raise n_microbatches (fewer leave the "
+                "pipeline mostly idle), or use schedule='gpipe'."
+            )
         self.save_distributed_checkpoint = bool(save_distributed_checkpoint)
         self._mesh: DeviceMesh | None = None
         self._runner: _schedule.Runner | None = None
