@@ -15,7 +15,7 @@ from harness import run_ranks
 from torch import nn
 
 from torchloom import Loom
-from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.errors import CheckpointError, ConfigurationError, MisuseError
 from torchloom.strategies import PipelineStrategy
 
 IN, DIM, OUT, LAYERS = 4, 8, 3, 4
@@ -221,11 +221,12 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
         ("call", lambda: model(x[0, 0])),
         ("backward", lambda: loom.backward(torch.zeros((), requires_grad=True))),
         ("indivisible", lambda: loom.forward_backward(model, x[0, 0, :3], y[0, 0, :3], loss_fn)),
+        ("save_raw", lambda: loom.save_raw(f"{tmp}/hf", model)),
     ]:
         try:
             call()
             out[name] = None
-        except MisuseError as error:
+        except (MisuseError, CheckpointError) as error:
             out[name] = str(error)
     for name, kwargs in [
         ("fp16", {"precision": "16-mixed"}),
@@ -294,6 +295,7 @@ def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     assert "fp16 loss scaling" in r["fp16"]
     assert "loom.forward_backward" in r["call"] and "loom.forward_backward" in r["backward"]
     assert "3 samples" in r["indivisible"] and "n_microbatches=2" in r["indivisible"]
+    assert "torchloom consolidate" in r["save_raw"]  # not a silent file of one stage's tensors
     assert "'layers.9' names no module" in r["no_module"]
     assert "stage 1 holds no parameters" in r["no_params"]
     assert "cannot be split" in r["untraceable"] and "split_fn" in r["untraceable"]
