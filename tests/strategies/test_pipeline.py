@@ -378,6 +378,24 @@ def _pp2_4ranks_body(rank: int, world: int, tmp: str) -> dict:
         world, lambda h: tensor_parallel, pipeline_parallel_size=2, tensor_parallel_size=2, split_fn=split_fn
     )
     out["tp_gpipe"] = _results(run(loom))
+
+    # a plain parameter whose gradient differs between the tensor-parallel ranks (as a norm's under sequence
+    # parallelism): refused at the first synchronising batch, not averaged into a wrong value
+    def partial_head(stage: nn.Module, device_mesh) -> nn.Module:
+        tensor_parallel(stage, device_mesh)
+        tp_rank = device_mesh["tensor_parallel"].get_local_rank()
+        if stage.head is not None:
+            stage.head.weight.register_hook(lambda g: g * (1 + tp_rank))
+        return stage
+
+    loom = _pipeline_with(
+        world, lambda h: partial_head, pipeline_parallel_size=2, tensor_parallel_size=2, split_fn=split_fn
+    )
+    try:
+        run(loom, steps=range(1))
+        out["tp_partial"] = None
+    except MisuseError as error:
+        out["tp_partial"] = str(error)
     # checkpoint at pp 2 x dp 2 after 2 steps, resumed at pp 1 x dp 4 and in fsdp2 at 4 ranks
     loom = _pipeline_with(
         world, lambda h: shard_blocks(h, root=True), pipeline_parallel_size=2, data_parallel_size=2
@@ -407,5 +425,6 @@ def test_pp2_with_dp2_and_tp2(tmp_path) -> None:
             assert r[key]["norms"] == pytest.approx(norms, abs=TOL), key
     for r in results:  # tensor parallel: every rank reads the whole batch, and sees its loss
         assert r["tp_gpipe"]["losses"] == pytest.approx(losses, abs=TOL)
+    assert all("['head.weight']" in r["tp_partial"] for r in results)  # every rank, together
     for key in ("pp2dp2->pp1dp4", "pp2dp2->fsdp2"):
         assert close(merged(results, key), expected) <= TOL, key

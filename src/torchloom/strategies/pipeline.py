@@ -121,6 +121,8 @@ class PipelineStrategy(ParallelStrategy):
         self._mesh: DeviceMesh | None = None
         self._runner: _schedule.Runner | None = None
         self._plain: list[nn.Parameter] = []
+        self._named_plain: list[tuple[str, nn.Parameter]] = []
+        self._checked_tp = False
         self._stage_group: dist.ProcessGroup | None = None
         self._syncing = True
 
@@ -253,7 +255,10 @@ class PipelineStrategy(ParallelStrategy):
                         "must end with `return model`."
                     )
                 stages[i] = result
-        self._plain = [p for s in stages.values() for p in s.parameters() if type(p.data) is torch.Tensor]
+        self._named_plain = [
+            (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
+        ]
+        self._plain = [p for _, p in self._named_plain]
         _split.graft(module, [stages[i] for i in sorted(stages)])
         module.register_forward_pre_hook(_refuse_forward)
         self._runner = _schedule.Runner(
@@ -286,8 +291,49 @@ class PipelineStrategy(ParallelStrategy):
         with precision.forward_context():
             loss = self._runner.run(tuple(inputs), target, loss_fn)
         if self._syncing:
+            if not self._checked_tp:
+                self._check_plain_grads_agree_over_tp()
             self._average_plain_grads()
         return loss
+
+    def _check_plain_grads_agree_over_tp(self) -> None:
+        """Plain parameters are averaged over the data-parallel ranks only, which is right where their
+        gradients are the same on every tensor-parallel rank (a layer before a column-parallel one, after a
+        row-parallel one). Under sequence parallelism a plain norm sees a slice of the sequence: its gradient is a
+        partial sum, and averaging would silently train it wrong. Checked once, on the first synchronising
+        batch (the pattern comes from the plan, not the data)."""
+        self._checked_tp = True
+        if self.tensor_parallel_size == 1:
+            return
+        # Every rank learns every stage's finding, so all raise together, none waiting in the next collective.
+        found = self.all_gather_object(self._plain_grads_that_differ_over_tp())
+        differ = sorted({name for names in found for name in names})
+        if differ:
+            raise MisuseError(
+                f"Parameter(s) {differ[:5]} left plain by parallelize_fn get different gradients on the "
+                "tensor-parallel ranks of a stage (a norm under sequence parallelism sees a slice of the "
+                "sequence). PipelineStrategy averages plain gradients over the data-parallel ranks only, which "
+                "would train them wrong. Make them DTensors in parallelize_fn (e.g. SequenceParallel() for the "
+                "norm, which reduces its gradient), or keep them outside the tensor-parallel region."
+            )
+
+    def _plain_grads_that_differ_over_tp(self) -> list[str]:
+        if not self._plain:
+            return []
+        sums = torch.stack(
+            [
+                p.grad.detach().double().sum() if p.grad is not None else p.new_zeros((), dtype=torch.float64)
+                for p in self._plain
+            ]
+        ).to(self.root_device)
+        low, high = sums.clone(), sums.clone()
+        group = self.device_mesh[TENSOR_PARALLEL].get_group()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        scale = torch.maximum(high.abs(), low.abs()).clamp(min=1e-12)
+        spread = ((high - low) / scale).tolist()
+        differ = [name for (name, _), d in zip(self._named_plain, spread, strict=True) if d > 1e-4]
+        return differ
 
     def _average_plain_grads(self) -> None:
         """Gradients of the parameters `parallelize_fn` left plain, averaged over the data-parallel ranks (units
