@@ -6,7 +6,6 @@ The stage code (splitting, schedules) lives in `torchloom.pipelining`; this file
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -19,7 +18,7 @@ from torch.optim import Optimizer
 
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.pipelining import _schedule, _split
+from torchloom.pipelining import _grads, _schedule, _split, _state
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy
 
@@ -318,34 +317,16 @@ class PipelineStrategy(ParallelStrategy):
             )
 
     def _plain_grads_that_differ_over_tp(self) -> list[str]:
-        if not self._plain:
-            return []
-        sums = torch.stack(
-            [
-                p.grad.detach().double().sum() if p.grad is not None else p.new_zeros((), dtype=torch.float64)
-                for p in self._plain
-            ]
-        ).to(self.root_device)
-        low, high = sums.clone(), sums.clone()
-        group = self.device_mesh[TENSOR_PARALLEL].get_group()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-        scale = torch.maximum(high.abs(), low.abs()).clamp(min=1e-12)
-        spread = ((high - low) / scale).tolist()
-        differ = [name for (name, _), d in zip(self._named_plain, spread, strict=True) if d > 1e-4]
-        return differ
+        return _grads.differing(
+            self._named_plain, self.device_mesh[TENSOR_PARALLEL].get_group(), self.root_device
+        )
 
     def _average_plain_grads(self) -> None:
         """Gradients of the parameters `parallelize_fn` left plain, averaged over the data-parallel ranks (units
         of `fully_shard` reduce their own)."""
-        if self.data_parallel_size == 1:
-            return
-        group = self.device_mesh[DATA_PARALLEL].get_group()
-        for p in self._plain:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # every rank issues the same all-reduces
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(self.data_parallel_size)
+        if self.data_parallel_size > 1:
+            group = self.device_mesh[DATA_PARALLEL].get_group()
+            _grads.average(self._plain, group, self.data_parallel_size)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
         raise MisuseError(
@@ -372,7 +353,8 @@ class PipelineStrategy(ParallelStrategy):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        total = self._total_norm(optimizer, float(norm_type))
+        pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
+        total = _grads.total_norm(optimizer, float(norm_type), self.root_device, pp_group)
         if not torch.isfinite(total) and error_if_nonfinite:
             raise RuntimeError(
                 f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
@@ -380,47 +362,13 @@ class PipelineStrategy(ParallelStrategy):
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
-            for g in _local_grads(optimizer):
+            for g in _grads.local_grads(optimizer):
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total
 
-    def _total_norm(self, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
-        """The norm over every stage and shard: each gradient's local piece combined over the mesh dims it is
-        split on, plain (replicated) gradients once per stage, then the stages summed over the pipeline ranks."""
-        inf = math.isinf(norm_type)
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        by_groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if hasattr(g, "to_local"):
-                    dims = [i for i, pl in enumerate(g.placements) if not pl.is_replicate()]
-                    key = tuple(g.device_mesh.get_group(i) for i in dims)
-                    by_groups.setdefault(key, []).append(g.to_local().detach())
-                else:
-                    by_groups.setdefault((), []).append(g.detach())
-        total = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        # Every rank of a stage holds the same kinds of gradients, so the all-reduces pair up; sorted by group
-        # identity for the same order on each rank.
-        for key in sorted(by_groups, key=lambda k: [dist.get_process_group_ranks(g) for g in k]):
-            tensors = [t for t in by_groups[key] if t.numel()]
-            value = (
-                torch.nn.utils.get_total_norm(tensors, norm_type).to(self.root_device, torch.float64)
-                if tensors
-                else torch.zeros((), dtype=torch.float64, device=self.root_device)
-            )
-            value = value if inf else value**norm_type
-            for g in key:
-                dist.all_reduce(value, op=op, group=g)
-            total = torch.maximum(total, value) if inf else total + value
-        dist.all_reduce(total, op=op, group=self.device_mesh[PIPELINE_PARALLEL].get_group())
-        return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
-
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
         with torch.no_grad():
-            for g in _local_grads(optimizer):
+            for g in _grads.local_grads(optimizer):
                 g.clamp_(min=-clip_val, max=clip_val)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
@@ -430,7 +378,7 @@ class PipelineStrategy(ParallelStrategy):
         if not full:
             return get_model_state_dict(module)
         own = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        return self._gather_to_zero({k: _to_cpu(v) for k, v in own.items()})
+        return _state.merge_modules(self._gather_pieces({k: _state.to_cpu(v) for k, v in own.items()}) or [])
 
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
@@ -460,33 +408,14 @@ class PipelineStrategy(ParallelStrategy):
         if not had_state:
             optimizer.state.clear()
             own["state"] = {}
-        own = {
-            "state": {k: {n: _to_cpu(v) for n, v in s.items()} for k, s in own["state"].items()},
-            "param_groups": own["param_groups"],
-        }
-        pieces = self._gather_pieces(own)
-        if pieces is None:
-            return {}
-        merged: dict[str, Any] = {"state": {}, "param_groups": []}
-        for piece in pieces:
-            merged["state"].update(piece["state"])
-            for i, group in enumerate(piece["param_groups"]):
-                if i == len(merged["param_groups"]):
-                    merged["param_groups"].append({**group, "params": []})
-                merged["param_groups"][i]["params"].extend(group["params"])
-        return merged
+        pieces = self._gather_pieces(_state.optimizer_to_cpu(own))
+        return _state.merge_optimizers(pieces) if pieces is not None else {}
 
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
         if full:
-            own = {n for n, _ in module.named_parameters()}
-            state = {
-                "state": {k: v for k, v in state["state"].items() if k in own},
-                "param_groups": [
-                    {**g, "params": [n for n in g["params"] if n in own]} for g in state["param_groups"]
-                ],
-            }
+            state = _state.optimizer_of_stage(state, {n for n, _ in module.named_parameters()})
         super().load_optimizer_state_dict(module, optimizer, state, full=full)
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
@@ -508,29 +437,10 @@ class PipelineStrategy(ParallelStrategy):
             return None
         return [g for g in gathered if g is not None]
 
-    def _gather_to_zero(self, own: dict[str, Any]) -> dict[str, Any]:
-        pieces = self._gather_pieces(own)
-        merged: dict[str, Any] = {}
-        for piece in pieces or []:
-            merged.update(piece)
-        return merged
-
 
 def _along_pp(mesh: DeviceMesh) -> list[int]:
     """The global ranks of this rank's pipeline, by pipeline rank."""
     return [int(r) for r in mesh[PIPELINE_PARALLEL].mesh.tolist()]
-
-
-def _local_grads(optimizer: Optimizer) -> list[torch.Tensor]:
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        return value.detach().cpu()
-    return value
 
 
 def _refuse_forward(module: nn.Module, args: Any) -> None:
