@@ -207,6 +207,9 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
             loom = Loom(strategy=target, accelerator="cpu", devices=world)
             loom.launch()
             out[f"{name}->{target}"] = run(loom, steps=range(2, STEPS), ckpt=path)["state"]
+    for name, path in [("sharded", f"{tmp}/sharded"), ("full", f"{tmp}/full.pt")]:
+        loom = pipeline(world, schedule="gpipe")  # the same degree: each rank reads its stage only
+        out[f"{name}->pp2"] = run(loom, steps=range(2, STEPS), ckpt=path)["state"]
     out["sharded->pp1"] = run(
         pipeline(world, pipeline_parallel_size=1, data_parallel_size=2, split_points=[]),
         steps=range(2, STEPS),
@@ -283,7 +286,8 @@ def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     assert results[1]["stage_keys"] == sorted(
         k for k in expected if k.startswith(("layers.2", "layers.3", "head"))
     )
-    for resumed in ("sharded->ddp", "sharded->fsdp2", "full->ddp", "full->fsdp2", "sharded->pp1"):
+    resumed_in = ("sharded->ddp", "sharded->fsdp2", "full->ddp", "full->fsdp2", "sharded->pp1")
+    for resumed in (*resumed_in, "sharded->pp2", "full->pp2"):
         assert close(merged(results, resumed), expected) <= TOL, resumed
     # bf16: the blocks computed in bf16 on the stage, and training went where one process under autocast goes
     # (rounding differs with the micro-batch size: judged against how far training moved the weights).
@@ -410,6 +414,14 @@ def _pp2_4ranks_body(rank: int, world: int, tmp: str) -> dict:
         split_points=[],
     )
     out["pp2dp2->pp1dp4"] = run(loom, steps=range(2, STEPS), ckpt=f"{tmp}/pp2dp2")["state"]
+    loom = _pipeline_with(
+        world,
+        None,
+        pipeline_parallel_size=4,
+        split_points=["layers.1", "layers.2", "layers.3"],
+        schedule="gpipe",
+    )
+    out["pp2dp2->pp4"] = run(loom, steps=range(2, STEPS), ckpt=f"{tmp}/pp2dp2")["state"]
     loom = Loom(strategy="fsdp2", accelerator="cpu", devices=world)
     loom.launch()
     out["pp2dp2->fsdp2"] = run(loom, steps=range(2, STEPS), ckpt=f"{tmp}/pp2dp2")["state"]
@@ -426,5 +438,5 @@ def test_pp2_with_dp2_and_tp2(tmp_path) -> None:
     for r in results:  # tensor parallel: every rank reads the whole batch, and sees its loss
         assert r["tp_gpipe"]["losses"] == pytest.approx(losses, abs=TOL)
     assert all("['head.weight']" in r["tp_partial"] for r in results)  # every rank, together
-    for key in ("pp2dp2->pp1dp4", "pp2dp2->fsdp2"):
+    for key in ("pp2dp2->pp1dp4", "pp2dp2->pp4", "pp2dp2->fsdp2"):
         assert close(merged(results, key), expected) <= TOL, key

@@ -47,6 +47,7 @@ def merge_optimizers(pieces: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def optimizer_of_stage(state: dict[str, Any], own: set[str]) -> dict[str, Any]:
     """The part of a whole model's optimizer state dict that belongs to the parameters named `own`."""
     return {
+        **state,
         "state": {k: v for k, v in state["state"].items() if k in own},
         "param_groups": [
             {**g, "params": [n for n in g["params"] if n in own]} for g in state["param_groups"]

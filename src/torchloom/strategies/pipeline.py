@@ -63,6 +63,8 @@ class PipelineStrategy(ParallelStrategy):
 
     name = "pipeline"
     replaces_parameters = True
+    #: Each rank's model holds only its stages: checkpoint loading checks keys against every rank's together.
+    holds_module_parts = True
 
     def __init__(
         self,
@@ -402,7 +404,16 @@ class PipelineStrategy(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         if not full:
-            return super().optimizer_state_dict(module, optimizer, full=False, template=template)
+            state = super().optimizer_state_dict(module, optimizer, full=False, template=template)
+            # DCP stores the param groups as one object that every rank writes under the same key (and keeps
+            # one rank's): each rank's must be the whole model's, not its stage's.
+            pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
+            stages: list[Any] = [None] * self.pipeline_parallel_size
+            dist.all_gather_object(stages, state["param_groups"], group=pp_group)
+            state["param_groups"] = _state.merge_optimizers({"state": {}, "param_groups": g} for g in stages)[
+                "param_groups"
+            ]
+            return state
         had_state = bool(optimizer.state)
         own: Any = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
         if not had_state:
@@ -414,8 +425,8 @@ class PipelineStrategy(ParallelStrategy):
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
-        if full:
-            state = _state.optimizer_of_stage(state, {n for n, _ in module.named_parameters()})
+        # Saved for the whole model (both formats): this stage's part.
+        state = _state.optimizer_of_stage(state, {n for n, _ in module.named_parameters()})
         super().load_optimizer_state_dict(module, optimizer, state, full=full)
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
