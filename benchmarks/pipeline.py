@@ -1,9 +1,9 @@
 """Pipeline parallelism on 2 CPU ranks (pp 2): the bubble each schedule leaves, against the theory, and the step
 time of `PipelineStrategy` against the same schedule written with raw `torch.distributed.pipelining`.
 
-    bubble   per schedule and micro-batch count m: 1 - (busy time) / (step time), where the busy time is m times
-             one stage's forward and backward of one micro-batch, timed alone on that rank (the slower stage);
-             GPipe's theory is (p - 1) / (m + p - 1).
+    bubble   per schedule and micro-batch count m, of the raw schedule: 1 - (busy time) / (schedule time) on each
+             rank, averaged over the ranks, where the busy time is the CPU time of the rank's main thread (one
+             thread per rank; gloo's waits sleep); GPipe's theory is (p - 1) / (m + p - 1).
     ratio    torchloom (PipelineStrategy with a split_fn, `loom.forward_backward`, `loom.clip_gradients`, AdamW)
              against raw torch (the same stage modules in a PipelineStage, the same schedule, a hand-written
              global norm over both stages, AdamW), alternating step by step in the same two processes.
@@ -89,17 +89,6 @@ def _body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dim, blocks, mb_rows = cfg["dim"], cfg["blocks"], cfg["rows"]
     out: dict[str, Any] = {"bubble": {}, "times": {}}
     g = torch.Generator().manual_seed(0)
-    # ---- the busy time of one micro-batch on this rank's stage, alone -------------------------------------
-    torch.manual_seed(0)
-    stage_alone = Stage(Net(dim, blocks), rank, world)
-    x = torch.randn(mb_rows, dim, generator=g)
-    for _ in range(3):
-        stage_alone(x).sum().backward()
-    t0 = time.perf_counter()
-    for _ in range(cfg["reps"]):
-        stage_alone(x).sum().backward()
-    per_mb = (time.perf_counter() - t0) / cfg["reps"]
-    per_mb = max(t for t in _all_gather_float(per_mb, None) if t) if dist.is_initialized() else per_mb
     for schedule in ("gpipe", "1f1b"):
         for m in cfg["microbatches"]:
             strategy = PipelineStrategy(
@@ -107,7 +96,6 @@ def _body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             )
             loom = Loom(strategy=strategy, accelerator="cpu", devices=world)
             loom.launch()
-            per_mb = max(_all_gather_float(per_mb, loom))
             torch.manual_seed(0)
             model = loom.setup_module(Net(dim, blocks))
             opt = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -133,10 +121,17 @@ def _body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     (loom_times if side == "loom" else raw_times).append(
                         loom_step() if side == "loom" else raw_step()
                     )
-            out["bubble"][(schedule, m)] = 1 - m * per_mb / median(raw_times)
+            _BUSY.clear()
+            for _ in range(cfg["steps"]):
+                raw_step()
+            busy = _all_gather_float(median(_BUSY), loom)
+            out["bubble"][(schedule, m)] = 1 - sum(busy) / len(busy)
             out["times"][(schedule, m)] = (loom_times, raw_times)
             loom.close()
     return out
+
+
+_BUSY: list[float] = []
 
 
 def _loom_step(loom: Any, model: Any, opt: Any, xb: torch.Tensor, yb: torch.Tensor) -> float:
@@ -151,11 +146,15 @@ def _loom_step(loom: Any, model: Any, opt: Any, xb: torch.Tensor, yb: torch.Tens
 
 def _raw_step(rank: int, raw: Any, module: nn.Module, opt: Any, xb: torch.Tensor, yb: torch.Tensor) -> float:
     dist.barrier()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.thread_time()
     if rank == 0:
         raw.step(xb)
     else:
         raw.step(target=yb, losses=[])
+    wall = time.perf_counter() - t
+    # This rank's busy share of the schedule: its main thread's CPU time (gloo's waits sleep, its own threads
+    # do the transfers).
+    _BUSY.append((time.thread_time() - cpu) / wall)
     _raw_norm_clip(list(module.parameters()), 1.0)
     opt.step()
     opt.zero_grad()
@@ -179,14 +178,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.tiny:
-        args.dim, args.rows, args.microbatches, args.steps, args.reps = 32, 4, [2], 4, 3
+        args.dim, args.rows, args.microbatches, args.steps = 32, 4, [2], 4
     header("pipeline parallelism: bubble and step time vs raw torch.distributed.pipelining (pp 2, CPU)", args)
-    cfg = {k: getattr(args, k) for k in ("dim", "blocks", "rows", "microbatches", "steps", "reps")}
+    cfg = {k: getattr(args, k) for k in ("dim", "blocks", "rows", "microbatches", "steps")}
     results = run_ranks(_body, cfg, world_size=2)
     p = 2
     rows, payload = [], []
