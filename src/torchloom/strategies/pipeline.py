@@ -288,9 +288,13 @@ class PipelineStrategy(ParallelStrategy):
         if self._runner is None:
             raise MisuseError("Set the model up with loom.setup_module before loom.forward_backward.")
         precision = self.precision
-        inputs, target = precision.convert_input((tuple(inputs), target))
+        # The inputs as the model's forward gets them elsewhere (LoomModule); the target as the user passed it.
+        inputs = precision.convert_input(tuple(inputs))
         with precision.forward_context():
-            loss = self._runner.run(tuple(inputs), target, loss_fn)
+            # The output as LoomModule hands it to the user's loss elsewhere (in the default dtype).
+            loss = self._runner.run(
+                tuple(inputs), target, lambda out, tgt: loss_fn(precision.convert_output(out), tgt)
+            )
         if self._syncing:
             if not self._checked_tp:
                 self._check_plain_grads_agree_over_tp()
