@@ -165,7 +165,6 @@ MAX_CODE_LINES = 500
 ALLOWED_LARGER = re.compile(r"(?:^|[.!?]\s+)Larger than 500 lines because\b")
 
 
-
 def code_lines(source: str) -> int:
     """The lines holding code: every line a token other than a comment or a line break touches, less the lines
     of docstrings (of the module, its classes and functions)."""

@@ -9,7 +9,16 @@ import re
 import pytest
 from harness import PYTHON, REPO, run_job, wait_no_strays
 
-SCRIPTS = ("step_overhead", "memory", "checkpoint_io", "startup", "scaling", "hf_load", "throughput_overhead")
+SCRIPTS = (
+    "step_overhead",
+    "memory",
+    "checkpoint_io",
+    "startup",
+    "scaling",
+    "hf_load",
+    "throughput_overhead",
+    "pipeline",
+)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -427,6 +427,17 @@ class Loom:
         self._strategy.clip_gradients_value(forward_module, optimizer, float(clip_val))  # type: ignore[arg-type]
         return None
 
+    def forward_backward(
+        self, model: LoomModule, inputs: Any, target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward of one batch, returning the loss (detached) on every rank: through the pipeline
+        schedule under `PipelineStrategy`, else `loss_fn(model(*inputs), target)` and `backward(loss)`."""
+        # Imported on first use: torch.distributed.pipelining is not needed by a run without a pipeline.
+        from torchloom.pipelining import forward_backward
+
+        module = _module_setup.set_up_one(model, self._modules, "forward_backward")
+        return forward_backward(self._strategy, module, inputs, target, loss_fn, self.backward)
+
     @contextlib.contextmanager
     def no_backward_sync(self, module: LoomModule, enabled: bool = True) -> Generator[None, None, None]:
         """Skip gradient synchronisation for the forward and backward passes inside (gradient accumulation);

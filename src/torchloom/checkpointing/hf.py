@@ -443,6 +443,15 @@ def save(
     max_bytes = parse_size(max_shard_size)
     template = io.module_state_dict(module, full=False)
     template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
+    if io.is_distributed and io.world_size > 1:
+        held = io.all_gather_object(sorted(template))
+        if any(names != held[0] for names in held):
+            # Pipeline stages: each rank holds other tensors, and each would plan the files of its own alone.
+            raise CheckpointError(
+                "save_raw needs every rank to hold (a shard of) every tensor, but the ranks hold different "
+                "tensors (pipeline stages). Save a sharded checkpoint (loom.save) and write it in Hugging "
+                "Face's layout in one process: `torchloom consolidate CKPT OUT --model-only --format hf`."
+            )
     names = _stored_names(module, template)
     _write({n: template[n] for n in names}, out_dir, dtype, max_bytes, config, fsync, io)
 

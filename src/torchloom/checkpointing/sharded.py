@@ -46,8 +46,8 @@ from torchloom.checkpointing.state import (
     collect_state,
     extra_state_of,
     restore_entry,
-    shapes_of,
     torch_internal_warnings_filtered,
+    whole_module_shapes,
 )
 from torchloom.errors import CheckpointError, describe_failure, raise_shared_failure
 
@@ -517,7 +517,7 @@ def load(
         if kinds[key] == MODULE:
             # One state dict serves both the check and the template: each call walks the whole model.
             current = io.module_state_dict(_module_of(entry, key), full=False)
-            check_module_keys(shapes_of(current), stored.get(key, {}), strict, key)
+            check_module_keys(whole_module_shapes(io, current), stored.get(key, {}), strict, key)
             template[key] = {k: v for k, v in current.items() if k in stored.get(key, {})}
             # Extra state (get_extra_state) is stored as byte items, not tensors. DCP stores nothing for an
             # empty dict: the module's own empty one is what was saved.

@@ -276,6 +276,19 @@ def shapes_of(state_dict: dict[str, Any]) -> dict[str, tuple[torch.Size, torch.d
     return {k: (v.shape, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
 
 
+def whole_module_shapes(
+    io: StateAccess, current: dict[str, Any]
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The shapes of the whole module's state dict: this rank's, or, where each rank holds only part of the
+    module (pipeline stages: a strategy with `holds_module_parts`), every rank's joined."""
+    if not getattr(io, "holds_module_parts", False):
+        return shapes_of(current)
+    whole: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for part in io.all_gather_object(shapes_of(current)):
+        whole.update(part)
+    return whole
+
+
 def extra_state_of(state_dict: dict[str, Any]) -> dict[str, Any]:
     """The entries of a module state dict that are not tensors: what modules defining `get_extra_state` return,
     under their `<module>._extra_state` keys (a tensor returned there travels with the tensors)."""
@@ -311,7 +324,7 @@ def load_module(
             f"Entry {name!r} of the checkpoint is a {type(saved).__name__}, not a state dict."
         )
     current = io.module_state_dict(module, full=False)  # shapes (global, on every rank) and extra state
-    expected = shapes_of(current)
+    expected = whole_module_shapes(io, current)
     check_module_keys(expected, shapes_of(saved), strict, name)
     extra = extra_state_of(current)
     check_extra_state(extra, extra_state_of(saved), strict, name)

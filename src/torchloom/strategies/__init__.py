@@ -6,6 +6,7 @@ from torchloom.strategies.fsdp import FSDPStrategy
 from torchloom.strategies.fsdp2 import FSDP2Strategy
 from torchloom.strategies.model_parallel import ModelParallelStrategy
 from torchloom.strategies.parallel import ParallelStrategy
+from torchloom.strategies.pipeline import PipelineStrategy
 from torchloom.strategies.single_device import SingleDeviceStrategy
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "FSDPStrategy",
     "FSDP2Strategy",
     "ModelParallelStrategy",
+    "PipelineStrategy",
 ]

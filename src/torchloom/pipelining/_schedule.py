@@ -1,0 +1,152 @@
+"""Schedules over `torch.distributed.pipelining`: which stages each rank holds, and one batch's forward and
+backward through them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchloom.errors import ConfigurationError, MisuseValueError
+
+# name -> (torch class name, stages per rank it needs: 1, or None for several, placement style)
+SCHEDULES: dict[str, tuple[str, bool, str]] = {
+    "gpipe": ("ScheduleGPipe", False, "loop"),
+    "1f1b": ("Schedule1F1B", False, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", True, "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", True, "v"),
+}
+
+
+def schedule_name(value: Any) -> str:
+    key = str(value).lower().replace("-", "_").replace(" ", "_")
+    key = {
+        "interleaved1f1b": "interleaved_1f1b",
+        "zbv": "zbv_zero_bubble",
+        "zero_bubble": "zbv_zero_bubble",
+    }.get(key, key)
+    if key not in SCHEDULES:
+        raise ConfigurationError(
+            f"pipeline schedule={value!r} is not one torchloom knows: pick one of {sorted(SCHEDULES)}."
+        )
+    return key
+
+
+def check_stages_per_rank(schedule: str, stages_per_rank: int) -> None:
+    several = SCHEDULES[schedule][1]
+    if several and stages_per_rank < 2:
+        raise ConfigurationError(
+            f"schedule={schedule!r} runs several stages per rank: pass stages_per_rank=2 (or more)."
+        )
+    if not several and stages_per_rank != 1:
+        raise ConfigurationError(
+            f"schedule={schedule!r} runs one stage per rank, got stages_per_rank={stages_per_rank}: use "
+            "'interleaved_1f1b' (or another multi-stage schedule) for several."
+        )
+    if SCHEDULES[schedule][2] == "v" and stages_per_rank != 2:
+        raise ConfigurationError(
+            f"schedule={schedule!r} places exactly 2 stages per rank (a V): stages_per_rank=2."
+        )
+
+
+def stage_ids_of(pp_rank: int, pp_size: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds: round robin ("loop"), or down and back up ("v")."""
+    if SCHEDULES[schedule][2] == "v":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+class Runner:
+    """One schedule over this rank's stages, built at the first batch and reused for every one after."""
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        schedule: str,
+        n_microbatches: int,
+        device: torch.device,
+        pp_group: dist.ProcessGroup,
+        pp_ranks: Sequence[int],
+    ) -> None:
+        self.stages = stages
+        self.num_stages = num_stages
+        self.schedule = schedule
+        self.n_microbatches = n_microbatches
+        self.device = device
+        self.pp_group = pp_group
+        self.pp_ranks = list(pp_ranks)  # global ranks, by pipeline rank
+        self._loss_fn: Callable[..., torch.Tensor] | None = None
+        self._torch_schedule: Any = None
+        last_pp_rank = num_stages - 1 if SCHEDULES[schedule][2] == "loop" else 0
+        self.last_rank = self.pp_ranks[last_pp_rank % len(self.pp_ranks)]
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def _build(self) -> Any:
+        from torch.distributed import pipelining
+
+        cls = getattr(pipelining, SCHEDULES[self.schedule][0])
+        stages = [
+            pipelining.PipelineStage(module, i, self.num_stages, self.device, group=self.pp_group)
+            for i, module in sorted(self.stages.items())
+        ]
+        # The loss of each micro-batch is divided by their count here, not by torch's scale_grads, which would
+        # also divide gradients accumulated by earlier batches (gradient accumulation).
+        n = self.n_microbatches
+        if SCHEDULES[self.schedule][1]:
+            return cls(
+                stages, n, loss_fn=lambda out, tgt: self._current_loss(out, tgt) / n, scale_grads=False
+            )
+        return cls(stages[0], n, loss_fn=lambda out, tgt: self._current_loss(out, tgt) / n, scale_grads=False)
+
+    def _current_loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
+    def run(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline; the batch's loss (the mean over micro-batches)
+        on every pipeline rank."""
+        batch = _batch_size(inputs, target)
+        if batch is not None and batch % self.n_microbatches:
+            raise MisuseValueError(
+                f"The batch has {batch} samples, which {self.n_microbatches} micro-batches do not divide: pass a "
+                f"batch size that is a multiple of n_microbatches={self.n_microbatches} (per data-parallel rank), "
+                "or change n_microbatches."
+            )
+        if self._torch_schedule is None:
+            self._torch_schedule = self._build()
+        self._loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        args = inputs if self.holds_first else ()
+        kwargs: dict[str, Any] = {}
+        if self.holds_last:
+            kwargs = {"target": target, "losses": losses}
+        try:
+            self._torch_schedule.step(*args, **kwargs)
+        finally:
+            self._loss_fn = None
+        if self.holds_last:
+            loss = torch.stack([loss.detach().float() for loss in losses]).sum().to(self.device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
+        return loss
+
+
+def _batch_size(inputs: tuple[Any, ...], target: Any) -> int | None:
+    for value in (*inputs, target):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return None

@@ -1,0 +1,219 @@
+"""Cutting a model into pipeline stages that keep the model's own parameter names.
+
+Two ways: split points (module names where a stage begins), traced by torch's `pipeline()` frontend on the
+meta device; or the user's `split_fn(model, stage_index, num_stages) -> stage module`, for forwards that cannot
+be traced, or stages that need their own module classes (a tensor-parallel plan matches `nn.Linear` children,
+which the traced stages replace by graph modules).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchloom.errors import MisuseError, MisuseValueError
+
+SplitFn = Callable[[nn.Module, int, int], nn.Module]
+
+
+def check_split_points(model: nn.Module, split_points: Sequence[str], num_stages: int) -> None:
+    """Each split point names a module of `model`, in forward order, and there is one fewer than stages."""
+    names = [n for n, _ in model.named_modules() if n]
+    known = set(names)
+    for point in split_points:
+        if point not in known:
+            close = difflib.get_close_matches(point, names, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise MisuseValueError(
+                f"Pipeline split point {point!r} names no module of {type(model).__name__}.{hint} A split point is "
+                "a module name as model.named_modules() spells it (e.g. 'layers.4'): the stage begins there."
+            )
+    if len(split_points) != num_stages - 1:
+        raise MisuseValueError(
+            f"{len(split_points)} split point(s) {list(split_points)} make {len(split_points) + 1} stages, but the "
+            f"pipeline has {num_stages} (pipeline_parallel_size x stages_per_rank): pass {num_stages - 1} split "
+            "points."
+        )
+
+
+def trace_stages(
+    model: nn.Module, split_points: Sequence[str], example: tuple[Any, ...], stage_ids: Sequence[int]
+) -> dict[int, nn.Module]:
+    """The stage modules `stage_ids` of `model` cut before each split point, traced on the meta device (so no
+    rank allocates the whole model). Their parameters keep the model's names ("layers.4.fc.weight")."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    # The example goes where the model is: a meta model traces without allocating anything.
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    meta_example = tuple(_to_device(a, device) for a in example)
+    spec = {point: SplitPoint.BEGINNING for point in split_points}
+    originals = {id(p): p for p in model.parameters()}
+    try:
+        pipe = pipeline(model, mb_args=meta_example, split_spec=spec)
+    except Exception as error:
+        raise MisuseError(
+            f"The forward of {type(model).__name__} cannot be split at {list(split_points)}: torch's tracer "
+            f"failed ({type(error).__name__}: {str(error)[:300]}). Pass split_fn=fn(model, stage_index, "
+            "num_stages) -> the stage's module instead (a copy of the model with the other stages' layers "
+            "removed, whose forward runs one stage; see docs/model-parallel.md, 'Pipeline parallelism')."
+        ) from error
+    if pipe.num_stages != len(split_points) + 1:
+        raise MisuseError(
+            f"Splitting {type(model).__name__} at {list(split_points)} made {pipe.num_stages} stages, not "
+            f"{len(split_points) + 1}: a split point lies inside a module the forward does not call in order "
+            "(or calls twice). Pick split points at the top-level blocks the forward calls one after another, or "
+            "pass split_fn."
+        )
+    stages = {i: pipe.get_stage_module(i) for i in stage_ids}
+    if any(not p.is_meta for p in model.parameters()):
+        # The tracer works on copies; a model built for real gives its own values to the stage.
+        named = dict(model.named_parameters())
+        for stage in stages.values():
+            with torch.no_grad():
+                for name, p in stage.named_parameters():
+                    source = named.get(name, originals.get(id(p)))
+                    if source is not None and not source.is_meta:
+                        _replace(stage, name, source)
+        named_buffers = dict(model.named_buffers())
+        for stage in stages.values():
+            for name, _ in stage.named_buffers():
+                if name in named_buffers and not named_buffers[name].is_meta:
+                    _replace(stage, name, named_buffers[name], buffer=True)
+    return stages
+
+
+def _replace(stage: nn.Module, name: str, tensor: torch.Tensor, buffer: bool = False) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = stage.get_submodule(owner_name)
+    if buffer:
+        owner._buffers[leaf] = tensor.detach().clone()
+    else:
+        owner._parameters[leaf] = nn.Parameter(tensor.detach().clone(), requires_grad=tensor.requires_grad)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def user_stages(
+    model: nn.Module, split_fn: SplitFn, num_stages: int, stage_ids: Sequence[int]
+) -> dict[int, nn.Module]:
+    """The user's stage modules; each must be a module (not the model itself) holding parameters named as in the
+    model."""
+    names = {n for n, _ in model.named_parameters()}
+    stages = {}
+    fn_name = getattr(split_fn, "__name__", repr(split_fn))
+    for i in stage_ids:
+        stage = split_fn(model, i, num_stages)
+        if not isinstance(stage, nn.Module):
+            raise MisuseError(
+                f"split_fn {fn_name!r} returned {type(stage).__name__} for stage {i}: it must return the stage's "
+                "nn.Module."
+            )
+        if stage is model:
+            raise MisuseError(
+                f"split_fn {fn_name!r} returned the model itself for stage {i}: return a copy with only this "
+                "stage's layers (copy.deepcopy(model) on the meta device, then delete the others)."
+            )
+        foreign = [n for n, _ in stage.named_parameters() if n not in names]
+        if foreign:
+            raise MisuseError(
+                f"split_fn {fn_name!r}: stage {i} holds parameters that are not the model's under these names "
+                f"({foreign[:3]}): keep each layer at its path in the model (delete the other layers from a copy), "
+                "so checkpoints keep the model's names."
+            )
+        stages[i] = stage
+    return stages
+
+
+def stage_problems(stages: dict[int, nn.Module]) -> list[str]:
+    """What is wrong with these stages, to be agreed on by every rank before any of them raises."""
+    return [
+        f"stage {i} holds no parameters (a pipeline stage without parameters only adds a hop; move the split "
+        "point so each stage owns layers)"
+        for i, stage in stages.items()
+        if not any(True for _ in stage.parameters())
+    ]
+
+
+def materialize(stage: nn.Module, model: nn.Module, device: torch.device) -> None:
+    """Allocate a stage's meta tensors on `device` and initialise them module by module with the module's own
+    `reset_parameters` (the model's module of the same name, for traced stages whose modules lost their class)."""
+    for name, mod in stage.named_modules():
+        own = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
+        if not any(t.is_meta for t in own):
+            continue
+        init = mod if hasattr(mod, "reset_parameters") else _module_or_none(model, name)
+        mod.to_empty(device=device, recurse=False)
+        if init is None or not hasattr(init, "reset_parameters"):
+            raise MisuseError(
+                f"Stage module {name or '<root>'!r} ({type(mod).__name__}) was built on the meta device and has no "
+                "reset_parameters() to initialise it with. Give the module a reset_parameters, or build the model "
+                "for real, or load weights after setup (loom.load_raw)."
+            )
+        with torch.no_grad():
+            if init is mod:
+                mod.reset_parameters()  # type: ignore[operator]
+            else:
+                init.to_empty(device=device, recurse=False)
+                init.reset_parameters()  # type: ignore[operator]
+                for key, t in [*init.named_parameters(recurse=False), *init.named_buffers(recurse=False)]:
+                    target = getattr(mod, key, None)
+                    if isinstance(target, torch.Tensor):
+                        target.copy_(t)
+                init.to_empty(device="meta", recurse=False)
+
+
+def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def graft(model: nn.Module, stages: Sequence[nn.Module]) -> None:
+    """Make `model` hold only these stages, under its own names: its children and tensors are replaced by the
+    stages' (merged where two stages of this rank share a container such as "layers"). The model's forward is
+    then no longer runnable; parameters(), state_dict() and checkpoints see this rank's stages by the model's
+    names."""
+    model._modules.clear()
+    model._parameters.clear()
+    model._buffers.clear()
+    for stage in stages:
+        _merge_into(model, stage, "")
+
+
+def _merge_into(target: nn.Module, source: nn.Module, path: str) -> None:
+    for key, p in source._parameters.items():
+        if p is not None:
+            if key in target._parameters:
+                raise MisuseError(f"Two pipeline stages of one rank both hold parameter {path + key!r}.")
+            target._parameters[key] = p
+    for key, b in source._buffers.items():
+        if b is not None:
+            target._buffers[key] = b
+    for key, child in source._modules.items():
+        if child is None:
+            continue
+        existing = target._modules.get(key)
+        if existing is None:
+            target._modules[key] = child
+        else:
+            if not isinstance(existing, _Merged):
+                merged = _Merged()
+                _merge_into(merged, existing, f"{path}{key}.")
+                target._modules[key] = existing = merged
+            _merge_into(existing, child, f"{path}{key}.")
+
+
+class _Merged(nn.Module):
+    """A container two stages of one rank share (the "layers" that holds blocks of both): names only."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - never called
+        raise MisuseError(
+            "A pipeline stage container is not callable: run the model through loom.forward_backward."
+        )

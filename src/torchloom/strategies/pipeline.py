@@ -1,0 +1,466 @@
+"""`PipelineStrategy`: pipeline parallelism (torch's schedules) on a 3-D mesh with data and tensor parallelism.
+
+The stage code (splitting, schedules) lives in `torchloom.pipelining`; this file binds it to a `Loom`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+
+from torchloom._text import count
+from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.pipelining import _grads, _schedule, _split, _state
+from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies.parallel import ParallelStrategy
+
+PIPELINE_PARALLEL = "pipeline_parallel"
+DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+
+
+def _positive(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ConfigurationError(f"PipelineStrategy({what}={value!r}): {what} must be a positive int.")
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism: the model cut into stages, one (or several) per pipeline rank, run by one of
+    torch's schedules; with data and tensor parallelism inside each stage on the same mesh.
+
+    Args:
+        parallelize_fn: optional `fn(stage_module, device_mesh) -> stage_module`, called once per stage of this
+            rank, as `ModelParallelStrategy` calls it for the whole model: `parallelize_module` over
+            `device_mesh["tensor_parallel"]`, `fully_shard` over `device_mesh["data_parallel"]` (or
+            `**strategy.unit_kwargs()`). Parameters it leaves plain are kept identical on the stage's
+            data-parallel ranks and their gradients averaged.
+        pipeline_parallel_size: ranks a batch flows through, one after another.
+        data_parallel_size: ranks that read different data. `pp x dp x tp` must be the world size.
+        tensor_parallel_size: ranks that split each layer of a stage.
+        split_points: module names where a stage begins (e.g. `["layers.4"]`), one fewer than the stages; the
+            forward is traced (torch's `pipeline()`) on the meta device with `example_input`.
+        split_fn: instead of split points, `fn(model, stage_index, num_stages) -> stage module`: a module that
+            runs one stage, holding that stage's layers under their names in the model (a copy of the model with
+            the other layers deleted). Needed for a forward the tracer cannot follow, and for tensor parallelism
+            (its plans match `nn.Linear` children, which traced stages do not keep).
+        example_input: one micro-batch of the model's input (a tensor or a tuple), for tracing `split_points`.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+            "zbv_zero_bubble".
+        n_microbatches: micro-batches each batch is cut into (must divide the per-rank batch).
+        stages_per_rank: stages each pipeline rank holds (2 or more for the interleaved and zero-bubble ones).
+        save_distributed_checkpoint: True: every rank writes its stage's shards (a directory); False: rank 0
+            writes one file with the whole model.
+    """
+
+    name = "pipeline"
+    replaces_parameters = True
+    #: Each rank's model holds only its stages: checkpoint loading checks keys against every rank's together.
+    holds_module_parts = True
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+        pipeline_parallel_size: int = 2,
+        data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        *,
+        split_points: Sequence[str] | None = None,
+        split_fn: _split.SplitFn | None = None,
+        example_input: Any = None,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        stages_per_rank: int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise ConfigurationError(
+                f"PipelineStrategy(parallelize_fn={parallelize_fn!r}) must be a function (stage, device_mesh) -> "
+                "stage, or None."
+            )
+        if (split_points is None) == (split_fn is None):
+            raise ConfigurationError(
+                "PipelineStrategy needs exactly one of split_points=[module names where a stage begins] and "
+                "split_fn=fn(model, stage_index, num_stages) -> stage module."
+            )
+        if split_points is not None and example_input is None:
+            raise ConfigurationError(
+                "PipelineStrategy(split_points=...) traces the forward: pass example_input= one micro-batch of the "
+                "model's input (a tensor or a tuple), or pass split_fn instead."
+            )
+        self.parallelize_fn = parallelize_fn
+        self.pipeline_parallel_size = _positive(pipeline_parallel_size, "pipeline_parallel_size")
+        self.data_parallel_size = _positive(data_parallel_size, "data_parallel_size")
+        self.tensor_parallel_size = _positive(tensor_parallel_size, "tensor_parallel_size")
+        self.split_points = list(split_points) if split_points is not None else None
+        self.split_fn = split_fn
+        self.example_input = example_input
+        self.schedule = _schedule.schedule_name(schedule)
+        self.stages_per_rank = _positive(stages_per_rank, "stages_per_rank")
+        _schedule.check_stages_per_rank(self.schedule, self.stages_per_rank)
+        self.n_microbatches = _positive(
+            n_microbatches if n_microbatches is not None else self.num_stages, "n_microbatches"
+        )
+        if self.schedule == "1f1b" and self.n_microbatches < self.num_stages:
+            raise ConfigurationError(
+                f"schedule='1f1b' needs at least as many micro-batches as stages: n_microbatches="
+                f"{self.n_microbatches} < {self.num_stages} stages. Raise n_microbatches (fewer leave the "
+                "pipeline mostly idle), or use schedule='gpipe'."
+            )
+        self.save_distributed_checkpoint = bool(save_distributed_checkpoint)
+        self._mesh: DeviceMesh | None = None
+        self._runner: _schedule.Runner | None = None
+        self._plain: list[nn.Parameter] = []
+        self._named_plain: list[tuple[str, nn.Parameter]] = []
+        self._checked_tp = False
+        self._stage_group: dist.ProcessGroup | None = None
+        self._syncing = True
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {
+            PIPELINE_PARALLEL: self.pipeline_parallel_size,
+            DATA_PARALLEL: self.data_parallel_size,
+            TENSOR_PARALLEL: self.tensor_parallel_size,
+        }
+
+    def validate(self) -> None:
+        super().validate()
+        pp, dp, tp, world = (*self.mesh_shape.values(), self.world_size)
+        if pp * dp * tp != world:
+            fix = (
+                f"data_parallel_size={world // (pp * tp)}"
+                if world % (pp * tp) == 0
+                else f"pipeline_parallel_size={world}, data_parallel_size=1, tensor_parallel_size=1"
+            )
+            raise ConfigurationError(
+                f"PipelineStrategy(pipeline_parallel_size={pp}, data_parallel_size={dp}, tensor_parallel_size={tp}) "
+                f"makes a mesh of {pp} x {dp} x {tp} = {pp * dp * tp} ranks, but this job has "
+                f"{count(world, 'process')}: the product must equal the world size (devices x num_nodes), e.g. "
+                f"{fix}."
+            )
+
+    def setup_environment(self) -> None:
+        self.validate()
+        super().setup_environment()
+
+    def teardown(self) -> None:
+        self._runner = None
+        self._mesh = None
+        self._stage_group = None
+        super().teardown()
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ("pipeline_parallel", "data_parallel", "tensor_parallel"), made on first use."""
+        if self._mesh is None:
+            self._require_group("the 'pipeline' device mesh")
+            shape = self.mesh_shape
+            self._mesh = init_device_mesh(
+                self.root_device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)
+            )
+        return self._mesh
+
+    def unit_kwargs(self) -> dict[str, Any]:
+        """What to pass to `fully_shard` in `parallelize_fn`: the data-parallel mesh (and the precision's policy)."""
+        kwargs: dict[str, Any] = {"mesh": self.device_mesh[DATA_PARALLEL]}
+        compute = self.precision.autocast_dtype
+        if compute is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # Half-precision compute over fp32 sharded weights, gradients reduced in fp32 (as "fsdp2" does).
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        return kwargs
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Data is split over the data-parallel ranks only: a pipeline (and its tensor-parallel ranks) reads one
+        batch."""
+        mesh = self.device_mesh[DATA_PARALLEL]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @property
+    def checkpoint_format(self) -> str:  # type: ignore[override]
+        return "sharded" if self.save_distributed_checkpoint else "full"
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        self._require_group("setup_module with PipelineStrategy")
+        if self._runner is not None:
+            raise MisuseError(
+                "PipelineStrategy sets up one model per Loom: make a Loom for each pipelined model."
+            )
+        if self.precision.scaler is not None:
+            raise MisuseError(
+                "PipelineStrategy does not support fp16 loss scaling yet: use precision='bf16-mixed', "
+                "'bf16-true' or '32-true'."
+            )
+        mesh = self.device_mesh
+        pp_mesh = mesh[PIPELINE_PARALLEL]
+        pp_rank = pp_mesh.get_local_rank()
+        ids = _schedule.stage_ids_of(
+            pp_rank, self.pipeline_parallel_size, self.stages_per_rank, self.schedule
+        )
+        problems: list[str] = []
+        stages: dict[int, nn.Module] = {}
+        try:
+            if self.split_points is not None:
+                _split.check_split_points(module, self.split_points, self.num_stages)
+                example = (
+                    self.example_input if isinstance(self.example_input, tuple) else (self.example_input,)
+                )
+                stages = _split.trace_stages(module, self.split_points, example, ids)
+            else:
+                assert self.split_fn is not None
+                stages = _split.user_stages(module, self.split_fn, self.num_stages, ids)
+            problems = _split.stage_problems(stages)
+        except MisuseError as error:
+            problems = [str(error)]
+        # Every rank learns every rank's problems, so all raise together instead of some waiting in a collective.
+        everyone = self.all_gather_object(problems)
+        found = sorted({p for rank_problems in everyone for p in rank_problems})
+        if found:
+            raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
+        for stage in stages.values():
+            _split.materialize(stage, module, self.root_device)
+            stage.to(self.root_device)
+        # The stage's data- and tensor-parallel ranks start from one set of values (their first rank's).
+        self._stage_group = self._make_stage_groups(mesh)
+        for stage in stages.values() if self._stage_group is not None else ():
+            broadcast_tensors(
+                [t for t in (*stage.parameters(), *stage.buffers()) if type(t.data) is torch.Tensor],
+                device=self.root_device,
+                group=self._stage_group,
+            )
+        if self.parallelize_fn is not None:
+            for i in sorted(stages):
+                result = self.parallelize_fn(stages[i], mesh)
+                if not isinstance(result, nn.Module):
+                    raise MisuseError(
+                        f"parallelize_fn returned {type(result).__name__} for stage {i}, not the stage module: it "
+                        "must end with `return model`."
+                    )
+                stages[i] = result
+        self._named_plain = [
+            (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
+        ]
+        self._plain = [p for _, p in self._named_plain]
+        _split.graft(module, [stages[i] for i in sorted(stages)])
+        module.register_forward_pre_hook(_refuse_forward)
+        self._runner = _schedule.Runner(
+            stages,
+            self.num_stages,
+            self.schedule,
+            self.n_microbatches,
+            self.root_device,
+            pp_mesh.get_group(),
+            [int(r) for r in _along_pp(mesh)],
+        )
+        return module
+
+    def _make_stage_groups(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+        if self.data_parallel_size * self.tensor_parallel_size == 1:
+            return None
+        grid = mesh.mesh.reshape(self.pipeline_parallel_size, -1).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(grid, backend=self.backend)
+        return group
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    def forward_backward(
+        self, module: nn.Module, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """One batch's forward and backward through the schedule; the loss on every rank."""
+        if self._runner is None:
+            raise MisuseError("Set the model up with loom.setup_module before loom.forward_backward.")
+        precision = self.precision
+        # The inputs as the model's forward gets them elsewhere (LoomModule); the target as the user passed it.
+        inputs = precision.convert_input(tuple(inputs))
+        with precision.forward_context():
+            # The output as LoomModule hands it to the user's loss elsewhere (in the default dtype).
+            loss = self._runner.run(
+                tuple(inputs), target, lambda out, tgt: loss_fn(precision.convert_output(out), tgt)
+            )
+        if self._syncing:
+            if not self._checked_tp:
+                self._check_plain_grads_agree_over_tp()
+            self._average_plain_grads()
+        return loss
+
+    def _check_plain_grads_agree_over_tp(self) -> None:
+        """Plain parameters are averaged over the data-parallel ranks only, which is right where their
+        gradients are the same on every tensor-parallel rank (a layer before a column-parallel one, after a
+        row-parallel one). Under sequence parallelism a plain norm sees a slice of the sequence: its gradient is a
+        partial sum, and averaging would silently train it wrong. Checked once, on the first synchronising
+        batch (the pattern comes from the plan, not the data)."""
+        self._checked_tp = True
+        if self.tensor_parallel_size == 1:
+            return
+        # Every rank learns every stage's finding, so all raise together, none waiting in the next collective.
+        found = self.all_gather_object(self._plain_grads_that_differ_over_tp())
+        differ = sorted({name for names in found for name in names})
+        if differ:
+            raise MisuseError(
+                f"Parameter(s) {differ[:5]} left plain by parallelize_fn get different gradients on the "
+                "tensor-parallel ranks of a stage (a norm under sequence parallelism sees a slice of the "
+                "sequence). PipelineStrategy averages plain gradients over the data-parallel ranks only, which "
+                "would train them wrong. Make them DTensors in parallelize_fn (e.g. SequenceParallel() for the "
+                "norm, which reduces its gradient), or keep them outside the tensor-parallel region."
+            )
+
+    def _plain_grads_that_differ_over_tp(self) -> list[str]:
+        return _grads.differing(
+            self._named_plain, self.device_mesh[TENSOR_PARALLEL].get_group(), self.root_device
+        )
+
+    def _average_plain_grads(self) -> None:
+        """Gradients of the parameters `parallelize_fn` left plain, averaged over the data-parallel ranks (units
+        of `fully_shard` reduce their own)."""
+        if self.data_parallel_size > 1:
+            group = self.device_mesh[DATA_PARALLEL].get_group()
+            _grads.average(self._plain, group, self.data_parallel_size)
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
+        raise MisuseError(
+            "Under pipeline parallelism the forward and backward run together through the schedule: call "
+            "loss = loom.forward_backward(model, inputs, target, loss_fn) instead of model(...) and loom.backward."
+        )
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+        if not enabled:
+            yield
+            return
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
+        total = _grads.total_norm(optimizer, float(norm_type), self.root_device, pp_group)
+        if not torch.isfinite(total) and error_if_nonfinite:
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
+                "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in _grads.local_grads(optimizer):
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
+        with torch.no_grad():
+            for g in _grads.local_grads(optimizer):
+                g.clamp_(min=-clip_val, max=clip_val)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not full:
+            return get_model_state_dict(module)
+        own = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        return _state.merge_modules(self._gather_pieces({k: _state.to_cpu(v) for k, v in own.items()}) or [])
+
+    def load_module_state_dict(
+        self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
+    ) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if not full:
+            return set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
+        own = {k for k in module.state_dict()}
+        missing = sorted(own - set(state))
+        if strict and missing:
+            raise MisuseError(f"The checkpoint lacks this stage's keys {missing[:5]}.")
+        mine = {k: v for k, v in state.items() if k in own}
+        return set_model_state_dict(
+            module, mine, options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+
+    def optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, full: bool = True, template: bool = False
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if not full:
+            state = super().optimizer_state_dict(module, optimizer, full=False, template=template)
+            # DCP stores the param groups as one object that every rank writes under the same key (and keeps
+            # one rank's): each rank's must be the whole model's, not its stage's.
+            pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
+            stages: list[Any] = [None] * self.pipeline_parallel_size
+            dist.all_gather_object(stages, state["param_groups"], group=pp_group)
+            state["param_groups"] = _state.merge_optimizers({"state": {}, "param_groups": g} for g in stages)[
+                "param_groups"
+            ]
+            return state
+        had_state = bool(optimizer.state)
+        own: Any = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+        if not had_state:
+            optimizer.state.clear()
+            own["state"] = {}
+        pieces = self._gather_pieces(_state.optimizer_to_cpu(own))
+        return _state.merge_optimizers(pieces) if pieces is not None else {}
+
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
+    ) -> None:
+        # Saved for the whole model (both formats): this stage's part.
+        state = _state.optimizer_of_stage(state, {n for n, _ in module.named_parameters()})
+        super().load_optimizer_state_dict(module, optimizer, state, full=full)
+
+    def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=full, **kwargs)
+
+    def _gather_pieces(self, own: Any) -> list[Any] | None:
+        """Every stage's piece on global rank 0 (None elsewhere): one rank of each stage sends."""
+        mesh = self.device_mesh
+        first_of_stage = (
+            mesh[DATA_PARALLEL].get_local_rank() == 0 and mesh[TENSOR_PARALLEL].get_local_rank() == 0
+        )
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(
+            own if first_of_stage else None, gathered if self.global_rank == 0 else None, dst=0
+        )
+        if self.global_rank != 0:
+            return None
+        return [g for g in gathered if g is not None]
+
+
+def _along_pp(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of this rank's pipeline, by pipeline rank."""
+    return [int(r) for r in mesh[PIPELINE_PARALLEL].mesh.tolist()]
+
+
+def _refuse_forward(module: nn.Module, args: Any) -> None:
+    raise MisuseError(
+        "Under pipeline parallelism each rank holds only its stages, so the model cannot be called: run a batch "
+        "with loss = loom.forward_backward(model, inputs, target, loss_fn), which works without pipeline "
+        "parallelism too."
+    )
