@@ -177,7 +177,11 @@ class ShardedStrategy(ParallelStrategy):
         return False
 
     def _mesh_shape(self) -> tuple[int, ...]:
-        return mesh_rules.mesh_shape(self._mesh_option, self._hybrid, self.num_nodes, self.world_size)
+        # A given `device_mesh=` fixes the shape by itself: the world is read only when it does not, so the shape
+        # of a strategy not yet part of a Loom (no processes) can still be asked (`record.mesh_of`).
+        if self._mesh_option is not None:
+            return mesh_rules.mesh_shape(self._mesh_option, self._hybrid, num_nodes=1, world_size=1)
+        return mesh_rules.mesh_shape(None, self._hybrid, self.num_nodes, self.world_size)
 
     def _check_mesh(self) -> None:
         mesh_rules.check_mesh(
