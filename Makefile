@@ -36,9 +36,12 @@ test: $(VENV)/.installed-test
 # Real Fabric programs run unchanged through torchloom's Fabric switch (tests/clients, marked `clients`): litgpt
 # 0.5.13's pretrain and LoRA on a tiny model, one process against Lightning Fabric bit for bit, two processes
 # under fsdp and fsdp2. Heavy (litgpt and its dependencies; about 9 minutes on 2 idle cores, 19 on a loaded
-# machine), so not in `make test`.
-clients: $(VENV)/.installed-test,clients
-	$(PY) -m pytest -q -n 0 -m clients tests/clients
+# machine), so not in `make test`. They get an environment of their own (CLIENTS_VENV), so litgpt's pins
+# (huggingface-hub, jsonargparse, psutil) never change the packages `make test` runs with.
+CLIENTS_VENV ?= .venv-clients
+clients:
+	$(MAKE) VENV=$(CLIENTS_VENV) $(CLIENTS_VENV)/.installed-test,clients
+	$(CLIENTS_VENV)/bin/python -m pytest -q -n 0 -m clients tests/clients
 
 # The scenario engine's long run (tests/scenarios): a seeded random sample of user choices (strategy, layout,
 # world size, optimizer, precision, accumulation, clipping, loop, checkpoint and resume), each judged against
