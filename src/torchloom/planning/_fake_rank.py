@@ -65,6 +65,25 @@ def _skip_aliasing_swaps() -> Any:
     return original
 
 
+def _fake_new_groups() -> Any:
+    """Every group the script or a strategy makes (gloo for leftovers, checkpoints) is a fake one too: a real one
+    would wait for peers that do not exist."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 2:
+            args = (*args[:2], "fake", *args[3:])
+        else:
+            kwargs["backend"] = "fake"
+        return original(*args, **kwargs)
+
+    dist.new_group = distributed_c10d.new_group = new_group
+    return original
+
+
 def _completed_allreduce(state: object, bucket: Any) -> Any:
     """DDP's gradient all-reduce on the fake group: in place, as gloo's and NCCL's are, so the bucket itself."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -103,6 +122,12 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     _world_environment(rank, world_size, per_node)
     publish(config["options"])
     _torch_compat.init_fake_process_group(rank, world_size)
+    _fake_new_groups()
+    from torchloom.strategies import _tp_leftovers
+
+    # torchloom's check that a replicated leftover's gradient agrees across tensor-parallel ranks compares
+    # values, which fake tensors do not have (and it allocates nothing that stays).
+    _tp_leftovers.TensorParallelLeftovers._verify = lambda self: None  # type: ignore[method-assign]
     from torchloom.strategies import parallel
 
     # The group exists already, so the strategy only agrees on a store namespace, which needs the other ranks.
