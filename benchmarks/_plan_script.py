@@ -51,7 +51,9 @@ def _parallelize(model: nn.Module, mesh: object) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in model.blocks:
-        parallelize_module(block, mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        parallelize_module(
+            block, mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
         fully_shard(block, mesh=mesh["data_parallel"])
     return model
 

@@ -98,23 +98,35 @@ _completed_allreduce.__annotations__ = {
 }
 
 
-def _patch_ddp(account: MemoryAccount) -> Any:
-    """Count what DDP's constructor makes (its gradient buckets) as communication buffers, and give it an
-    all-reduce the fake group can complete (its own hands DDP's reducer an empty result)."""
+def _patch_ddp(account: MemoryAccount) -> dict[str, Any]:
+    """Count what DDP's constructor and its pre-forward make (its gradient buckets, rebuilt before the second
+    forward) as communication buffers, and give it an all-reduce the fake group can complete (its own hands DDP's
+    reducer an empty result)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    original = DistributedDataParallel.__init__
+    originals = {
+        "__init__": DistributedDataParallel.__init__,
+        "_pre_forward": DistributedDataParallel._pre_forward,
+    }
 
     def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         account.context = "communication buffers"
         try:
-            original(self, *args, **kwargs)
+            originals["__init__"](self, *args, **kwargs)
         finally:
             account.context = None
         self.register_comm_hook(None, _completed_allreduce)
 
+    def _pre_forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+        account.context = "communication buffers"
+        try:
+            return originals["_pre_forward"](self, *args, **kwargs)
+        finally:
+            account.context = None
+
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
-    return original
+    DistributedDataParallel._pre_forward = _pre_forward  # type: ignore[method-assign]
+    return originals
 
 
 def simulate(config: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +179,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
     fake = _torch_compat.fake_tensor_mode()
     original_swap = _skip_aliasing_swaps()
-    original_ddp_init = _patch_ddp(account)
+    ddp_originals = _patch_ddp(account)
     try:
         with fake, account:
             runpy.run_path(config["script"], run_name="__main__")
@@ -189,7 +201,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         torch.utils.swap_tensors = original_swap
         from torch.nn.parallel import DistributedDataParallel
 
-        DistributedDataParallel.__init__ = original_ddp_init  # type: ignore[method-assign]
+        for name, original in ddp_originals.items():
+            setattr(DistributedDataParallel, name, original)
     result.update(
         steps=account.step,
         peak_bytes=account.peak.bytes,

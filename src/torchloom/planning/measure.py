@@ -73,7 +73,9 @@ class _LiveBytes(TorchDispatchMode):
         found: list[torch.UntypedStorage] = []
         for value in tree_flatten(out)[0]:
             _storages(value, found)
-        if func._overloadpacket.__name__.endswith("_"):  # in place: a resize_ or set_ may have grown a storage
+        if func._overloadpacket.__name__.endswith(
+            "_"
+        ):  # in place: a resize_ or set_ may have grown a storage
             for value in tree_flatten((args, kwargs))[0]:
                 _storages(value, found)
         for storage in found:
@@ -99,7 +101,7 @@ class _LiveBytes(TorchDispatchMode):
                 tracker._add(storage)
             return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         self.__enter__()
 
     def stop(self) -> None:
@@ -192,7 +194,10 @@ class MemorySummary:
         head = f"{'rank':>5}  {'measured peak':>14}"
         head += f"  {'reserved':>12}" if self.device == "cuda" else ""
         head += f"  {'planned':>12}  {'planned/measured':>16}" if predicted else ""
-        lines = [f"memory ({'CUDA max_memory_allocated' if self.device == 'cuda' else 'live tensor bytes'})", head]
+        lines = [
+            f"memory ({'CUDA max_memory_allocated' if self.device == 'cuda' else 'live tensor bytes'})",
+            head,
+        ]
         for rank, row in enumerate(self.ranks):
             line = f"{rank:>5}  {_gib(row['peak_bytes']):>14}"
             line += f"  {_gib(row['reserved_bytes']):>12}" if self.device == "cuda" else ""
@@ -208,9 +213,11 @@ def _predicted(plan: str | dict[str, Any], world_size: int) -> list[int | None]:
         import json
 
         with open(plan) as f:
-            plan = json.load(f)
+            loaded: dict[str, Any] = json.load(f)
+    else:
+        loaded = plan
     by_rank: dict[int, int] = {}
-    for entry in plan["ranks"]:
+    for entry in loaded["ranks"]:
         for rank in entry["ranks"]:
             by_rank[int(rank)] = int(entry["peak_bytes"])
     return [by_rank.get(rank) for rank in range(world_size)]
@@ -230,7 +237,7 @@ def memory_summary(loom: Any, plan: str | dict[str, Any] | None = None) -> Memor
     gathered = loom.all_gather(values).reshape(-1, 2).tolist()
     ranks = [{"peak_bytes": int(peak), "reserved_bytes": int(reserved)} for peak, reserved in gathered]
     if plan is not None:
-        for row, predicted in zip(ranks, _predicted(plan, len(ranks))):
+        for row, predicted in zip(ranks, _predicted(plan, len(ranks)), strict=True):
             if predicted is not None:
                 row["predicted_bytes"] = predicted
     return MemorySummary(tracking.device.type, ranks)

@@ -59,7 +59,13 @@ def simulated_ranks(world_size: int) -> list[tuple[int, list[int]]]:
 def _clean_module(name: str) -> str:
     """A module name without the wrappers' own levels (`LoomModule._forward_module.module.layers.3` ->
     `layers.3`)."""
-    wrappers = {"_forward_module", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+    wrappers = {
+        "_forward_module",
+        "module",
+        "_fsdp_wrapped_module",
+        "_checkpoint_wrapped_module",
+        "_orig_mod",
+    }
     parts = [part for part in name.split(".")[1:] if part not in wrappers]
     return ".".join(parts) if parts else name.split(".")[0]
 
@@ -94,7 +100,7 @@ def plan(
     with tempfile.TemporaryDirectory(prefix="torchloom-plan-") as folder:
         children = []
         for rank, stands_for in simulated_ranks(world_size):
-            config = {
+            config: dict[str, Any] = {
                 "rank": rank,
                 "world_size": world_size,
                 "devices": devices,
@@ -143,8 +149,7 @@ def plan(
         "budget_bytes": budget,
         "ranks": entries,
     }
-    problems = [_problem(entry, steps) for entry in entries]
-    problems = [p for p in problems if p]
+    problems = [problem for entry in entries if (problem := _problem(entry, steps))]
     if problems:
         raise PlanError("\n".join(problems), result_plan)
     return result_plan
@@ -182,18 +187,38 @@ def format_plan(result: dict[str, Any]) -> str:
     budget = result.get("budget_bytes")
     for entry in result["ranks"]:
         ranks = entry["ranks"]
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
-        where = entry["phase"] if entry["phase"] in ("setup", "between steps") else (
-            f"step {entry['step']}, {entry['phase']}" + (f" of {entry['module']}" if entry["module"] else "")
+        who = (
+            f"rank {ranks[0]}"
+            if len(ranks) == 1
+            else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
+        )
+        where = (
+            entry["phase"]
+            if entry["phase"] in ("setup", "between steps")
+            else (
+                f"step {entry['step']}, {entry['phase']}"
+                + (f" of {entry['module']}" if entry["module"] else "")
+            )
         )
         fits = ""
         if budget:
-            fits = "  fits" if entry["peak_bytes"] <= budget else f"  OVER the budget by {human(entry['peak_bytes'] - budget)}"
+            fits = (
+                "  fits"
+                if entry["peak_bytes"] <= budget
+                else f"  OVER the budget by {human(entry['peak_bytes'] - budget)}"
+            )
         lines.append(f"{who}: peak {human(entry['peak_bytes'])} at {where}{fits}")
-        parts = [f"{kind} {human(entry['breakdown'][kind])}" for kind in KINDS if entry["breakdown"].get(kind)]
+        parts = [
+            f"{kind} {human(entry['breakdown'][kind])}" for kind in KINDS if entry["breakdown"].get(kind)
+        ]
         lines.append("    " + ", ".join(parts))
     if budget:
-        lines.append(f"budget {human(budget)} per rank: " + (
-            "every rank fits" if result["peak_bytes"] <= budget else f"the largest peak is {human(result['peak_bytes'])}"
-        ))
+        lines.append(
+            f"budget {human(budget)} per rank: "
+            + (
+                "every rank fits"
+                if result["peak_bytes"] <= budget
+                else f"the largest peak is {human(result['peak_bytes'])}"
+            )
+        )
     return "\n".join(lines)

@@ -32,7 +32,13 @@ KINDS = (
     "other",
 )
 
-_GATHER_OPS = {"all_gather_copy_in", "all_gather_into_tensor", "_allgather_base_", "allgather_", "split_with_sizes_copy"}
+_GATHER_OPS = {
+    "all_gather_copy_in",
+    "all_gather_into_tensor",
+    "_allgather_base_",
+    "allgather_",
+    "split_with_sizes_copy",
+}
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "fsdp"}
 _INTEGER_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
@@ -98,7 +104,9 @@ class MemoryAccount(TorchDispatchMode):
             return self.context
         phase = self._phase_now()
         if phase == "optimizer step":
-            return "temporaries"  # the optimizer's state is recognised by `note_state` (made in its first step)
+            return (
+                "temporaries"  # the optimizer's state is recognised by `note_state` (made in its first step)
+            )
         if phase == "forward":
             return "activations"
         if phase == "backward":
@@ -169,7 +177,9 @@ class MemoryAccount(TorchDispatchMode):
         for value in tree_flatten((args, kwargs))[0]:
             _flat_tensors(value, inputs)
         if self.fake and inputs and not any(_torch_compat.is_fake(t) for t in inputs):
-            with _torch_compat.unset_fake_temporarily():  # real inputs only (a sampler's indices): run for real
+            with (
+                _torch_compat.unset_fake_temporarily()
+            ):  # real inputs only (a sampler's indices): run for real
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
@@ -204,7 +214,7 @@ class MemoryAccount(TorchDispatchMode):
             account._add(storage, "gathered FSDP units")
             return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         self._modules.__enter__()
         super().__enter__()
         return self
