@@ -1,4 +1,5 @@
-"""The `torchloom` command line: `run` a script on many ranks, `inspect` and `consolidate` checkpoints."""
+"""The `torchloom` command line: `run` a script on many ranks, `plan` its memory before launch, `inspect` and
+`consolidate` checkpoints."""
 
 from __future__ import annotations
 

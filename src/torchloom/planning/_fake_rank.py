@@ -189,10 +189,13 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         if exit_.code not in (None, 0):
             result["error"] = f"the script exited with status {exit_.code} before {config['steps']} steps"
     except BaseException as error:  # noqa: BLE001  (reported with what was planned until then)
+        result["fake_tensor_error"] = type(error).__module__.startswith("torch._subclasses") or (
+            "fake" in str(error).lower()
+        )
         result["error"] = (
             f"{type(error).__name__} in operation {account.last_op or '(none)'}: {error}".strip()
             + "\n"
-            + "".join(traceback.format_exception(error))
+            + "".join(traceback.format_exception(error)[-8:])
         )
     finally:
         for hook in hooks:

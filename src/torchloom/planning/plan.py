@@ -159,10 +159,15 @@ def _problem(entry: dict[str, Any], steps: int) -> str | None:
     rank = entry["rank"]
     if entry["error"]:
         first = entry["error"].splitlines()[0]
+        why = (
+            "The operation it names cannot run on fake tensors (they have no values: a result whose shape "
+            "depends on the values, or a kernel without a fake implementation)"
+            if entry.get("fake_tensor_error")
+            else "The script raised this error during the run on fake tensors"
+        )
         return (
             f"rank {rank}: the run on fake tensors stopped after {entry['steps']} of {steps} training steps: "
-            f"{first}\nThe operation it names cannot run on fake tensors (no memory behind them); the plan "
-            f"below covers what ran before it. Details:\n{entry['error']}"
+            f"{first}\n{why}; the plan below covers what ran before it. Details:\n{entry['error']}"
         )
     if entry["steps"] == 0:
         return (
