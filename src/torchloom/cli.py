@@ -118,6 +118,9 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--steps", type=int, default=2, help="training steps to simulate (default 2)")
     plan.add_argument("--budget", default=None, help="memory per device, e.g. 80GiB: say which ranks fit")
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON to FILE")
+    plan.add_argument(
+        "--plot", default=None, metavar="FILE", help="draw each rank's memory over the steps: an HTML page"
+    )
     plan.add_argument("script", help="the training script")
     plan.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -148,6 +151,10 @@ def _plan(args: argparse.Namespace) -> int:
         print(format_plan(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot and "script" in result:
+        from torchloom.planning.plot import plot_html
+
+        Path(args.plot).write_text(plot_html(result))
     if status == 0 and budget is not None and result["peak_bytes"] > budget:
         return 1
     return status

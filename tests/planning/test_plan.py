@@ -23,13 +23,14 @@ def _measured(tmp_path, args):
 
 
 def _planned(tmp_path, args, devices="2"):
-    out = tmp_path / "plan.json"
-    result, _ = run_job(
-        [PYTHON, "-m", "torchloom", "plan", "--devices", devices, "--json", str(out), str(SCRIPT), *args],
-        timeout=300,
-    )
+    out, page = tmp_path / "plan.json", tmp_path / "plan.html"
+    command = ["plan", "--devices", devices, "--json", str(out), "--plot", str(page), str(SCRIPT), *args]
+    result, _ = run_job([PYTHON, "-m", "torchloom", *command], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
-    return json.loads(out.read_text()), result.stdout
+    plan = json.loads(out.read_text())
+    # --plot: one chart per simulated rank, the kinds stacked, the peak marked.
+    assert page.read_text().count("<svg") == len(plan["ranks"]) and "<polygon" in page.read_text()
+    return plan, result.stdout
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,10 @@ class MemoryAccount(TorchDispatchMode):
         self.known: dict[int, str] = {}  # serial -> parameters, gradients or optimizer state
         self.context: str | None = None  # a label for everything made now (DDP's constructor: its buckets)
         self.last_op = ""
-        self.timeline: list[tuple[int, int, str]] = []  # (total bytes, step, phase) at every local high
+        # (total bytes, step, phase, bytes by kind) at every local high: what `--plot` draws
+        self.timeline: list[tuple[int, int, str, dict[str, int]]] = []
+        self.by_label: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._up = False  # memory rose since it last fell
         self._serial = 0
         self._rising = False
         self._modules = _torch_compat.module_tracker()
@@ -120,13 +123,20 @@ class MemoryAccount(TorchDispatchMode):
             serial, before, old_label = self.live[key]
             if nbytes == before:
                 return
+            if nbytes < before:
+                self._sample()
+            new_label = label if nbytes > before else old_label
+            self.by_label[old_label] -= before
+            self.by_label[new_label] += nbytes
             self.current += nbytes - before
-            self.live[key] = (serial, nbytes, label if nbytes > before else old_label)
+            self.live[key] = (serial, nbytes, new_label)
         else:
             self._serial += 1
             self.live[key] = (self._serial, nbytes, label)
             self.current += nbytes
+            self.by_label[label] += nbytes
             weakref.finalize(storage, self._free, key, self._serial)
+        self._up = self._up or nbytes > 0
         if self.current > self.peak.bytes:
             self._rising = True
             self.peak.bytes = self.current
@@ -136,8 +146,19 @@ class MemoryAccount(TorchDispatchMode):
         if entry is None or entry[0] != serial:
             return
         self._settle()
+        self._sample()
         del self.live[key]
         self.current -= entry[1]
+        self.by_label[entry[2]] -= entry[1]
+
+    def _sample(self) -> None:
+        """Memory is about to fall: keep this local high for the picture of the step."""
+        if not self._up:
+            return
+        self._up = False
+        self.timeline.append(
+            (self.current, self.step, self._phase_now(), {k: v for k, v in self.by_label.items() if v})
+        )
 
     def _settle(self) -> None:
         """Memory is about to fall after rising to a new peak: keep what the peak held."""
@@ -151,7 +172,6 @@ class MemoryAccount(TorchDispatchMode):
             self.step,
             {serial: (nbytes, label) for serial, nbytes, label in self.live.values()},
         )
-        self.timeline.append((self.current, self.step, self.peak.phase))
 
     def _phase_now(self) -> str:
         if self.in_optimizer_step:
@@ -252,6 +272,12 @@ class MemoryAccount(TorchDispatchMode):
                         self.known[serial] = "gradients"
                 for serial in self.serial_of(param):
                     self.known[serial] = "parameters"
+        for key, (serial, nbytes, label) in list(self.live.items()):  # live memory from now on under its kind
+            kind = self.known.get(serial, label)
+            if kind != label:
+                self.live[key] = (serial, nbytes, kind)
+                self.by_label[label] -= nbytes
+                self.by_label[kind] += nbytes
 
     def breakdown(self) -> dict[str, int]:
         """The peak's bytes by kind."""
