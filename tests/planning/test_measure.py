@@ -36,6 +36,9 @@ def test_summary_needs_tracking():
     with track_memory("cpu"):
         x = torch.empty(1000)
         summary = loom.memory_summary()
+        beside = loom.memory_summary(plan={"ranks": [{"ranks": [0], "peak_bytes": 8000}]})
     del x
     assert len(summary.ranks) == 1 and summary.ranks[0]["peak_bytes"] >= 4000
     assert "measured peak" in str(summary)
+    # A plan's prediction (a `torchloom plan --json` dict or file) beside the measurement.
+    assert beside.ranks[0]["predicted_bytes"] == 8000 and "planned/measured" in str(beside)
