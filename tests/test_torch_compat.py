@@ -362,3 +362,16 @@ def test_clear_dtensor_caches(monkeypatch):
     monkeypatch.delattr(debug, "_clear_sharding_prop_cache")
     with pytest.raises(TorchAPIMissing, match="_clear_sharding_prop_cache"):
         _torch_compat.clear_dtensor_caches()
+
+
+def test_planning_apis():
+    # The planner's private APIs (the fake process group is exercised by tests/planning/test_plan.py).
+    with _torch_compat.fake_tensor_mode():
+        fake = torch.empty(4)
+        with _torch_compat.unset_fake_temporarily():
+            real = torch.empty(4)
+    assert _torch_compat.is_fake(fake) and not _torch_compat.is_fake(real)
+    tracker = _torch_compat.module_tracker()
+    with tracker:
+        assert "Global" in tracker.parents
+    assert callable(_torch_compat.storage_resize())

@@ -401,3 +401,69 @@ def compiled_parts(module: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     if original is None or not callable(context):
         raise _missing("OptimizedModule._orig_mod and OptimizedModule.dynamo_ctx")
     return original, context
+
+
+# ---- memory planning: fake tensors, the fake process group, the module tracker -------------------------------
+def fake_tensor_mode() -> Any:
+    """`torch._subclasses.fake_tensor.FakeTensorMode`, taking real tensors in (converted to fake ones): tensors
+    with shapes, dtypes and devices but no memory, so a training step runs without computing anything."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:
+        raise _missing("torch._subclasses.fake_tensor.FakeTensorMode") from None
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def unset_fake_temporarily() -> Any:
+    """A context in which the active FakeTensorMode is off (`torch._subclasses.fake_tensor.unset_fake_temporarily`):
+    the planner runs the data pipeline's small integer operations (samplers, seeds) for real there."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily as unset
+    except ImportError:
+        raise _missing("torch._subclasses.fake_tensor.unset_fake_temporarily") from None
+    return unset()
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether `tensor` is one of FakeTensorMode's tensors."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        raise _missing("torch._subclasses.fake_tensor.FakeTensor") from None
+    return isinstance(tensor, FakeTensor)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Make the default process group torch's fake one (`torch.testing._internal.distributed.fake_pg`): every
+    collective returns at once without communicating, so one process plays one rank of a world of any size."""
+    import torch.distributed as dist
+
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    except ImportError:
+        raise _missing("torch.testing._internal.distributed.fake_pg") from None
+    if not hasattr(dist.Backend, "FAKE"):
+        raise _missing("torch.distributed.Backend.FAKE")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+
+
+def module_tracker() -> Any:
+    """`torch.distributed._tools.mod_tracker.ModTracker()`: which modules' forward or backward runs now
+    (`parents`, `is_bw`); the planner names the module where memory peaks with it."""
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+    except ImportError:
+        raise _missing("torch.distributed._tools.mod_tracker.ModTracker") from None
+    tracker = ModTracker()
+    if not hasattr(tracker, "parents") or not hasattr(type(tracker), "is_bw"):
+        raise _missing("ModTracker.parents and ModTracker.is_bw")
+    return tracker
+
+
+def storage_resize() -> Callable[..., Any]:
+    """`torch.UntypedStorage.resize_` as torch defines it: FSDP frees and re-allocates gathered parameters by
+    resizing their storages, which no dispatched operation shows, so memory trackers wrap this method."""
+    resize = getattr(torch.UntypedStorage, "resize_", None)
+    if resize is None:
+        raise _missing("torch.UntypedStorage.resize_")
+    return resize

@@ -1,4 +1,5 @@
-"""The `torchloom` command line: `run` a script on many ranks, `inspect` and `consolidate` checkpoints."""
+"""The `torchloom` command line: `run` a script on many ranks, `plan` its memory before launch, `inspect` and
+`consolidate` checkpoints."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torchloom
 from torchloom.errors import ConfigurationError, TorchloomError
@@ -64,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
+    _add_plan_parser(sub)
+
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds (format, tensors, sizes, entries)")
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
     inspect.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -110,6 +114,63 @@ def _parser() -> argparse.ArgumentParser:
         "consolidated as it is)",
     )
     return parser
+
+
+def _add_plan_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="predict each rank's peak memory before launch (SCRIPT's first steps on fake tensors)",
+        description="Run SCRIPT, unchanged, for its first training steps on fake tensors (no memory, no compute) "
+        "and a fake process group standing for the whole world, and report each rank's predicted peak memory, "
+        "when it happens and what it holds. The options go before SCRIPT; everything after it goes to the script.",
+    )
+    plan.add_argument("--devices", type=int, default=1, help="processes (devices) per node")
+    plan.add_argument("--num-nodes", "--num_nodes", type=int, default=1, help="number of machines")
+    plan.add_argument("--strategy", default=None, help="as for `torchloom run`")
+    plan.add_argument("--precision", default=None, help="as for `torchloom run`")
+    plan.add_argument("--steps", type=int, default=2, help="training steps to simulate (default 2)")
+    plan.add_argument("--budget", default=None, help="memory per device, e.g. 80GiB: say which ranks fit")
+    plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON to FILE")
+    plan.add_argument(
+        "--plot", default=None, metavar="FILE", help="draw each rank's memory over the steps: an HTML page"
+    )
+    plan.add_argument("script", help="the training script")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from torchloom.planning.plan import PlanError, format_plan, parse_bytes, plan
+
+    budget = parse_bytes(args.budget) if args.budget else None
+    status = 0
+    try:
+        result = plan(
+            args.script,
+            args.script_args,
+            devices=args.devices,
+            num_nodes=args.num_nodes,
+            steps=args.steps,
+            strategy=args.strategy,
+            precision=args.precision,
+            budget=budget,
+        )
+    except PlanError as error:
+        print(f"torchloom: error: {error}", file=sys.stderr)
+        if not error.plan.get("ranks"):
+            return 2
+        result, status = error.plan, 2
+        print("what was planned until then:", file=sys.stderr)
+    if "script" in result:
+        print(format_plan(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot and "script" in result:
+        from torchloom.planning.plot import plot_html
+
+        Path(args.plot).write_text(plot_html(result))
+    if status == 0 and budget is not None and result["peak_bytes"] > budget:
+        return 1
+    return status
 
 
 def _add_elastic_options(run: argparse.ArgumentParser) -> None:
@@ -270,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
 
             args.after_script = check_run_option_places(places, args.script)
             return run(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 

@@ -481,6 +481,13 @@ class Loom:
         with _record("broadcast", detail=f"src={src}"):
             return self._strategy.broadcast(obj, src)
 
+    def memory_summary(self, plan: str | dict[str, Any] | None = None) -> Any:
+        """Each rank's measured peak memory (started by `torchloom.planning.track_memory()`), beside the
+        prediction of `plan` (a `torchloom plan --json` file or its dict) if given. Every rank must call it."""
+        from torchloom.planning.measure import memory_summary
+
+        return memory_summary(self, plan)
+
     def barrier(self, name: str | None = None) -> None:
         """Wait until every rank reaches this point."""
         self._require_launch("barrier")

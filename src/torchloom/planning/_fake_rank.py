@@ -1,0 +1,237 @@
+"""One simulated rank of a plan: the user's script on fake tensors and torch's fake process group, stopped after
+its first training steps; what the memory account saw is written as JSON.
+
+Run as `python -m torchloom.planning._fake_rank CONFIG.json` by `torchloom.planning.plan`, one fresh process per
+simulated rank (a script's global state, its process group and imports, must not leak from one rank to the next).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from torchloom import _torch_compat
+from torchloom._run_protocol import publish
+from torchloom.planning.tracker import MemoryAccount
+
+
+class _PlanDone(BaseException):
+    """The planned steps ran: stop the script (a BaseException, so that the script's `except Exception` lets it
+    through)."""
+
+
+def _world_environment(rank: int, world_size: int, per_node: int) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(rank // per_node),
+            "GROUP_WORLD_SIZE": str(world_size // per_node),
+            "TORCHELASTIC_RUN_ID": "torchloom-plan",
+        }
+    )
+    # No store to reach: the fake group needs no rendezvous, and the desync report then stays off.
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+
+
+def _skip_aliasing_swaps() -> Any:
+    """`module.to(device)` on a fake parameter already there swaps the parameter with an alias of itself, which
+    torch refuses ("Couldn't swap"); a swap of two views of the same fake memory changes nothing, so skip it."""
+    original = torch.utils.swap_tensors
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if (
+            _torch_compat.is_fake(t1)
+            and _torch_compat.is_fake(t2)
+            and t1.untyped_storage()._cdata == t2.untyped_storage()._cdata
+            and (t1.shape, t1.stride(), t1.storage_offset(), t1.dtype)
+            == (t2.shape, t2.stride(), t2.storage_offset(), t2.dtype)
+        ):
+            return
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    return original
+
+
+def _fake_new_groups() -> Any:
+    """Every group the script or a strategy makes (gloo for leftovers, checkpoints) is a fake one too: a real one
+    would wait for peers that do not exist."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 2:
+            args = (*args[:2], "fake", *args[3:])
+        else:
+            kwargs["backend"] = "fake"
+        return original(*args, **kwargs)
+
+    dist.new_group = distributed_c10d.new_group = new_group
+    return original
+
+
+def _completed_allreduce(state: object, bucket: Any) -> Any:
+    """DDP's gradient all-reduce on the fake group: in place, as gloo's and NCCL's are, so the bucket itself."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+# DDP checks the hook's annotations as objects (this module's are strings).
+_completed_allreduce.__annotations__ = {
+    "bucket": torch.distributed.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _patch_ddp(account: MemoryAccount) -> dict[str, Any]:
+    """Count what DDP's constructor and its pre-forward make (its gradient buckets, rebuilt before the second
+    forward) as communication buffers, and give it an all-reduce the fake group can complete (its own hands DDP's
+    reducer an empty result)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    originals = {
+        "__init__": DistributedDataParallel.__init__,
+        "_pre_forward": DistributedDataParallel._pre_forward,
+    }
+
+    def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        account.context = "communication buffers"
+        try:
+            originals["__init__"](self, *args, **kwargs)
+        finally:
+            account.context = None
+        self.register_comm_hook(None, _completed_allreduce)
+
+    def _pre_forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+        account.context = "communication buffers"
+        try:
+            return originals["_pre_forward"](self, *args, **kwargs)
+        finally:
+            account.context = None
+
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+    DistributedDataParallel._pre_forward = _pre_forward  # type: ignore[method-assign]
+    return originals
+
+
+def simulate(config: dict[str, Any]) -> dict[str, Any]:
+    rank, world_size, per_node = config["rank"], config["world_size"], config["devices"]
+    _world_environment(rank, world_size, per_node)
+    publish(config["options"])
+    _torch_compat.init_fake_process_group(rank, world_size)
+    _fake_new_groups()
+    from torchloom.strategies import _tp_leftovers
+
+    # torchloom's check that a replicated leftover's gradient agrees across tensor-parallel ranks compares
+    # values, which fake tensors do not have (and it allocates nothing that stays).
+    _tp_leftovers.TensorParallelLeftovers._verify = lambda self: None  # type: ignore[method-assign]
+    from torchloom.strategies import parallel
+
+    # The group exists already, so the strategy only agrees on a store namespace, which needs the other ranks.
+    parallel._NAMESPACE = "torchloom/plan"
+
+    from torchloom.planning import measure
+
+    measure._PLANNING = True
+    account = MemoryAccount(fake=True)
+    optimizers: list[Any] = []
+    modules: dict[int, torch.nn.Module] = {}
+
+    def before_step(optimizer: Any, *_: Any) -> None:
+        if all(optimizer is not seen for seen in optimizers):
+            optimizers.append(optimizer)
+        account.note(list(modules.values()), optimizers)
+        account.in_optimizer_step = True
+
+    def after_step(optimizer: Any, *_: Any) -> None:
+        account.in_optimizer_step = False
+        account.note(list(modules.values()), optimizers)
+        account.step += 1
+        if account.step >= config["steps"]:
+            raise _PlanDone
+
+    def root_forward(module: torch.nn.Module, *_: Any) -> None:
+        if len(account._modules.parents) <= 1:  # a root module: its parameters are the model's
+            modules.setdefault(id(module), module)
+
+    hooks = [
+        register_optimizer_step_pre_hook(before_step),
+        register_optimizer_step_post_hook(after_step),
+        torch.nn.modules.module.register_module_forward_pre_hook(root_forward),
+    ]
+    result: dict[str, Any] = {"rank": rank, "error": None}
+    sys.argv = [config["script"], *config["script_args"]]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
+    fake = _torch_compat.fake_tensor_mode()
+    original_swap = _skip_aliasing_swaps()
+    ddp_originals = _patch_ddp(account)
+    try:
+        with fake, account:
+            runpy.run_path(config["script"], run_name="__main__")
+    except _PlanDone:
+        pass
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            result["error"] = f"the script exited with status {exit_.code} before {config['steps']} steps"
+    except BaseException as error:  # noqa: BLE001  (reported with what was planned until then)
+        result["fake_tensor_error"] = type(error).__module__.startswith("torch._subclasses") or (
+            "fake" in str(error).lower()
+        )
+        result["error"] = (
+            f"{type(error).__name__} in operation {account.last_op or '(none)'}: {error}".strip()
+            + "\n"
+            + "".join(traceback.format_exception(error)[-8:])
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
+        account.note(list(modules.values()), optimizers)
+        torch.utils.swap_tensors = original_swap
+        from torch.nn.parallel import DistributedDataParallel
+
+        for name, original in ddp_originals.items():
+            setattr(DistributedDataParallel, name, original)
+    result.update(
+        steps=account.step,
+        peak_bytes=account.peak.bytes,
+        phase=account.peak.phase,
+        module=account.peak.module,
+        step=account.peak.step + (1 if account.peak.phase != "setup" else 0),
+        breakdown=account.breakdown(),
+        timeline=account.timeline,
+    )
+    return result
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        config = json.load(f)
+    stdout = sys.stdout
+    if config.get("quiet", True):
+        sys.stdout = open(os.devnull, "w")  # the script's prints would be its fake values
+    try:
+        result = simulate(config)
+    finally:
+        sys.stdout = stdout
+    with open(config["out"], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""`torchloom plan`: each rank's peak memory before launch, from the user's unchanged script run for its first
+training steps on fake tensors and a fake process group standing for the whole world.
+
+One fresh process per simulated rank (`_fake_rank`): rank 0, which holds what only rank 0 holds, and the last
+rank, standing for all the others (ranks of data-parallel strategies differ only in their shard of the data and
+of the sharded state, which is the same size on every rank but for the remainders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import ConfigurationError, TorchloomError
+from torchloom.planning.tracker import KINDS
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20}
+_UNITS.update({"g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40})
+
+
+class PlanError(TorchloomError):
+    """The plan could not be completed; `plan` holds what was planned up to the failure."""
+
+    def __init__(self, message: str, plan: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80 GB', '512MiB', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigurationError(
+            f"--budget {text!r} is not a size: write a number and a unit, such as 80GiB, 40GB or 512MiB."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def human(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def simulated_ranks(world_size: int) -> list[tuple[int, list[int]]]:
+    """(the rank simulated, the ranks it stands for)."""
+    if world_size == 1:
+        return [(0, [0])]
+    return [(0, [0]), (world_size - 1, list(range(1, world_size)))]
+
+
+def _clean_module(name: str) -> str:
+    """A module name without the wrappers' own levels (`LoomModule._forward_module.module.layers.3` ->
+    `layers.3`)."""
+    wrappers = {
+        "_forward_module",
+        "module",
+        "_fsdp_wrapped_module",
+        "_checkpoint_wrapped_module",
+        "_orig_mod",
+    }
+    parts = [part for part in name.split(".")[1:] if part not in wrappers]
+    return ".".join(parts) if parts else name.split(".")[0]
+
+
+def plan(
+    script: str,
+    script_args: list[str] | None = None,
+    *,
+    devices: int = 1,
+    num_nodes: int = 1,
+    steps: int = 2,
+    strategy: str | None = None,
+    precision: str | None = None,
+    budget: int | None = None,
+    timeout: float = 1800.0,
+) -> dict[str, Any]:
+    """Plan `script` on `devices` ranks per node and `num_nodes` nodes; returns the plan as a dict (what
+    `--json` writes). Raises `PlanError` (with what was planned so far) when a simulated rank failed."""
+    if not Path(script).is_file():
+        raise ConfigurationError(f"The script {script!r} does not exist (looked in {os.getcwd()}).")
+    if devices < 1 or num_nodes < 1 or steps < 1:
+        raise ConfigurationError("--devices, --num-nodes and --steps must be at least 1.")
+    world_size = devices * num_nodes
+    options = {
+        "accelerator": "cpu",
+        "devices": str(devices),
+        "num_nodes": str(num_nodes),
+        "strategy": strategy,
+        "precision": precision,
+    }
+    entries: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="torchloom-plan-") as folder:
+        children = []
+        for rank, stands_for in simulated_ranks(world_size):
+            config: dict[str, Any] = {
+                "rank": rank,
+                "world_size": world_size,
+                "devices": devices,
+                "steps": steps,
+                "options": options,
+                "script": os.path.abspath(script),
+                "script_args": list(script_args or []),
+                "out": os.path.join(folder, f"rank{rank}.json"),
+            }
+            path = os.path.join(folder, f"config{rank}.json")
+            with open(path, "w") as f:
+                json.dump(config, f)
+            env = dict(os.environ)
+            env.setdefault("OMP_NUM_THREADS", "1")
+            child = subprocess.Popen(
+                [sys.executable, "-m", "torchloom.planning._fake_rank", path],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            children.append((rank, stands_for, config["out"], child))
+        for rank, stands_for, out, child in children:
+            _, stderr = child.communicate(timeout=timeout)
+            if not os.path.exists(out):
+                raise PlanError(
+                    f"the simulated rank {rank} ended (exit status {child.returncode}) without a plan:\n"
+                    + stderr[-3000:],
+                    {"ranks": entries},
+                )
+            with open(out) as f:
+                result = json.load(f)
+            result["ranks"] = stands_for
+            result["module"] = _clean_module(result["module"]) if result["module"] else ""
+            entries.append(result)
+    result_plan: dict[str, Any] = {
+        "script": script,
+        "script_args": list(script_args or []),
+        "world_size": world_size,
+        "devices": devices,
+        "num_nodes": num_nodes,
+        "steps": steps,
+        "strategy": strategy,
+        "precision": precision,
+        "peak_bytes": max(entry["peak_bytes"] for entry in entries),
+        "budget_bytes": budget,
+        "ranks": entries,
+    }
+    problems = [problem for entry in entries if (problem := _problem(entry, steps))]
+    if problems:
+        raise PlanError("\n".join(problems), result_plan)
+    return result_plan
+
+
+def _problem(entry: dict[str, Any], steps: int) -> str | None:
+    rank = entry["rank"]
+    if entry["error"]:
+        first = entry["error"].splitlines()[0]
+        why = (
+            "The operation it names cannot run on fake tensors (they have no values: a result whose shape "
+            "depends on the values, or a kernel without a fake implementation)"
+            if entry.get("fake_tensor_error")
+            else "The script raised this error during the run on fake tensors"
+        )
+        return (
+            f"rank {rank}: the run on fake tensors stopped after {entry['steps']} of {steps} training steps: "
+            f"{first}\n{why}; the plan below covers what ran before it. Details:\n{entry['error']}"
+        )
+    if entry["steps"] == 0:
+        return (
+            f"rank {rank}: the script ended without reaching a training step (no optimizer.step() ran), so "
+            "there is no step to plan. `torchloom plan` plans the first steps of a training loop: check that the "
+            "script trains with these arguments (a --steps 0, a dry-run flag or an empty data set stop it)."
+        )
+    if entry["steps"] < steps:
+        return (
+            f"rank {rank}: the script ended after {entry['steps']} training steps, fewer than the {steps} "
+            f"planned; the plan covers those (give --steps {entry['steps']} to plan only those)."
+        )
+    return None
+
+
+def format_plan(result: dict[str, Any]) -> str:
+    lines = [
+        f"torchloom plan: {result['script']} on {result['world_size']} ranks "
+        f"({result['devices']} per node, {result['num_nodes']} node{'s' if result['num_nodes'] > 1 else ''}), "
+        f"first {result['steps']} training steps on fake tensors",
+    ]
+    budget = result.get("budget_bytes")
+    for entry in result["ranks"]:
+        ranks = entry["ranks"]
+        who = (
+            f"rank {ranks[0]}"
+            if len(ranks) == 1
+            else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
+        )
+        where = (
+            entry["phase"]
+            if entry["phase"] in ("setup", "between steps")
+            else (
+                f"step {entry['step']}, {entry['phase']}"
+                + (f" of {entry['module']}" if entry["module"] else "")
+            )
+        )
+        fits = ""
+        if budget:
+            fits = (
+                "  fits"
+                if entry["peak_bytes"] <= budget
+                else f"  OVER the budget by {human(entry['peak_bytes'] - budget)}"
+            )
+        lines.append(f"{who}: peak {human(entry['peak_bytes'])} at {where}{fits}")
+        parts = [
+            f"{kind} {human(entry['breakdown'][kind])}" for kind in KINDS if entry["breakdown"].get(kind)
+        ]
+        lines.append("    " + ", ".join(parts))
+    if budget:
+        lines.append(
+            f"budget {human(budget)} per rank: "
+            + (
+                "every rank fits"
+                if result["peak_bytes"] <= budget
+                else f"the largest peak is {human(result['peak_bytes'])}"
+            )
+        )
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""The planner's memory account: every live tensor storage of a (fake) training run, labelled by what it holds,
+the peak, when it happened (phase, module, step) and its breakdown.
+
+Runs as a dispatch mode above FakeTensorMode: every operation's new storages are counted (views share one) until
+they die, FSDP's storage resizes (its gather and free of units) move the count, and each storage is labelled
+when it is made (an all-gather's output: a gathered unit; a collective's: a communication buffer; made in
+forward: an activation; in backward or the optimizer step: a temporary) and re-labelled at the end when it turns
+out to hold parameters, gradients or optimizer state. The labels at the peak are the breakdown.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from torchloom import _torch_compat
+
+#: The kinds of memory a plan reports, in this order.
+KINDS = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "gathered FSDP units",
+    "activations",
+    "temporaries",
+    "communication buffers",
+    "other",
+)
+
+_GATHER_OPS = {
+    "all_gather_copy_in",
+    "all_gather_into_tensor",
+    "_allgather_base_",
+    "allgather_",
+    "split_with_sizes_copy",
+}
+_COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "fsdp"}
+_INTEGER_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+
+
+def _flat_tensors(value: Any, into: list[torch.Tensor]) -> None:
+    if not isinstance(value, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(value) and not _torch_compat.is_fake(value):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            _flat_tensors(getattr(value, name), into)
+        return
+    into.append(value)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+@dataclass
+class Peak:
+    """The largest total, where it happened and what it held."""
+
+    bytes: int = 0
+    phase: str = "setup"
+    module: str = ""
+    step: int = 0
+    held: dict[int, tuple[int, str]] = field(default_factory=dict)  # serial -> (bytes, label when made)
+
+
+class MemoryAccount(TorchDispatchMode):
+    """Live storage bytes by kind, with the peak. `fake=True`: the run is on fake tensors; scalar reads of fake
+    values (`loss.item()`) answer 0 (True for booleans), and integer work without fake inputs (samplers, seeds)
+    runs for real so that data pipelines keep their order."""
+
+    def __init__(self, fake: bool = True) -> None:
+        super().__init__()
+        self.fake = fake
+        self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (serial, bytes, label)
+        self.current = 0
+        self.peak = Peak()
+        self.step = 0
+        self.in_optimizer_step = False
+        self.known: dict[int, str] = {}  # serial -> parameters, gradients or optimizer state
+        self.context: str | None = None  # a label for everything made now (DDP's constructor: its buckets)
+        self.last_op = ""
+        # (total bytes, step, phase, bytes by kind) at every local high: what `--plot` draws
+        self.timeline: list[tuple[int, int, str, dict[str, int]]] = []
+        self.by_label: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._up = False  # memory rose since it last fell
+        self._serial = 0
+        self._rising = False
+        self._modules = _torch_compat.module_tracker()
+        self._original_resize: Any = None
+
+    # ---- counting ----------------------------------------------------------------------------------------
+    def _label(self, op: str, namespace: str) -> str:
+        if op in _GATHER_OPS and namespace != "aten" or op == "resize":
+            return "gathered FSDP units"
+        if namespace in _COMM_NAMESPACES:
+            return "communication buffers"
+        if self.context is not None:
+            return self.context
+        phase = self._phase_now()
+        if phase == "optimizer step":
+            return (
+                "temporaries"  # the optimizer's state is recognised by `note_state` (made in its first step)
+            )
+        if phase == "forward":
+            return "activations"
+        if phase == "backward":
+            return "temporaries"
+        return "other"
+
+    def _add(self, storage: torch.UntypedStorage, label: str) -> None:
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        if key in self.live:
+            serial, before, old_label = self.live[key]
+            if nbytes == before:
+                return
+            if nbytes < before:
+                self._sample()
+            new_label = label if nbytes > before else old_label
+            self.by_label[old_label] -= before
+            self.by_label[new_label] += nbytes
+            self.current += nbytes - before
+            self.live[key] = (serial, nbytes, new_label)
+        else:
+            self._serial += 1
+            self.live[key] = (self._serial, nbytes, label)
+            self.current += nbytes
+            self.by_label[label] += nbytes
+            weakref.finalize(storage, self._free, key, self._serial)
+        self._up = self._up or nbytes > 0
+        if self.current > self.peak.bytes:
+            self._rising = True
+            self.peak.bytes = self.current
+
+    def _free(self, key: int, serial: int) -> None:
+        entry = self.live.get(key)
+        if entry is None or entry[0] != serial:
+            return
+        self._settle()
+        self._sample()
+        del self.live[key]
+        self.current -= entry[1]
+        self.by_label[entry[2]] -= entry[1]
+
+    def _sample(self) -> None:
+        """Memory is about to fall: keep this local high for the picture of the step."""
+        if not self._up:
+            return
+        self._up = False
+        self.timeline.append(
+            (self.current, self.step, self._phase_now(), {k: v for k, v in self.by_label.items() if v})
+        )
+
+    def _settle(self) -> None:
+        """Memory is about to fall after rising to a new peak: keep what the peak held."""
+        if not self._rising:
+            return
+        self._rising = False
+        self.peak = Peak(
+            self.current,
+            self._phase_now(),
+            self._module_now(),
+            self.step,
+            {serial: (nbytes, label) for serial, nbytes, label in self.live.values()},
+        )
+
+    def _phase_now(self) -> str:
+        if self.in_optimizer_step:
+            return "optimizer step"
+        if _torch_compat.current_graph_task_id() != -1:
+            return "backward"
+        if len(self._modules.parents) > 1:
+            return "forward"
+        return "between steps" if self.step else "setup"
+
+    def _module_now(self) -> str:
+        parents = [name for name in self._modules.parents if name != "Global"]
+        return max(parents, key=lambda name: (name.count("."), len(name))) if parents else ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        namespace = func.namespace
+        op = func._overloadpacket.__name__
+        self.last_op = f"{namespace}.{op}"
+        if self.fake and op == "_local_scalar_dense" and _torch_compat.is_fake(args[0]):
+            return True if args[0].dtype == torch.bool else 0
+        inputs: list[torch.Tensor] = []
+        for value in tree_flatten((args, kwargs))[0]:
+            _flat_tensors(value, inputs)
+        if self.fake and inputs and not any(_torch_compat.is_fake(t) for t in inputs):
+            with (
+                _torch_compat.unset_fake_temporarily()
+            ):  # real inputs only (a sampler's indices): run for real
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+            if self.fake and not inputs:
+                outputs: list[torch.Tensor] = []
+                for value in tree_flatten(out)[0]:
+                    _flat_tensors(value, outputs)
+                if outputs and all(t.dtype in _INTEGER_DTYPES and t.numel() <= 1 << 24 for t in outputs):
+                    # Index and seed work (a sampler's permutation, a worker seed): real, so it can be read.
+                    with _torch_compat.unset_fake_temporarily():
+                        out = func(*args, **kwargs)
+        label = self._label(op, namespace)
+        results: list[torch.Tensor] = []
+        for value in tree_flatten(out)[0]:
+            _flat_tensors(value, results)
+        if op.endswith("_"):
+            for t in inputs:
+                results.append(t)
+        for t in results:
+            storage = _storage(t)
+            if storage is not None:
+                self._add(storage, label)
+        return out
+
+    # ---- entering and leaving -----------------------------------------------------------------------------
+    def __enter__(self) -> MemoryAccount:
+        self._original_resize = _torch_compat.storage_resize()
+        original, account = self._original_resize, self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            account._add(storage, "gathered FSDP units")
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        self._modules.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._modules.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        self._settle()
+
+    # ---- the report --------------------------------------------------------------------------------------
+    def serial_of(self, tensor: torch.Tensor) -> list[int]:
+        found: list[torch.Tensor] = []
+        _flat_tensors(tensor, found)
+        serials = []
+        for t in found:
+            storage = _storage(t)
+            if storage is not None and storage._cdata in self.live:
+                serials.append(self.live[storage._cdata][0])
+        return serials
+
+    def note(self, modules: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        """Remember which storages hold parameters, gradients and optimizer state now (called at every optimizer
+        step and at the end): a gradient freed by `zero_grad` is still a gradient at the peak it was part of."""
+        for optimizer in optimizers:
+            for state in optimizer.state.values():
+                for value in state.values() if isinstance(state, dict) else ():
+                    if isinstance(value, torch.Tensor):
+                        for serial in self.serial_of(value):
+                            self.known[serial] = "optimizer state"
+        for module in modules:
+            for param in module.parameters():
+                if param.grad is not None:
+                    for serial in self.serial_of(param.grad):
+                        self.known[serial] = "gradients"
+                for serial in self.serial_of(param):
+                    self.known[serial] = "parameters"
+        for key, (serial, nbytes, label) in list(self.live.items()):  # live memory from now on under its kind
+            kind = self.known.get(serial, label)
+            if kind != label:
+                self.live[key] = (serial, nbytes, kind)
+                self.by_label[label] -= nbytes
+                self.by_label[kind] += nbytes
+
+    def breakdown(self) -> dict[str, int]:
+        """The peak's bytes by kind."""
+        kinds = dict.fromkeys(KINDS, 0)
+        for serial, (nbytes, label) in self.peak.held.items():
+            kinds[self.known.get(serial, label)] += nbytes
+        return kinds
