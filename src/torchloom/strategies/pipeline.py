@@ -63,6 +63,11 @@ class PipelineStrategy(ParallelStrategy):
 
     name = "pipeline"
     replaces_parameters = True
+    # `init_module(empty_init=True)` puts the parameters on the meta device: each rank then allocates and
+    # initialises only its own stages (`_split.materialize`). Without it the base class would build the whole model
+    # on the device with `torch.nn.init` skipped (Fabric's one-device rule), and the stages would train from
+    # uninitialised memory.
+    supports_meta_init = True
     #: Each rank's model holds only its stages: checkpoint loading checks keys against every rank's together.
     holds_module_parts = True
 
