@@ -35,7 +35,7 @@ test: $(VENV)/.installed-test
 
 # Real Fabric programs run unchanged through torchloom's Fabric switch (tests/clients, marked `clients`): litgpt
 # 0.5.13's pretrain and LoRA on a tiny model, one process against Lightning Fabric bit for bit, two processes
-# under fsdp and fsdp2. Heavy (litgpt and its dependencies; about 9 minutes on 2 idle cores, 19 on a loaded
+# under fsdp and fsdp2. Heavy (litgpt and its dependencies; 2:43 plus the install on a clean clone, 19 minutes on a loaded
 # machine), so not in `make test`. They get an environment of their own (CLIENTS_VENV), so litgpt's pins
 # (huggingface-hub, jsonargparse, psutil) never change the packages `make test` runs with.
 CLIENTS_VENV ?= .venv-clients
