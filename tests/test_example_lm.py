@@ -33,6 +33,8 @@ TINY = [
     "2",
     "--text-bytes",
     "2000",  # 112 training windows: 9 global batches, so step 5 reads the last of epoch 0 and the first of epoch 1
+    "--sample-bytes",
+    "8",  # the sample after training: each byte is a forward with collectives, and no curve reads it
 ]
 
 
@@ -132,9 +134,8 @@ def test_fsdp1_flavour_trains(tmp_path):
 def test_tensor_parallel_reproduces_the_fsdp2_curve(whole, tmp_path):
     # --tp 2 on 4 processes: 2 data-parallel ranks, as in the 2-process fsdp2 run, so the same global batches split
     # the same way; each block's attention and MLP are split over a tensor-parallel pair of ranks that read the
-    # same batch. The curve is the same up to the order of summation (fp32). A short sample: every token is a
-    # forward with collectives on 4 ranks sharing 2 cores.
-    out = _run(tmp_path, "--tp", "2", "--sample-bytes", "8", devices=4)
+    # same batch. The curve is the same up to the order of summation (fp32).
+    out = _run(tmp_path, "--tp", "2", devices=4)
     assert "2 fully_shard unit(s)" in out and "sample:" in out
     assert (tmp_path / "checkpoint").is_dir()
     _assert_same_curve(whole, tmp_path)
