@@ -17,59 +17,8 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # xdist's `--dist loadfile` hands out the files with the most tests first by default, which leaves the files
-    # of a few long tests (the soak, the docs' scripts, the benchmarks) to the end, where one worker runs them
-    # while the others are done. `_heaviest_files_first` orders the files by their cost instead.
-    if getattr(config.option, "dist", "no") == "loadfile":
-        config.option.loadscopereorder = False
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_cuda_tests(items)
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller hands out the files in this order
-        _heaviest_files_first(items)
-
-
-# Seconds each file took in a full `make test` (3 workers on 2 cores, load ~10; `--durations=0`), for the files
-# whose tests start jobs of their own. A file not named here is estimated at _SECONDS_PER_TEST a test. Only the
-# order of the files follows from these numbers: a stale one costs balance, never a result.
-_FILE_SECONDS = {
-    "tests/test_elastic.py": 435,
-    "tests/planning/test_plan.py": 268,
-    "tests/test_benchmarks.py": 253,
-    "tests/test_example_lm.py": 240,
-    "tests/test_scenarios.py": 200,
-    "tests/test_docs.py": 141,
-    "tests/checkpointing/test_soak.py": 116,
-    "tests/test_launcher.py": 113,
-    "tests/checkpointing/test_atomic.py": 112,
-    "tests/test_fabric_checklist.py": 111,
-    "tests/test_run.py": 95,
-    "tests/test_example.py": 72,
-    "tests/test_exit.py": 69,
-    "tests/test_desync.py": 53,
-    "tests/strategies/test_model_parallel.py": 51,
-    "tests/test_lightning_compat.py": 37,
-    "tests/checkpointing/test_resharding.py": 30,
-    "tests/strategies/test_model_parallel_checkpoints.py": 28,
-    "tests/test_reliability.py": 25,
-    "tests/test_compile.py": 22,
-}
-_SECONDS_PER_TEST = 1.5
-
-
-def _heaviest_files_first(items: list[pytest.Item]) -> None:
-    """Reorder `items` (stably) so that the files run longest first: the last files handed out are short ones."""
-    root = Path(__file__).parent.parent
-    by_file: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        by_file.setdefault(Path(os.path.relpath(item.path, root)).as_posix(), []).append(item)
-
-    def cost(name: str) -> float:
-        return _FILE_SECONDS.get(name, _SECONDS_PER_TEST * len(by_file[name]))
-
-    items[:] = [item for name in sorted(by_file, key=cost, reverse=True) for item in by_file[name]]
 
 
 def _skip_cuda_tests(items: list[pytest.Item]) -> None:
