@@ -194,7 +194,9 @@ class Fitting:
     def setup(self, original: Any, strategy: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         checkpointing = self.config.get("checkpointing")
         if checkpointing is not None:
-            applied = apply_checkpointing(module, checkpointing.get("count"), checkpointing.get("selective", False))
+            applied = apply_checkpointing(
+                module, checkpointing.get("count"), checkpointing.get("selective", False)
+            )
             self.observed["checkpointed"] = applied
         if self.config.get("observe"):
             self._strategy_facts(strategy, module)

@@ -38,7 +38,11 @@ class Assumptions:
     host_bytes_per_s: float = 12e9  # host <-> device copies (PCIe)
 
     def seconds(self, flops: float, comm_bytes: float, host_bytes: float = 0) -> float:
-        return flops / self.device_flops + comm_bytes / self.link_bytes_per_s + host_bytes / self.host_bytes_per_s
+        return (
+            flops / self.device_flops
+            + comm_bytes / self.link_bytes_per_s
+            + host_bytes / self.host_bytes_per_s
+        )
 
     def describe(self) -> str:
         return (
@@ -52,8 +56,12 @@ class Assumptions:
 Replan = Callable[[dict[str, Any], "str | None"], dict[str, Any]]
 
 
+_DETAIL = ("ranks", "peak_bytes", "phase", "module", "step", "breakdown")
+
+
 def _peaks(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"ranks": entry["ranks"], "peak_bytes": entry["peak_bytes"]} for entry in result["ranks"]]
+    """Each simulated rank's peak, when and what (a plan's `ranks` without their timelines)."""
+    return [{key: entry[key] for key in _DETAIL if key in entry} for entry in result["ranks"]]
 
 
 def _largest(peaks: list[dict[str, Any]]) -> int:
@@ -96,8 +104,8 @@ class _Fitter:
             "change": change,
             "apply": apply,
             "how": how,
-            "peak_bytes": peaks,
-            "max_peak_bytes": _largest(peaks),
+            "peak_bytes": _largest(peaks),
+            "ranks": peaks,
             "fits": _largest(peaks) <= self.budget,
             "recompute_flops": int(flops),
             "extra_comm_bytes": int(comm + host),
@@ -134,7 +142,11 @@ class _Fitter:
         cls = self.seen["block_class"]
         per_block = self.seen.get("block_forward_flops", 0) / len(blocks)
         kind = "selective" if selective else "full"
-        which = f"every {cls} ({chosen} blocks)" if chosen == len(blocks) else f"{chosen} of {len(blocks)} {cls} blocks"
+        which = (
+            f"every {cls} ({chosen} blocks)"
+            if chosen == len(blocks)
+            else f"{chosen} of {len(blocks)} {cls} blocks"
+        )
         pick = f"blocks[:{chosen}]" if chosen < len(blocks) else "blocks"
         wrapper = (
             "partial(checkpoint_wrapper, context_fn=partial(create_selective_checkpoint_contexts, "
@@ -156,16 +168,18 @@ class _Fitter:
         else:
             flops = int(per_block * chosen)
             note = "recomputes each chosen block's forward in backward"
-        return self._entry(f"activation checkpointing ({kind}) of {which}", apply, "planned", peaks, flops, 0, 0, note)
+        return self._entry(
+            f"activation checkpointing ({kind}) of {which}", apply, "planned", peaks, flops, 0, 0, note
+        )
 
     def fewest_blocks(self, full: dict[str, Any]) -> dict[str, Any] | None:
         """Checkpointing fewer blocks than all, when all of them save more than the budget needs."""
         blocks = self.seen.get("blocks") or []
-        saved = self.base["peak_bytes"] - full["max_peak_bytes"]
+        saved = self.base["peak_bytes"] - full["peak_bytes"]
         if not full["fits"] or saved <= 0 or len(blocks) < 2:
             return None
         count = math.ceil((self.base["peak_bytes"] - self.budget) / (saved / len(blocks)))
-        for tries in range(2):  # the estimate, then one more block if the plan says it falls short
+        for _ in range(2):  # the estimate, then one more block if the plan says it falls short
             if count >= len(blocks):
                 return None
             entry = self.checkpointing(False, count)
@@ -253,7 +267,9 @@ class _Fitter:
             scaled = kinds.get("activations", 0)
             if entry.get("phase") in ("forward", "backward"):
                 scaled += kinds.get("temporaries", 0)
-            out.append({"ranks": entry["ranks"], "peak_bytes": int(entry["peak_bytes"] - scaled * (1 - ratio))})
+            out.append(
+                {"ranks": entry["ranks"], "peak_bytes": int(entry["peak_bytes"] - scaled * (1 - ratio))}
+            )
         return out
 
     def _moved(self, plan: dict[str, Any], fraction: float) -> list[dict[str, Any]]:
@@ -263,7 +279,9 @@ class _Fitter:
         for entry in plan["ranks"]:
             kinds = entry["breakdown"]
             state = kinds.get("parameters", 0) + kinds.get("gradients", 0) + kinds.get("optimizer state", 0)
-            out.append({"ranks": entry["ranks"], "peak_bytes": int(entry["peak_bytes"] - state * share * fraction)})
+            out.append(
+                {"ranks": entry["ranks"], "peak_bytes": int(entry["peak_bytes"] - state * share * fraction)}
+            )
         return out
 
     def offload(self, plan: dict[str, Any], label: str = "") -> dict[str, Any] | None:
@@ -349,7 +367,11 @@ def fit_budget(
     if "offload" in changes:
         add(fitter.offload(base))
     floor = _floor(fitter, changes, tried)
-    fits = sorted((e for e in tried if e["fits"]), key=lambda e: (e["added_seconds"], e["max_peak_bytes"]))
+    # Ties (changes that add no counted time) go planned first, then by the headroom they leave.
+    fits = sorted(
+        (e for e in tried if e["fits"]),
+        key=lambda e: (e["added_seconds"], e["how"] != "planned", e["peak_bytes"]),
+    )
     if not fits and floor["peak_bytes"] <= budget:
         fits = [floor["entry"]]
     return {
@@ -369,14 +391,14 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
     took: list[str] = []
     planned = [e for e in tried if e["how"] == "planned"]
     checkpointing = [e for e in planned if e["change"].startswith("activation checkpointing")]
-    best_ac = min(checkpointing, key=lambda e: e["max_peak_bytes"], default=None)
-    if best_ac is not None and best_ac["max_peak_bytes"] < fitter.base["peak_bytes"]:
+    best_ac = min(checkpointing, key=lambda e: e["peak_bytes"], default=None)
+    if best_ac is not None and best_ac["peak_bytes"] < fitter.base["peak_bytes"]:
         fit["checkpointing"] = {"count": None, "selective": "selective" in best_ac["change"]}
         took.append(best_ac["change"])
     precisions = [e for e in planned if e["change"].startswith("precision")]
-    best_precision = min(precisions, key=lambda e: e["max_peak_bytes"], default=None)
+    best_precision = min(precisions, key=lambda e: e["peak_bytes"], default=None)
     precision = None
-    if best_precision is not None and best_precision["max_peak_bytes"] < fitter.base["peak_bytes"]:
+    if best_precision is not None and best_precision["peak_bytes"] < fitter.base["peak_bytes"]:
         precision = best_precision["change"].split()[-1]
         took.append(best_precision["change"])
     if any(e["change"].startswith("reshard_after_forward") for e in planned):
@@ -393,7 +415,11 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
     flops = sum(e["recompute_flops"] for e in same)
     comm = sum(e["extra_comm_bytes"] - e["host_copy_bytes"] for e in same)
     host = 0
-    for name, derive in (("micro-batch", fitter.micro_batch), ("hsdp", fitter.full_shard), ("offload", fitter.offload)):
+    for name, derive in (
+        ("micro-batch", fitter.micro_batch),
+        ("hsdp", fitter.full_shard),
+        ("offload", fitter.offload),
+    ):
         if name not in changes:
             continue
         if name == "micro-batch":
@@ -402,10 +428,13 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
             fitter.budget = saved_budget
         else:
             entry = derive(combined)
-        if entry is None or _largest(entry["peak_bytes"]) >= _largest(peaks):
+        if entry is None or entry["peak_bytes"] >= _largest(peaks):
             continue
         took.append(entry["change"])
-        cut = {tuple(p["ranks"]): _largest([p]) - q["peak_bytes"] for p, q in zip(peaks, entry["peak_bytes"])}
+        cut = {
+            tuple(p["ranks"]): _largest([p]) - q["peak_bytes"]
+            for p, q in zip(peaks, entry["ranks"], strict=True)
+        }
         combined = {
             **combined,
             "ranks": [
@@ -435,8 +464,10 @@ def format_fits(fit: dict[str, Any]) -> str:
         lines.append(f"changes that fit the budget of {human(budget)} per rank, fastest first:")
         for number, entry in enumerate(fit["fits"], 1):
             peaks = ", ".join(
-                f"rank {p['ranks'][0]}" + (f"-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else "") + f" {human(p['peak_bytes'])}"
-                for p in entry["peak_bytes"]
+                f"rank {p['ranks'][0]}"
+                + (f"-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else "")
+                + f" {human(p['peak_bytes'])}"
+                for p in entry["ranks"]
             )
             lines.append(f"{number}. {entry['change']} ({entry['how']}): peak {peaks}")
             lines.append(
