@@ -1,7 +1,7 @@
 """The simulated rank's side of fitting a budget (`torchloom plan --budget`): what the base plan observes for
 `torchloom.planning.fit` to choose and cost its changes (the blocks worth checkpointing and their forward FLOPs,
 the micro-batch, the strategy's sharding options), and the changes themselves, applied to the unchanged script
-where `Loom.setup` hands its model to the strategy: activation checkpointing of chosen blocks (full or
+where the strategy sets up the model: activation checkpointing of chosen blocks (full or
 selective) and FSDP2's `reshard_after_forward`.
 
 `install(config, account)` is called by `_fake_rank` before the script runs; `Fitting.report()` after it.
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchloom import _module_setup, _torch_compat
+from torchloom import _torch_compat
 
 #: The operations whose outputs selective activation checkpointing keeps (the compute-heavy ones): everything
 #: else in a checkpointed block (pointwise work, norms) is recomputed in backward.
@@ -218,14 +218,39 @@ class Fitting:
 
 
 def install(config: dict[str, Any] | None, account: Any) -> Fitting | None:
-    """Apply the changes `config` asks for (and observe the base plan) in this simulated rank; None: no fit."""
+    """Apply the changes `config` asks for (and observe the base plan) in this simulated rank; None: no fit.
+
+    Every strategy's `setup_module` is wrapped (the outermost call only: a strategy's calls its parent's), the
+    point where `Loom.setup` hands the model, converted by the precision, to the strategy."""
     if not config:
         return None
+    from torchloom.strategies.base import Strategy
+
     fitting = Fitting(config, account)
-    original = _module_setup.wrap
+    classes, pending = [], [Strategy]
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending.extend(cls.__subclasses__())
+    depth = [0]
+    for cls in classes:
+        if "setup_module" not in cls.__dict__:
+            continue
 
-    def wrap(strategy: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return fitting.setup(original, strategy, module, *args, **kwargs)
+        def setup_module(
+            self: Any,
+            module: nn.Module,
+            *args: Any,
+            _original: Any = cls.__dict__["setup_module"],
+            **kwargs: Any,
+        ) -> Any:
+            if depth[0]:
+                return _original(self, module, *args, **kwargs)
+            depth[0] += 1
+            try:
+                return fitting.setup(_original, self, module, *args, **kwargs)
+            finally:
+                depth[0] -= 1
 
-    _module_setup.wrap = wrap  # type: ignore[assignment]
+        cls.setup_module = setup_module  # type: ignore[method-assign]
     return fitting

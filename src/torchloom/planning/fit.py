@@ -464,8 +464,11 @@ def format_fits(fit: dict[str, Any]) -> str:
         lines.append(f"changes that fit the budget of {human(budget)} per rank, fastest first:")
         for number, entry in enumerate(fit["fits"], 1):
             peaks = ", ".join(
-                f"rank {p['ranks'][0]}"
-                + (f"-{p['ranks'][-1]}" if len(p["ranks"]) > 1 else "")
+                (
+                    f"ranks {p['ranks'][0]}-{p['ranks'][-1]}"
+                    if len(p["ranks"]) > 1
+                    else f"rank {p['ranks'][0]}"
+                )
                 + f" {human(p['peak_bytes'])}"
                 for p in entry["ranks"]
             )
