@@ -131,7 +131,11 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--strategy", default=None, help="as for `torchloom run`")
     plan.add_argument("--precision", default=None, help="as for `torchloom run`")
     plan.add_argument("--steps", type=int, default=2, help="training steps to simulate (default 2)")
-    plan.add_argument("--budget", default=None, help="memory per device, e.g. 80GiB: say which ranks fit")
+    plan.add_argument(
+        "--budget",
+        default=None,
+        help="memory per device, e.g. 80GiB: say which ranks fit and, when one is over, the changes that fit",
+    )
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON to FILE")
     add_fit_options(plan)
     plan.add_argument(
