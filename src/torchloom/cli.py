@@ -117,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub: Any) -> None:
+    from torchloom.planning.fit import add_fit_options
+
     plan = sub.add_parser(
         "plan",
         help="predict each rank's peak memory before launch (SCRIPT's first steps on fake tensors)",
@@ -129,8 +131,13 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--strategy", default=None, help="as for `torchloom run`")
     plan.add_argument("--precision", default=None, help="as for `torchloom run`")
     plan.add_argument("--steps", type=int, default=2, help="training steps to simulate (default 2)")
-    plan.add_argument("--budget", default=None, help="memory per device, e.g. 80GiB: say which ranks fit")
+    plan.add_argument(
+        "--budget",
+        default=None,
+        help="memory per device, e.g. 80GiB: say which ranks fit and, when one is over, the changes that fit",
+    )
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON to FILE")
+    add_fit_options(plan)
     plan.add_argument(
         "--plot", default=None, metavar="FILE", help="draw each rank's memory over the steps: an HTML page"
     )
@@ -139,6 +146,7 @@ def _add_plan_parser(sub: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from torchloom.planning.fit import fit_for_command
     from torchloom.planning.plan import PlanError, format_plan, parse_bytes, plan
 
     budget = parse_bytes(args.budget) if args.budget else None
@@ -153,6 +161,7 @@ def _plan(args: argparse.Namespace) -> int:
             strategy=args.strategy,
             precision=args.precision,
             budget=budget,
+            fit={"observe": True} if budget is not None else None,
         )
     except PlanError as error:
         print(f"torchloom: error: {error}", file=sys.stderr)
@@ -162,6 +171,8 @@ def _plan(args: argparse.Namespace) -> int:
         print("what was planned until then:", file=sys.stderr)
     if "script" in result:
         print(format_plan(result))
+    if status == 0 and budget is not None and result["peak_bytes"] > budget:
+        print(fit_for_command(args, result, budget, _replan(args, budget)))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot and "script" in result:
@@ -171,6 +182,26 @@ def _plan(args: argparse.Namespace) -> int:
     if status == 0 and budget is not None and result["peak_bytes"] > budget:
         return 1
     return status
+
+
+def _replan(args: argparse.Namespace, budget: int) -> Any:
+    """The script planned again with a fit's changes (`torchloom.planning.fit`)."""
+    from torchloom.planning.plan import plan
+
+    def replan(fit: dict[str, Any], precision: str | None) -> dict[str, Any]:
+        return plan(
+            args.script,
+            args.script_args,
+            devices=args.devices,
+            num_nodes=args.num_nodes,
+            steps=args.steps,
+            strategy=args.strategy,
+            precision=precision or args.precision,
+            budget=budget,
+            fit=fit,
+        )
+
+    return replan
 
 
 def _add_elastic_options(run: argparse.ArgumentParser) -> None:

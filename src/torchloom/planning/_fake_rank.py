@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from torchloom import _torch_compat
 from torchloom._run_protocol import publish
+from torchloom.planning import _fit_rank
 from torchloom.planning.tracker import MemoryAccount
 
 
@@ -149,6 +150,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
 
     measure._PLANNING = True
     account = MemoryAccount(fake=True)
+    fitting = _fit_rank.install(config.get("fit"), account)  # `plan --budget`: its changes and observations
     optimizers: list[Any] = []
     modules: dict[int, torch.nn.Module] = {}
 
@@ -215,6 +217,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         breakdown=account.breakdown(),
         timeline=account.timeline,
     )
+    if fitting is not None:
+        result["fit"] = fitting.report()
     return result
 
 

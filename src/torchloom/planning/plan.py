@@ -81,9 +81,10 @@ def plan(
     precision: str | None = None,
     budget: int | None = None,
     timeout: float = 1800.0,
+    fit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan `script` on `devices` ranks per node and `num_nodes` nodes; returns the plan as a dict (what
-    `--json` writes). Raises `PlanError` (with what was planned so far) when a simulated rank failed."""
+    `--json` writes); `fit`: the changes a re-plan of `torchloom.planning.fit` applies. Raises `PlanError` (with what was planned so far) when a simulated rank failed."""
     if not Path(script).is_file():
         raise ConfigurationError(f"The script {script!r} does not exist (looked in {os.getcwd()}).")
     if devices < 1 or num_nodes < 1 or steps < 1:
@@ -109,6 +110,7 @@ def plan(
                 "script": os.path.abspath(script),
                 "script_args": list(script_args or []),
                 "out": os.path.join(folder, f"rank{rank}.json"),
+                "fit": fit,
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:

@@ -1,0 +1,106 @@
+"""`torchloom plan --budget`: the changes that fit a budget, their predicted peaks (planned changes within 10% of
+the peak measured with the change applied for real), their costs and order, and the floor when nothing fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import PYTHON, REPO, run_job
+
+from torchloom.planning.fit import fit_budget, format_fits
+from torchloom.planning.plan import PlanError
+
+SCRIPT = REPO / "benchmarks" / "_plan_script.py"
+DIM, BLOCKS, SEQ, BATCH = 128, 4, 64, 8
+ARGS = ["--layout", "ddp", "--dim", str(DIM), "--blocks", str(BLOCKS), "--seq", str(SEQ)]
+ARGS += ["--micro-batch", str(BATCH)]
+CHANGES = "checkpointing,micro-batch,offload"
+
+
+@pytest.fixture(scope="module")
+def impossible(tmp_path_factory):
+    """One plan over a budget nothing can meet (1 MiB): the base plan, the planned change, the floor."""
+    out = tmp_path_factory.mktemp("fit") / "plan.json"
+    command = ["plan", "--devices", "2", "--budget", "1MiB", "--fit-changes", CHANGES, "--json", str(out)]
+    result, _ = run_job([PYTHON, "-m", "torchloom", *command, str(SCRIPT), *ARGS], timeout=600)
+    return result, json.loads(out.read_text())
+
+
+def _checkpointing(entries):
+    return next(e for e in entries if e["change"].startswith("activation checkpointing (full) of every"))
+
+
+def test_floor_when_nothing_fits(impossible):
+    result, plan = impossible
+    assert result.returncode == 1, result.stdout  # over the budget: the plan as given does not fit
+    floor = plan["fitting"]["floor"]
+    assert plan["fits"] == [] and floor["peak_bytes"] > 2**20, plan["fitting"]
+    # The floor took every change that lowers the peak: checkpointing (planned) and the smallest micro-batch
+    # (derived); CPU offload is not a change for DDP.
+    assert any(c.startswith("activation checkpointing (full)") for c in floor["changes"]), floor
+    assert "micro-batch 1 (from 8) with 8x the accumulation" in floor["changes"], floor
+    assert not any("offload" in c for c in floor["changes"]), floor
+    checkpointed = _checkpointing(plan["fitting"]["tried"])
+    assert floor["peak_bytes"] < checkpointed["peak_bytes"] < plan["peak_bytes"], (floor, checkpointed)
+    text = result.stdout
+    assert "no change the planner knows fits the budget of 1.00 MiB per rank: the floor is" in text, text
+    assert "activation checkpointing (full) of every Block (4 blocks)" in text, text
+
+
+def test_fits_ordered_with_costs(impossible):
+    """The same base plan fitted to a budget between the checkpointed and the plain peak: each planned change
+    replayed from what the planner returned for it (a change not planned above fails as a re-plan would)."""
+    _, plan = impossible
+    tried = {json.dumps(e["change"]): e for e in plan["fitting"]["tried"] if e["how"] == "planned"}
+    checkpointed = _checkpointing(plan["fitting"]["tried"])
+
+    def replan(fit, precision):
+        if fit.get("checkpointing") == {"count": None, "selective": False} and precision is None:
+            return {"ranks": checkpointed["ranks"], "peak_bytes": checkpointed["peak_bytes"]}
+        raise PlanError("not planned in this test", {"ranks": []})
+
+    assert tried, plan["fitting"]
+    budget = (checkpointed["peak_bytes"] + plan["peak_bytes"]) // 2
+    fit = fit_budget(plan, budget, replan, changes=tuple(CHANGES.split(",")))
+    fits = fit["fits"]
+    assert len(fits) >= 2, fit
+    assert [e["added_seconds"] for e in fits] == sorted(e["added_seconds"] for e in fits), fits
+    for entry in fits:
+        assert entry["peak_bytes"] <= budget and entry["fits"], entry
+        assert {
+            "change",
+            "apply",
+            "how",
+            "peak_bytes",
+            "ranks",
+            "recompute_flops",
+            "extra_comm_bytes",
+        } <= set(entry)
+        assert {r for p in entry["ranks"] for r in p["ranks"]} == {0, 1}, entry
+    by_kind = {e["how"]: e for e in fits}
+    # Recomputation: every block's forward once more per step, each block 2 matmuls of (tokens x d) @ (d x 4d).
+    assert _checkpointing(fits)["recompute_flops"] == BLOCKS * 2 * (2 * BATCH * SEQ * DIM * 4 * DIM)
+    assert "apply_activation_checkpointing" in _checkpointing(fits)["apply"]
+    # The micro-batch is the script's: derived from the plan's activations, and said so.
+    assert by_kind["derived"]["change"].startswith("micro-batch") and "derived" in by_kind["derived"]["note"]
+    text = format_fits(fit)
+    assert "fastest first" in text and "(derived)" in text and "(planned)" in text, text
+    json.dumps(fit)  # what --json writes
+
+
+def test_applied_checkpointing_measured_within_10_percent(impossible, tmp_path):
+    """The fit's checkpointing, applied for real on 2 gloo ranks (`--ac` checkpoints every block), measured."""
+    _, plan = impossible
+    predicted = {
+        r: p["peak_bytes"] for p in _checkpointing(plan["fitting"]["tried"])["ranks"] for r in p["ranks"]
+    }
+    out = tmp_path / "measured.json"
+    result, _ = run_job(
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(SCRIPT), *ARGS, "--ac", "--out", str(out)],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    measured = [rank["peak_bytes"] for rank in json.loads(out.read_text())["ranks"]]
+    for rank, peak in enumerate(measured):
+        assert abs(predicted[rank] / peak - 1) <= 0.10, (rank, predicted[rank], peak)
