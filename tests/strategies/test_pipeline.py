@@ -530,6 +530,8 @@ def _pp2_4ranks_body(rank: int, world: int, tmp: str) -> dict:
     )
     res = run(loom, steps=range(2))
     loom.save(f"{tmp}/pp2dp2", {"model": res["model"], "opt": res["opt"]})
+    # save_raw: each stage's fully_shard shards made whole among that stage's ranks only
+    loom.save_raw(f"{tmp}/hf4", res["model"], max_shard_size=1000)
     loom = _pipeline_with(
         world,
         lambda h: shard_blocks(h, root=True),
@@ -553,7 +555,7 @@ def _pp2_4ranks_body(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_pp2_with_dp2_and_tp2(tmp_path) -> None:
-    expected, losses, norms, _ = reference()
+    expected, losses, norms, evals = reference()
     results = run_ranks(_pp2_4ranks_body, 4, str(tmp_path), timeout=300)
     for key in ("dp_fsdp_1f1b", "dp_plain_interleaved", "tp_gpipe"):
         assert close(merged(results, key), expected) <= TOL, key
@@ -561,6 +563,11 @@ def test_pp2_with_dp2_and_tp2(tmp_path) -> None:
             assert r[key]["norms"] == pytest.approx(norms, abs=TOL), key
     for r in results:  # tensor parallel: every rank reads the whole batch, and sees its loss
         assert r["tp_gpipe"]["losses"] == pytest.approx(losses, abs=TOL)
+        assert r["tp_gpipe"]["evals"] == pytest.approx(evals, abs=TOL)
+    for key in ("dp_fsdp_1f1b", "dp_plain_interleaved"):  # each pipeline evaluates its half: their mean
+        mean = [sum(r[key]["evals"][i] for r in results) / len(results) for i in range(STEPS)]
+        assert mean == pytest.approx(evals, abs=TOL), key
     assert all("['head.weight']" in r["tp_partial"] for r in results)  # every rank, together
+    assert close(read_hf(tmp_path / "hf4"), reference(steps=2)[0]) <= TOL
     for key in ("pp2dp2->pp1dp4", "pp2dp2->pp4", "pp2dp2->fsdp2"):
         assert close(merged(results, key), expected) <= TOL, key
