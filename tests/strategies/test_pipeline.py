@@ -265,7 +265,9 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
     out["stage_keys"] = sorted(res["model"].state_dict())
     res["loom"].save(f"{tmp}/sharded", state)
     # The whole model in Hugging Face's layout, each stage's files written by its own rank (small files: several)
-    res["loom"].save_raw(f"{tmp}/hf", res["model"], max_shard_size=1000)
+    from transformers import PretrainedConfig
+
+    res["loom"].save_raw(f"{tmp}/hf", res["model"], max_shard_size=1000, config=PretrainedConfig())
     res["loom"].strategy.save_distributed_checkpoint = False
     res["loom"].save(f"{tmp}/full.pt", state)
     for name, path in [("sharded", f"{tmp}/sharded"), ("full", f"{tmp}/full.pt")]:
@@ -357,6 +359,23 @@ def read_hf(path) -> dict[str, torch.Tensor]:
     return out
 
 
+def from_pretrained(path) -> dict[str, torch.Tensor]:
+    """The directory loaded by transformers' `from_pretrained` into a model of Net's layers."""
+    transformers = pytest.importorskip("transformers")
+
+    class HFNet(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            net = Net()
+            self.embed, self.act, self.layers, self.head = net.embed, net.act, net.layers, net.head
+            self.post_init()
+
+    model = HFNet.from_pretrained(str(path))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
 def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     expected, losses, norms, evals = reference()
     initial = reference(steps=0)[0]
@@ -419,6 +438,7 @@ def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     # save_raw at pp 2 after 2 steps: the whole model under its own names, read back by plain safetensors
     after_two = reference(steps=2)[0]
     assert close(read_hf(tmp_path / "hf"), after_two) <= TOL
+    assert close(from_pretrained(tmp_path / "hf"), after_two) <= TOL
     r = results[0]
     assert "loom.forward_backward" in r["call"] and "loom.forward_backward" in r["backward"]
     assert "3 samples" in r["indivisible"] and "n_microbatches=2" in r["indivisible"]

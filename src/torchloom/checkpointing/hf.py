@@ -427,26 +427,19 @@ def plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 def _plan_by_holders(
     held: list[list[tuple[str, int]]], max_bytes: int
 ) -> tuple[dict[str, int], list[list[str]], list[int]]:
-    """Every rank's (name, size) pairs -> the sizes of all tensors, the files (a new one where the ranks that
-    hold the tensors change, so that no file mixes stages) and the rank that writes each (the first holder)."""
+    """Every rank's (name, size) pairs -> the sizes of all tensors, the files (no file mixes tensors held by
+    different ranks: pipeline stages) and the rank that writes each (the first that holds its tensors)."""
     holders: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
     for r, pairs in enumerate(held):
         for name, size in pairs:
             holders.setdefault(name, []).append(r)
             sizes.setdefault(name, size)
-    files: list[list[str]] = []
-    writers: list[int] = []
-    run: dict[str, int] = {}
-    for name in [*sizes, None]:
-        if name is None or (run and holders[name] != holders[next(iter(run))]):
-            for group in plan_files(run, max_bytes) if run else []:
-                files.append(group)
-                writers.append(holders[group[0]][0])
-            run = {}
-        if name is not None:
-            run[name] = sizes[name]
-    return sizes, files, writers
+    runs: dict[tuple[int, ...], dict[str, int]] = {}  # in first-seen order: stage after stage
+    for name, size in sizes.items():
+        runs.setdefault(tuple(holders[name]), {})[name] = size
+    files = [group for run in runs.values() for group in plan_files(run, max_bytes)]
+    return sizes, files, [holders[group[0]][0] for group in files]
 
 
 def file_names(count: int) -> list[str]:
