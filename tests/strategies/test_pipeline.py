@@ -414,17 +414,18 @@ def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     assert close(merged(results, "bf16"), bf16_expected) <= 0.05 * moved
     # fp16 (scaled, unscaled on every stage, clipped, stepped): one process with torch's GradScaler under fp16
     # autocast. fp16 keeps 11 significant bits; micro-batches round the sums in another order, so judged
-    # against how far training moved the weights (as bf16 above).
+    # against how far training moved the weights, as bf16 above (measured: 0.02% of it).
     fp16_expected, fp16_losses, _, _ = reference(precision="16-mixed")
     fp16_moved = max((fp16_expected[k] - initial[k]).abs().max().item() for k in initial)
-    assert close(merged(results, "fp16"), fp16_expected) <= 0.01 * fp16_moved
+    assert close(merged(results, "fp16"), fp16_expected) <= 0.005 * fp16_moved
     for r in results:
         assert r["fp16"]["scale"] == 2.0**16  # the parity run overflowed nowhere
         assert r["fp16"]["losses"] == pytest.approx(fp16_losses, rel=1e-2)
         # an inf in one stage's gradient: the step skipped on every rank, the scale halved on every rank
         assert r["fp16_skip_norm"] == float("inf") and r["fp16_skip_moved"] == 0.0
         assert r["fp16_skip_scale"] == 2.0**15
-    # bf16-true: the whole model in bf16 (8 significant bits), against one process in bf16
+    # bf16-true: the whole model in bf16 (8 significant bits), against one process in bf16 (measured: 2.3% of
+    # the movement, one bf16 step of the largest weight)
     bf16_true = reference(precision="bf16-true")[0]
     true_moved = max((bf16_true[k].float() - initial[k]).abs().max().item() for k in initial)
     got = merged(results, "bf16_true")

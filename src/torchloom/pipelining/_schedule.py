@@ -182,7 +182,6 @@ class Runner:
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
 
-
     def _take_grads(self) -> dict[nn.Parameter, torch.Tensor]:
         kept = {}
         for stage in self.stages.values():

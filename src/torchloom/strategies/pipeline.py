@@ -60,6 +60,13 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: stages each pipeline rank holds (2 or more for the interleaved and zero-bubble ones).
         save_distributed_checkpoint: True: every rank writes its stage's shards (a directory); False: rank 0
             writes one file with the whole model.
+
+    A batch runs with `loom.forward_backward(model, inputs, target, loss_fn)` and, forward only, with
+    `loom.evaluate(...)` (between optimizer steps; not through "zbv_zero_bubble"); both are the plain forward
+    (and backward) under any other strategy. Every precision works: `16-mixed` scales each micro-batch's loss
+    and agrees on overflows over every rank. A model built under `loom.init_module(empty_init=True)` gets, on
+    each rank's stages, the values one process draws from the same seed. `loom.save_raw` writes the whole model
+    in Hugging Face's layout, each stage's files from that stage's ranks.
     """
 
     name = "pipeline"
