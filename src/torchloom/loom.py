@@ -438,6 +438,17 @@ class Loom:
         module = _module_setup.set_up_one(model, self._modules, "forward_backward")
         return forward_backward(self._strategy, module, inputs, target, loss_fn, self.backward)
 
+    def evaluate(
+        self, model: LoomModule, inputs: Any, target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward of one batch without a backward (evaluation), returning the loss (detached) on every rank:
+        through the pipeline schedule under `PipelineStrategy` (gradients left alone), else
+        `loss_fn(model(*inputs), target)` under `torch.no_grad()`."""
+        from torchloom.pipelining import evaluate
+
+        module = _module_setup.set_up_one(model, self._modules, "evaluate")
+        return evaluate(self._strategy, module, inputs, target, loss_fn)
+
     @contextlib.contextmanager
     def no_backward_sync(self, module: LoomModule, enabled: bool = True) -> Generator[None, None, None]:
         """Skip gradient synchronisation for the forward and backward passes inside (gradient accumulation);

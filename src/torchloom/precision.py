@@ -216,6 +216,18 @@ class Precision:
             self._scaled_backwards += 1
         tensor.backward(**kwargs)
 
+    def scale_for_backward(self, device: torch.device) -> Any:
+        """For a backward that runs outside `loom.backward` (a pipeline schedule's, one per micro-batch, on the last
+        stage only): counts one loss-scaled backward on this rank and returns the function that scales each
+        loss (the identity without a scaler). Every rank makes the scale on `device`, also one whose stages
+        compute no loss, so that its unscale finds it."""
+        if self._scaler is None:
+            return lambda loss: loss
+        self._finish_update()
+        self._scaled_backwards += 1
+        self._scaler.scale(torch.zeros((), device=device))  # makes the scale on this rank (lazily created)
+        return self._scaler.scale
+
     def _check_loss_was_scaled(self, optimizer: Optimizer, call: str) -> None:
         """Under loss scaling, refuse gradients that did not come through `loom.backward`: a plain
         `loss.backward()` leaves them unscaled, and the scaler would either fail with torch's "_scale is None" or

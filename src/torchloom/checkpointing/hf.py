@@ -424,6 +424,24 @@ def plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return files
 
 
+def _plan_by_holders(
+    held: list[list[tuple[str, int]]], max_bytes: int
+) -> tuple[dict[str, int], list[list[str]], list[int]]:
+    """Every rank's (name, size) pairs -> the sizes of all tensors, the files (no file mixes tensors held by
+    different ranks: pipeline stages) and the rank that writes each (the first that holds its tensors)."""
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for r, pairs in enumerate(held):
+        for name, size in pairs:
+            holders.setdefault(name, []).append(r)
+            sizes.setdefault(name, size)
+    runs: dict[tuple[int, ...], dict[str, int]] = {}  # in first-seen order: stage after stage
+    for name, size in sizes.items():
+        runs.setdefault(tuple(holders[name]), {})[name] = size
+    files = [group for run in runs.values() for group in plan_files(run, max_bytes)]
+    return sizes, files, [holders[group[0]][0] for group in files]
+
+
 def file_names(count: int) -> list[str]:
     if count == 1:
         return [SINGLE_FILE]
@@ -443,15 +461,6 @@ def save(
     max_bytes = parse_size(max_shard_size)
     template = io.module_state_dict(module, full=False)
     template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
-    if io.is_distributed and io.world_size > 1:
-        held = io.all_gather_object(sorted(template))
-        if any(names != held[0] for names in held):
-            # Pipeline stages: each rank holds other tensors, and each would plan the files of its own alone.
-            raise CheckpointError(
-                "save_raw needs every rank to hold (a shard of) every tensor, but the ranks hold different "
-                "tensors (pipeline stages). Save a sharded checkpoint (loom.save) and write it in Hugging "
-                "Face's layout in one process: `torchloom consolidate CKPT OUT --model-only --format hf`."
-            )
     names = _stored_names(module, template)
     _write({n: template[n] for n in names}, out_dir, dtype, max_bytes, config, fsync, io)
 
@@ -484,10 +493,18 @@ def _write(
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
     sizes = {n: int(torch.Size(t.shape).numel()) * out_dtype(t).itemsize for n, t in tensors.items()}
-    files = plan_files(sizes, max_bytes)
-    file_of = file_names(len(files))
     distributed = io is not None and io.is_distributed and io.world_size > 1
     rank, world = (io.global_rank, io.world_size) if distributed else (0, 1)
+    files = plan_files(sizes, max_bytes)
+    writers = [i % world for i in range(len(files))]
+    if distributed:
+        assert io is not None
+        held = io.all_gather_object(list(sizes.items()))
+        if any(h != held[0] for h in held):
+            # Pipeline stages: each rank holds (a shard of) its stages' tensors only. Each stage's tensors go to
+            # files of their own, written by the stage's first rank, gathered among the stage's ranks alone.
+            sizes, files, writers = _plan_by_holders(held, max_bytes)
+    file_of = file_names(len(files))
 
     tmp: Path | None = None
     error: str | None = None
@@ -513,10 +530,12 @@ def _write(
         for i, group in enumerate(files):
             # A rank whose own file failed writes nothing more, but goes on gathering with the others: leaving
             # the loop would leave them waiting in the next gather.
-            mine = i % world == rank and error is None
+            mine = writers[i] == rank and error is None
             part: dict[str, torch.Tensor] = {}
             for name in group:
-                value = tensors[name]
+                value = tensors.get(name)
+                if value is None:
+                    continue  # another stage's tensor: its own ranks gather it
                 # A collective over the tensor's mesh: every rank gathers, in the same order; the writer keeps it.
                 whole = _on_mesh_device(value).full_tensor() if isinstance(value, DTensor) else value
                 if mine:

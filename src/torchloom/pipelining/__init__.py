@@ -12,7 +12,7 @@ from torch import nn
 
 from torchloom.pipelining._schedule import SCHEDULES
 
-__all__ = ["SCHEDULES", "forward_backward"]
+__all__ = ["SCHEDULES", "evaluate", "forward_backward"]
 
 
 def forward_backward(
@@ -34,3 +34,18 @@ def forward_backward(
     loss = loss_fn(model(*inputs), target)
     backward(loss, model=model)
     return loss.detach()
+
+
+def evaluate(
+    strategy: Any, model: Any, inputs: Any, target: Any, loss_fn: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """The forward of one batch without a backward (evaluation); returns the loss, detached. Through the
+    pipeline schedule (torch's `schedule.eval`) where the strategy runs one, else
+    `loss_fn(model(*inputs), target)` under `torch.no_grad()`."""
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    run = getattr(strategy, "evaluate", None)
+    if run is not None:
+        forward_module: nn.Module = model.forward_module
+        return run(forward_module, inputs, target, loss_fn)
+    with torch.no_grad():
+        return loss_fn(model(*inputs), target).detach()

@@ -13,12 +13,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 
-def local_grads(optimizer: Optimizer) -> list[torch.Tensor]:
-    """This rank's pieces of the optimizer's gradients (a DTensor's local shard)."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-
-
 def total_norm(
     optimizer: Optimizer, norm_type: float, device: torch.device, pp_group: dist.ProcessGroup
 ) -> torch.Tensor:

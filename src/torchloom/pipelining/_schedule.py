@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchloom.errors import ConfigurationError, MisuseValueError
+from torchloom.errors import ConfigurationError, MisuseError, MisuseValueError
 
 # name -> (torch class name, stages per rank it needs: 1, or None for several, placement style)
 SCHEDULES: dict[str, tuple[str, bool, str]] = {
@@ -82,6 +82,9 @@ class Runner:
         self.pp_group = pp_group
         self.pp_ranks = list(pp_ranks)  # global ranks, by pipeline rank
         self._loss_fn: Callable[..., torch.Tensor] | None = None
+        self._scale: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self._losses: dict[int, torch.Tensor] = {}
+        self._last_train: bool | None = None  # what the last batch did: train, evaluate (None: none yet)
         self._torch_schedule: Any = None
         last_pp_rank = num_stages - 1 if SCHEDULES[schedule][2] == "loop" else 0
         self.last_rank = self.pp_ranks[last_pp_rank % len(self.pp_ranks)]
@@ -102,22 +105,35 @@ class Runner:
             pipelining.PipelineStage(module, i, self.num_stages, self.device, group=self.pp_group)
             for i, module in sorted(self.stages.items())
         ]
-        # The loss of each micro-batch is divided by their count here, not by torch's scale_grads, which would
+        # The loss of each micro-batch is divided by their count (`_current_loss`), not by torch's scale_grads, which would
         # also divide gradients accumulated by earlier batches (gradient accumulation).
         n = self.n_microbatches
         if SCHEDULES[self.schedule][1]:
-            return cls(
-                stages, n, loss_fn=lambda out, tgt: self._current_loss(out, tgt) / n, scale_grads=False
-            )
-        return cls(stages[0], n, loss_fn=lambda out, tgt: self._current_loss(out, tgt) / n, scale_grads=False)
+            return cls(stages, n, loss_fn=self._current_loss, scale_grads=False)
+        return cls(stages[0], n, loss_fn=self._current_loss, scale_grads=False)
 
     def _current_loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
-        return self._loss_fn(output, target)
+        loss = self._loss_fn(output, target) / self.n_microbatches
+        # The backward sees the loss scaled (fp16's loss scale: the identity otherwise); the batch's loss sums
+        # the unscaled ones of the micro-batches torch reports (not those of its shape inference, which calls
+        # this on uninitialised tensors), found by the scaled tensor it was handed.
+        scaled = self._scale(loss)
+        self._losses[id(scaled)] = loss.detach().float()
+        return scaled
 
-    def run(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of one batch through the pipeline; the batch's loss (the mean over micro-batches)
-        on every pipeline rank."""
+    def run(
+        self,
+        inputs: tuple[Any, ...],
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        train: bool = True,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline (forward only with `train=False`, torch's
+        `schedule.eval`, which keeps no activations for a backward and leaves the gradients alone); the batch's
+        loss (the mean over micro-batches) on every pipeline rank. `scale` multiplies each micro-batch's loss
+        before its backward (fp16's loss scale)."""
         batch = _batch_size(inputs, target)
         if batch is not None and batch % self.n_microbatches:
             raise MisuseValueError(
@@ -125,24 +141,66 @@ class Runner:
                 f"batch size that is a multiple of n_microbatches={self.n_microbatches} (per data-parallel rank), "
                 "or change n_microbatches."
             )
+        if not train and SCHEDULES[self.schedule][2] == "v":
+            # torch 2.13's schedule.eval still runs a V schedule's backward actions, and fails where the two
+            # stages of a rank meet ("can't steal_bwd_input if this stage doesn't have backward").
+            raise MisuseError(
+                f"loom.evaluate cannot run through schedule={self.schedule!r}: torch's eval of a V-shaped schedule "
+                "runs its backward actions. Evaluate with another schedule (e.g. 'interleaved_zero_bubble' or "
+                "'interleaved_1f1b'), or save a checkpoint and evaluate it in a Loom of its own."
+            )
         if self._torch_schedule is None:
             self._torch_schedule = self._build()
+        # At its first batch and at each switch between training and evaluation, torch infers the stages'
+        # metadata with a real forward (and backward), then clears the gradients of FSDP units: those a loop has
+        # accumulated so far (gradient accumulation, an evaluation between micro-batches) are kept aside and
+        # added back after.
+        kept = self._take_grads() if self._last_train is not train else {}
+        self._last_train = train
         self._loss_fn = loss_fn
-        losses: list[torch.Tensor] = []
+        self._scale = scale if scale is not None else _identity
+        self._losses = {}
         args = inputs if self.holds_first else ()
         kwargs: dict[str, Any] = {}
+        reported: list[torch.Tensor] = []
         if self.holds_last:
-            kwargs = {"target": target, "losses": losses}
+            kwargs = {"target": target, "losses": reported}
         try:
-            self._torch_schedule.step(*args, **kwargs)
+            if train:
+                self._torch_schedule.step(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    self._torch_schedule.eval(*args, **kwargs)
         finally:
             self._loss_fn = None
+            self._give_back(kept)
         if self.holds_last:
-            loss = torch.stack([loss.detach().float() for loss in losses]).sum().to(self.device)
+            loss = torch.stack([self._losses[id(t)] for t in reported]).sum().to(self.device)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._losses = {}
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
+
+    def _take_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        kept = {}
+        for stage in self.stages.values():
+            for p in stage.parameters():
+                if p.grad is not None:
+                    kept[p], p.grad = p.grad, None
+        return kept
+
+    def _give_back(self, kept: dict[nn.Parameter, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, grad in kept.items():
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+
+
+def _identity(loss: torch.Tensor) -> torch.Tensor:
+    return loss
 
 
 def _batch_size(inputs: tuple[Any, ...], target: Any) -> int | None:

@@ -140,39 +140,53 @@ def stage_problems(stages: dict[int, nn.Module]) -> list[str]:
     ]
 
 
-def materialize(stage: nn.Module, model: nn.Module, device: torch.device) -> None:
-    """Allocate a stage's meta tensors on `device` and initialise them module by module with the module's own
-    `reset_parameters` (the model's module of the same name, for traced stages whose modules lost their class)."""
-    for name, mod in stage.named_modules():
-        own = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
-        if not any(t.is_meta for t in own):
-            continue
-        init = mod if hasattr(mod, "reset_parameters") else _module_or_none(model, name)
-        mod.to_empty(device=device, recurse=False)
-        if init is None or not hasattr(init, "reset_parameters"):
-            raise MisuseError(
-                f"Stage module {name or '<root>'!r} ({type(mod).__name__}) was built on the meta device and has no "
-                "reset_parameters() to initialise it with. Give the module a reset_parameters, or build the model "
-                "for real, or load weights after setup (loom.load_raw)."
-            )
-        with torch.no_grad():
-            if init is mod:
-                mod.reset_parameters()  # type: ignore[operator]
-            else:
-                init.to_empty(device=device, recurse=False)
-                init.reset_parameters()  # type: ignore[operator]
-                for key, t in [*init.named_parameters(recurse=False), *init.named_buffers(recurse=False)]:
-                    target = getattr(mod, key, None)
-                    if isinstance(target, torch.Tensor):
+def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.device) -> None:
+    """Allocate the stages' meta tensors on `device` and give them the values one process draws for the whole
+    model from the same seed: every module of `model` with meta tensors runs its initialiser in the model's
+    order (its `reset_parameters`, or a Hugging Face model's `_init_weights`, as `init_module(empty_init=True)`
+    does elsewhere), so the random numbers are drawn in the order a real initialisation draws them; the
+    values of this rank's stages are kept, the others freed at once. Each rank thus allocates its stages plus
+    one module of another stage at a time, and spends the whole model's initialisation time."""
+    from torchloom.strategies import _meta_init
+
+    mine: dict[str, torch.Tensor] = {}
+    for stage in stages.values():
+        meta = {n for n, t in _tensors(stage) if t.is_meta}
+        for mod in stage.modules():
+            if any(t.is_meta for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]):
+                mod.to_empty(device=device, recurse=False)
+        mine.update((n, t) for n, t in _tensors(stage) if n in meta)
+    if not mine:
+        return
+    pending = _meta_init.meta_modules(model)
+    filled: set[str] = set()
+    with torch.no_grad():
+        for prefix, mod in pending:
+            # A module a split_fn put into its stage as it is (no copy) was allocated above: initialised in place.
+            shared = not any(t.is_meta for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
+            if not shared:
+                mod.to_empty(device=device, recurse=False)
+            _meta_init.run_init(mod)
+            for key, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                name = f"{prefix}.{key}" if prefix else key
+                target = mine.get(name)
+                if target is not None:
+                    filled.add(name)
+                    if target is not t:
                         target.copy_(t)
-                init.to_empty(device="meta", recurse=False)
+            if not shared:
+                mod.to_empty(device="meta", recurse=False)
+    unfilled = sorted(set(mine) - filled)
+    if unfilled:
+        raise MisuseError(
+            f"Pipeline stage tensors {unfilled[:3]} were built on the meta device but the model has no meta tensor "
+            "of that name to initialise them from: keep each stage's tensors at their names in the model, or build "
+            "the model for real, or load weights after setup (loom.load_raw)."
+        )
 
 
-def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def graft(model: nn.Module, stages: Sequence[nn.Module]) -> None:

@@ -112,6 +112,31 @@ def total_norm(
     return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
 
 
+def clip_to_norm(
+    precision: Any,
+    optimizer: Optimizer,
+    grads: list[torch.Tensor],
+    total: torch.Tensor,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+) -> None:
+    """Scale `grads` (their local pieces) so that their norm `total` (already combined over every rank that holds
+    a piece) is at most `max_norm`, as `torch.nn.utils.clip_grads_with_norm_` does. A non-finite norm under
+    loss scaling marks the step for the scaler to skip (`precision.skip_step_for_nonfinite_norm`); without one
+    it raises where `error_if_nonfinite`. The norm is the same on every rank, so every rank takes the same
+    branch."""
+    if not torch.isfinite(total):
+        if precision.skip_step_for_nonfinite_norm(optimizer):
+            return  # fp16 overflow: the loss scaler skips this step on every rank
+        if error_if_nonfinite:
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
+            )
+    scale_grads(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
 def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply the gradients' local pieces by `coef`: one fused multiply per device and dtype (what
     torch.nn.utils.clip_grads_with_norm_ does)."""

@@ -492,18 +492,7 @@ class ShardedStrategy(ParallelStrategy):
         _norms.reduce_pending_grads(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = self._total_norm(module, optimizer, float(norm_type))
-        if not torch.isfinite(total):
-            # The norm is the same on every rank, so every rank takes the same branch.
-            if self.precision.skip_step_for_nonfinite_norm(optimizer):
-                return total  # fp16 overflow: the loss scaler skips this step on every rank
-            if error_if_nonfinite:
-                raise RuntimeError(
-                    f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
-                    "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
-                )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        # On the local pieces of sharded gradients.
-        _norms.scale_grads(grads, coef)
+        _norms.clip_to_norm(self.precision, optimizer, grads, total, max_norm, norm_type, error_if_nonfinite)
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:

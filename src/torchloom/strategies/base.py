@@ -26,6 +26,7 @@ from torchloom.accelerators import Accelerator
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.precision import Precision
+from torchloom.strategies import _norms
 from torchloom.wrappers import steps_kinds_apart
 
 if TYPE_CHECKING:
@@ -257,15 +258,7 @@ class Strategy:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type)
-        if not torch.isfinite(total):
-            if self.precision.skip_step_for_nonfinite_norm(optimizer):
-                return total  # fp16 overflow: the loss scaler skips this step
-            if error_if_nonfinite:
-                raise RuntimeError(
-                    f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
-                    "they cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
-                )
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        _norms.clip_to_norm(self.precision, optimizer, grads, total, max_norm, norm_type, error_if_nonfinite)
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.pipelining import _grads, _schedule, _split, _state
+from torchloom.strategies import _norms
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy
 
@@ -59,6 +60,13 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: stages each pipeline rank holds (2 or more for the interleaved and zero-bubble ones).
         save_distributed_checkpoint: True: every rank writes its stage's shards (a directory); False: rank 0
             writes one file with the whole model.
+
+    A batch runs with `loom.forward_backward(model, inputs, target, loss_fn)` and, forward only, with
+    `loom.evaluate(...)` (between optimizer steps; not through "zbv_zero_bubble"); both are the plain forward
+    (and backward) under any other strategy. Every precision works: `16-mixed` scales each micro-batch's loss
+    and agrees on overflows over every rank. A model built under `loom.init_module(empty_init=True)` gets, on
+    each rank's stages, the values one process draws from the same seed. `loom.save_raw` writes the whole model
+    in Hugging Face's layout, each stage's files from that stage's ranks.
     """
 
     name = "pipeline"
@@ -70,6 +78,9 @@ class PipelineStrategy(ParallelStrategy):
     supports_meta_init = True
     #: Each rank's model holds only its stages: checkpoint loading checks keys against every rank's together.
     holds_module_parts = True
+    # Each stage's ranks hold other gradients: fp16's loss scaler takes its found-inf decision over every rank
+    # (`AgreedGradScaler`), so all skip the same steps and keep one scale.
+    sharded_gradients = True
 
     def __init__(
         self,
@@ -210,11 +221,6 @@ class PipelineStrategy(ParallelStrategy):
             raise MisuseError(
                 "PipelineStrategy sets up one model per Loom: make a Loom for each pipelined model."
             )
-        if self.precision.scaler is not None:
-            raise MisuseError(
-                "PipelineStrategy does not support fp16 loss scaling yet: use precision='bf16-mixed', "
-                "'bf16-true' or '32-true'."
-            )
         mesh = self.device_mesh
         pp_mesh = mesh[PIPELINE_PARALLEL]
         pp_rank = pp_mesh.get_local_rank()
@@ -241,8 +247,8 @@ class PipelineStrategy(ParallelStrategy):
         found = sorted({p for rank_problems in everyone for p in rank_problems})
         if found:
             raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
+        _split.materialize(stages, module, self.root_device)
         for stage in stages.values():
-            _split.materialize(stage, module, self.root_device)
             stage.to(self.root_device)
         # The stage's data- and tensor-parallel ranks start from one set of values (their first rank's).
         self._stage_group = self._make_stage_groups(mesh)
@@ -290,21 +296,56 @@ class PipelineStrategy(ParallelStrategy):
         self, module: nn.Module, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]
     ) -> torch.Tensor:
         """One batch's forward and backward through the schedule; the loss on every rank."""
-        if self._runner is None:
-            raise MisuseError("Set the model up with loom.setup_module before loom.forward_backward.")
         precision = self.precision
-        # The inputs as the model's forward gets them elsewhere (LoomModule); the target as the user passed it.
-        inputs = precision.convert_input(tuple(inputs))
-        with precision.forward_context():
-            # The output as LoomModule hands it to the user's loss elsewhere (in the default dtype).
-            loss = self._runner.run(
-                tuple(inputs), target, lambda out, tgt: loss_fn(precision.convert_output(out), tgt)
-            )
+        loss = self._run(inputs, target, loss_fn, precision.scale_for_backward(self.root_device))
         if self._syncing:
             if not self._checked_tp:
                 self._check_plain_grads_agree_over_tp()
             self._average_plain_grads()
         return loss
+
+    def evaluate(
+        self, module: nn.Module, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """One batch's forward through the schedule (torch's `schedule.eval`): no backward, gradients and
+        the next training batch untouched; the loss on every rank. Refused while gradients are pending."""
+        pending = torch.tensor(
+            [float(any(_nonzero(p.grad) for p in module.parameters()))], device=self.root_device
+        )
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)  # every rank raises, or none
+        if pending.item():
+            # Measured: an evaluation between the micro-batches of an accumulation, under interleaved schedules
+            # with fully_shard units inside a stage, leaves the accumulated gradients wrong (torch re-infers the
+            # stages' metadata at each switch between training and evaluation, and resets FSDP's state).
+            raise MisuseError(
+                "loom.evaluate under pipeline parallelism runs between optimizer steps, not while gradients are "
+                "pending (between the micro-batches of an accumulation): call it after optimizer.step() and "
+                "optimizer.zero_grad()."
+            )
+        return self._run(inputs, target, loss_fn, None, train=False)
+
+    def _run(
+        self,
+        inputs: tuple[Any, ...],
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        scale: Callable[[torch.Tensor], torch.Tensor] | None,
+        train: bool = True,
+    ) -> torch.Tensor:
+        if self._runner is None:
+            raise MisuseError("Set the model up with loom.setup_module before running a batch through it.")
+        precision = self.precision
+        # The inputs as the model's forward gets them elsewhere (LoomModule); the target as the user passed it.
+        inputs = precision.convert_input(tuple(inputs))
+        with precision.forward_context():
+            # The output as LoomModule hands it to the user's loss elsewhere (in the default dtype).
+            return self._runner.run(
+                tuple(inputs),
+                target,
+                lambda out, tgt: loss_fn(precision.convert_output(out), tgt),
+                scale,
+                train=train,
+            )
 
     def _check_plain_grads_agree_over_tp(self) -> None:
         """Plain parameters are averaged over the data-parallel ranks only, which is right where their
@@ -364,23 +405,16 @@ class PipelineStrategy(ParallelStrategy):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
         pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
         total = _grads.total_norm(optimizer, float(norm_type), self.root_device, pp_group)
-        if not torch.isfinite(total) and error_if_nonfinite:
-            raise RuntimeError(
-                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
-                "cannot be clipped. Pass error_if_nonfinite=False to clip anyway."
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            for g in _grads.local_grads(optimizer):
-                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        _norms.clip_to_norm(self.precision, optimizer, grads, total, max_norm, norm_type, error_if_nonfinite)
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
-        with torch.no_grad():
-            for g in _grads.local_grads(optimizer):
-                g.clamp_(min=-clip_val, max=clip_val)
+        self.precision.unscale_gradients(optimizer)
+        _norms.clamp_grads(optimizer, clip_val)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]:
@@ -456,6 +490,13 @@ class PipelineStrategy(ParallelStrategy):
         if self.global_rank != 0:
             return None
         return [g for g in gathered if g is not None]
+
+
+def _nonzero(grad: torch.Tensor | None) -> bool:
+    if grad is None:
+        return False
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    return bool(local.count_nonzero())
 
 
 def _along_pp(mesh: DeviceMesh) -> list[int]:
