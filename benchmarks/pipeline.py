@@ -1,9 +1,13 @@
 """Pipeline parallelism on 2 CPU ranks (pp 2): the bubble each schedule leaves, against the theory, and the step
 time of `PipelineStrategy` against the same schedule written with raw `torch.distributed.pipelining`.
 
-    bubble   per schedule and micro-batch count m, of the raw schedule: 1 - (busy time) / (schedule time) on each
-             rank, averaged over the ranks, where the busy time is the CPU time of the rank's main thread (one
-             thread per rank; gloo's waits sleep); GPipe's theory is (p - 1) / (m + p - 1).
+    bubble   per schedule and micro-batch count m, of the raw schedule: 1 - (compute time) / (schedule time) on
+             each rank, averaged over the ranks. The schedule time is the wall time of one `schedule.step`; the
+             compute time is the wall time of the same rank running its stage's forward and backward over the same
+             m micro-batches with no pipeline (no p2p, no waiting), measured right after it, both ranks at once.
+             Medians over the steps. The theory, for GPipe and 1F1B alike, is (p - 1) / (m + p - 1).
+             (The first version divided the main thread's CPU time by the wall time: on a loaded machine that
+             measures the share of a core the rank got, not the pipeline's idle time, and read 0.6-0.9.)
     ratio    torchloom (PipelineStrategy with a split_fn, `loom.forward_backward`, `loom.clip_gradients`, AdamW)
              against raw torch (the same stage modules in a PipelineStage, the same schedule, a hand-written
              global norm over both stages, AdamW), alternating step by step in the same two processes.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,7 +92,7 @@ def _body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     dim, blocks, mb_rows = cfg["dim"], cfg["blocks"], cfg["rows"]
-    out: dict[str, Any] = {"bubble": {}, "times": {}}
+    out: dict[str, Any] = {"bubble": {}, "busy": {}, "times": {}}
     g = torch.Generator().manual_seed(0)
     for schedule in ("gpipe", "1f1b"):
         for m in cfg["microbatches"]:
@@ -121,17 +126,49 @@ def _body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     (loom_times if side == "loom" else raw_times).append(
                         loom_step() if side == "loom" else raw_step()
                     )
-            _BUSY.clear()
+            schedule_walls, compute_walls = [], []
             for _ in range(cfg["steps"]):
-                raw_step()
-            busy = _all_gather_float(median(_BUSY), loom)
+                schedule_walls.append(_raw_schedule_wall(rank, raw, xb, yb))
+                raw_opt.zero_grad()
+                compute_walls.append(_compute_wall(rank, world, raw_module, xb, yb, m))
+                raw_opt.zero_grad()
+            busy = _all_gather_float(median(compute_walls) / median(schedule_walls), loom)
             out["bubble"][(schedule, m)] = 1 - sum(busy) / len(busy)
+            out["busy"][(schedule, m)] = busy
             out["times"][(schedule, m)] = (loom_times, raw_times)
             loom.close()
     return out
 
 
-_BUSY: list[float] = []
+def _raw_schedule_wall(rank: int, raw: Any, xb: torch.Tensor, yb: torch.Tensor) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    if rank == 0:
+        raw.step(xb)
+    else:
+        raw.step(target=yb, losses=[])
+    return time.perf_counter() - t
+
+
+def _compute_wall(
+    rank: int, world: int, module: nn.Module, xb: torch.Tensor, yb: torch.Tensor, m: int
+) -> float:
+    """The wall time of this rank's stage work in the schedule without the pipeline: the forward and backward of
+    its m micro-batches back to back (a stage that is not the last receives random output gradients, one that is
+    not the first random inputs; the shapes are the schedule's), with every rank doing so at the same time."""
+    xs, ys = xb.chunk(m), yb.chunk(m)
+    inputs = xs if rank == 0 else [torch.randn_like(x).requires_grad_() for x in xs]
+    with torch.no_grad():
+        grads = [torch.randn_like(module(x)) for x in inputs] if rank < world - 1 else []
+    dist.barrier()
+    t = time.perf_counter()
+    for i in range(m):
+        out = module(inputs[i])
+        if rank == world - 1:
+            (_loss(out, ys[i]) / m).backward()
+        else:
+            out.backward(grads[i])
+    return time.perf_counter() - t
 
 
 def _loom_step(loom: Any, model: Any, opt: Any, xb: torch.Tensor, yb: torch.Tensor) -> float:
@@ -146,15 +183,11 @@ def _loom_step(loom: Any, model: Any, opt: Any, xb: torch.Tensor, yb: torch.Tens
 
 def _raw_step(rank: int, raw: Any, module: nn.Module, opt: Any, xb: torch.Tensor, yb: torch.Tensor) -> float:
     dist.barrier()
-    t, cpu = time.perf_counter(), time.thread_time()
+    t = time.perf_counter()
     if rank == 0:
         raw.step(xb)
     else:
         raw.step(target=yb, losses=[])
-    wall = time.perf_counter() - t
-    # This rank's busy share of the schedule: its main thread's CPU time (gloo's waits sleep, its own threads
-    # do the transfers).
-    _BUSY.append((time.thread_time() - cpu) / wall)
     _raw_norm_clip(list(module.parameters()), 1.0)
     opt.step()
     opt.zero_grad()
@@ -185,7 +218,11 @@ def main() -> None:
         args.dim, args.rows, args.microbatches, args.steps = 32, 4, [2], 4
     header("pipeline parallelism: bubble and step time vs raw torch.distributed.pipelining (pp 2, CPU)", args)
     cfg = {k: getattr(args, k) for k in ("dim", "blocks", "rows", "microbatches", "steps")}
+    load_before = os.getloadavg()
     results = run_ranks(_body, cfg, world_size=2)
+    load = (
+        f"load average (1, 5, 15 min) {_load(load_before)} at the start, {_load(os.getloadavg())} at the end"
+    )
     p = 2
     rows, payload = [], []
     for (schedule, m), bubble in results[0]["bubble"].items():
@@ -197,12 +234,36 @@ def main() -> None:
                 m,
                 f"{bubble:.3f}",
                 f"{theory:.3f}",
+                " ".join(f"{b:.2f}" for b in results[0]["busy"][(schedule, m)]),
                 summary(loom_times, "{:.4f}"),
                 summary(raw_times, "{:.4f}"),
             ]
         )
-        payload.append({"schedule": schedule, "m": m, "bubble": bubble, "theory": theory})
-    print(table(["schedule", "m", "bubble (raw)", "(p-1)/(m+p-1)", "torchloom step s", "raw step s"], rows))
+        payload.append(
+            {
+                "schedule": schedule,
+                "m": m,
+                "bubble": bubble,
+                "theory": theory,
+                "busy": results[0]["busy"][(schedule, m)],
+                "torchloom_median_s": median(loom_times),
+                "raw_median_s": median(raw_times),
+            }
+        )
+    print(
+        table(
+            [
+                "schedule",
+                "m",
+                "bubble (raw)",
+                "(p-1)/(m+p-1)",
+                "busy per rank",
+                "torchloom step s",
+                "raw step s",
+            ],
+            rows,
+        )
+    )
     lines = []
     for schedule in ("gpipe", "1f1b"):
         values = []
@@ -210,7 +271,12 @@ def main() -> None:
             if s == schedule:
                 values += ratios(loom_times, raw_times)
         lines.append(ratio_line(f"pipeline-{schedule}-step", values, "<= 1.03"))
-    write_json(args.json, {"bubble": payload, "ratios": lines})
+    print(f"# {load}")
+    write_json(args.json, {"bubble": payload, "ratios": lines, "load": load})
+
+
+def _load(values: tuple[float, float, float]) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
 
 
 if __name__ == "__main__":

@@ -151,11 +151,19 @@ def _check_launch_fn(out: str, folder: Path) -> None:
     assert re.search(r"^2 ranks, final loss [\d.]+$", out, re.M), out
 
 
+def _check_3d(out: str, folder: Path) -> None:
+    found = dict(re.findall(r"^(pp 2 x tp 2 x dp 2|one process) losses: +([\d. ]+)$", out, re.M))
+    assert set(found) == {"pp 2 x tp 2 x dp 2", "one process"}, out
+    losses, expected = ([float(x) for x in found[k].split()] for k in ("pp 2 x tp 2 x dp 2", "one process"))
+    assert len(losses) == 3 and losses == pytest.approx(expected, abs=1e-5), out
+
+
 # What a script's output must show beyond a clean exit, keyed by a line of the script.
 _CHECKS = {
     'loom.print(f"epoch {epoch}: loss': _check_ddp_loop,
     'loom.print(f"done, last gradient norm': _check_fsdp_units,
     'print(f"2 ranks, final loss': _check_launch_fn,
+    'print("pp 2 x tp 2 x dp 2 losses: "': _check_3d,
 }
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
+from torchloom._layout import clean_name
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.pipelining import _grads, _schedule, _split, _state
@@ -469,7 +470,8 @@ class PipelineStrategy(ParallelStrategy):
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
         # Saved for the whole model (both formats): this stage's part.
-        state = _state.optimizer_of_stage(state, {n for n, _ in module.named_parameters()})
+        # The saved names are torch's (state-dict names: no `_checkpoint_wrapped_module.`, `_orig_mod.`).
+        state = _state.optimizer_of_stage(state, {clean_name(n) for n, _ in module.named_parameters()})
         super().load_optimizer_state_dict(module, optimizer, state, full=full)
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
