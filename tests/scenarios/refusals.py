@@ -57,7 +57,9 @@ REFUSALS.append(
         name="fused SGD on DTensors",
         # Under fsdp2 every parameter in a unit is a DTensor; "none" puts everything in the root unit.
         applies=lambda s: (
-            s.strategy in ("fsdp2", "model_parallel") and s.optimizer == "sgd" and s.impl == "fused"
+            s.strategy in ("fsdp2", "model_parallel", "pipeline")
+            and s.optimizer == "sgd"
+            and s.impl == "fused"
         ),
         error="MisuseError",
         fragment="SGD(fused=True) cannot update sharded parameters",
@@ -134,6 +136,54 @@ for _phase in ("train", "resume"):
             phase=_phase,
         )
     )
+
+
+# ---- pipeline ----------------------------------------------------------------------------------------------------
+def _per_rank_batch(s: Scenario, phase: str) -> int:
+    from .model import GLOBAL_BATCH
+
+    return GLOBAL_BATCH // s.dp(phase) * (2 if s.loop == "two_loaders" else 1)
+
+
+for _phase in ("train", "resume"):
+    REFUSALS += [
+        Refusal(
+            name="fp16 loss scaling under a pipeline",
+            applies=lambda s, phase=_phase: s.pipelined(phase) and s.precision == "16-mixed",
+            error="MisuseError",
+            fragment="PipelineStrategy does not support fp16 loss scaling",
+            reason="the schedule runs the backward inside torch's step, where GradScaler's scaled loss cannot go",
+            phase=_phase,
+        ),
+        Refusal(
+            name="1f1b with fewer micro-batches than stages",
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase) and s.schedule == "1f1b" and s.microbatches < s.num_stages(phase)
+            ),
+            error="ConfigurationError",
+            fragment="needs at least as many micro-batches as stages",
+            reason="torch's 1F1B cannot fill its warm-up with fewer micro-batches than stages",
+            phase=_phase,
+        ),
+        Refusal(
+            name="micro-batches that do not divide the batch",
+            applies=lambda s, phase=_phase: s.pipelined(phase) and _per_rank_batch(s, phase) % s.microbatches,
+            error="MisuseValueError",
+            fragment="micro-batches do not divide",
+            reason="unequal micro-batches would weigh their samples unequally in the mean loss",
+            phase=_phase,
+        ),
+        Refusal(
+            name="a tied weight across pipeline stages",
+            # model.split_fn's stages: "inp" opens the first, "out" closes the last.
+            applies=lambda s, phase=_phase: s.pipelined(phase) and s.tied and s.num_stages(phase) > 1,
+            error="MisuseError",
+            fragment="holds parameters that are not the model's under these names",
+            reason="the tied weight would be two parameters on two stages, trained apart; the stage that holds "
+            "the tie's second name (out.weight, which named_parameters() leaves out) is refused",
+            phase=_phase,
+        ),
+    ]
 
 
 @dataclass(frozen=True)
