@@ -23,13 +23,13 @@ AXES: dict[str, tuple[Any, ...]] = {
     # parallel and fully_shard over the data-parallel ranks in parallelize_fn, per stage, as model_parallel's);
     # the script runs every batch through `loom.forward_backward` under every strategy.
     "strategy": ("single", "ddp", "fsdp", "fsdp2", "model_parallel", "pipeline"),
+    # pipeline: pipeline_parallel_size (1 elsewhere).
+    "pp": (1, 2),
     "world_size": (1, 2, 3, 4),
     # The device mesh. "flat": the strategy's 1-D default. "RxC" under fsdp2: HSDP, device_mesh=(R replicas, C
     # shards); under model_parallel: data_parallel_size=R x tensor_parallel_size=C; under pipeline: "flat"
     # (tensor_parallel_size=1) or "1x2" (tensor_parallel_size=2), data parallel over the ranks left.
     "mesh": ("flat", "1x2", "2x1", "2x2"),
-    # pipeline: pipeline_parallel_size (1 elsewhere).
-    "pp": (1, 2),
     # pipeline: torch's schedule ("none" elsewhere); the multi-stage ones hold 2 stages per pipeline rank.
     "schedule": SCHEDULES,
     # pipeline: n_microbatches, each data-parallel rank's batch cut into this many (1 elsewhere).
@@ -131,7 +131,11 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     # model_parallel's units are the user's (fully_shard in parallelize_fn).
     if strategy in ("single", "ddp") and get("units") not in (None, "none"):
         return True
-    if strategy in ("model_parallel", "pipeline") and get("units") not in (None, "hand"):
+    if strategy == "model_parallel" and get("units") not in (None, "hand"):
+        return True
+    # pipeline: "hand" = fully_shard on the blocks in parallelize_fn (and on the projections without leftovers),
+    # "none" = no unit (plain parameters, whose gradients PipelineStrategy averages over data parallel).
+    if strategy == "pipeline" and get("units") not in (None, "hand", "none"):
         return True
     if get("units") == "none" and get("leftovers") is True:
         return True

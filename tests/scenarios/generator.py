@@ -274,7 +274,7 @@ def pipeline_scenarios() -> list[Scenario]:
                 "load_pp": "ddp",
             }
         ),
-        # pp 2 x tp 2 (4 ranks), zero bubble in a V, norm clipping.
+        # pp 2 x tp 2 (4 ranks), zero bubble in a V (without fully_shard units: a known failure), norm clipping.
         Scenario.of(
             **{
                 **pp,

@@ -200,6 +200,19 @@ class KnownFailure:
 
 KNOWN_FAILURES: list[KnownFailure] = [
     KnownFailure(
+        name="zero-bubble schedules with fully_shard units",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble")
+            and s.units == "hand"
+        ),
+        reason="the zero-bubble schedules run each stage's weight gradients in a pass of their own, after FSDP2 "
+        "has resharded the unit: the stage holding a unit raises torch's 'The tensor has a non-zero number of "
+        "elements, but its data is not allocated yet' (stage_backward_weight) and its pipeline peers wait in "
+        "their p2p receive for the collective timeout; PipelineStrategy neither supports nor refuses it",
+        runs=False,
+    ),
+    KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
         applies=lambda s: (
             s.strategy == "fsdp"

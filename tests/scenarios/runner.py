@@ -127,8 +127,9 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
             block.compile(backend=COMPILE_BACKEND)
         if scenario.act_ckpt:
             block = model.blocks[i] = checkpoint_wrapper(block)
-        fully_shard(block, **strategy.unit_kwargs())
-    if not scenario.leftovers:
+        if scenario.units == "hand":  # pipeline's "none": no unit at all
+            fully_shard(block, **strategy.unit_kwargs())
+    if not scenario.leftovers and scenario.units == "hand":
         for edge in (model.inp, model.norm, model.out):
             if edge is not None:
                 fully_shard(edge, **strategy.unit_kwargs())
