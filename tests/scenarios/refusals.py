@@ -106,6 +106,20 @@ REFUSALS.append(
     )
 )
 
+for _phase in ("train", "resume"):
+    REFUSALS.append(
+        Refusal(
+            name="tensor-parallel DTensors outside units in a data-parallel pipeline",
+            # _parallelize makes the blocks' MLPs tensor-parallel DTensors (also on a tensor-parallel mesh of 1).
+            applies=lambda s, phase=_phase: s.pipelined(phase) and s.units == "none" and s.dp(phase) > 1,
+            error="MisuseError",
+            fragment="are tensor-parallel DTensors outside every fully_shard unit",
+            reason="no unit reduces their gradients over the data-parallel ranks, and the plain-gradient "
+            "averaging leaves DTensors alone: the replicas trained apart (0.04 off one process, silently)",
+            phase=_phase,
+        )
+    )
+
 REFUSALS.append(
     Refusal(
         name="cpu_offload on a CPU job",

@@ -261,6 +261,7 @@ class PipelineStrategy(ParallelStrategy):
                         "must end with `return model`."
                     )
                 stages[i] = result
+        self._refuse_unreduced_dtensors(stages)
         self._named_plain = [
             (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
         ]
@@ -277,6 +278,29 @@ class PipelineStrategy(ParallelStrategy):
             [int(r) for r in _along_pp(mesh)],
         )
         return module
+
+    def _refuse_unreduced_dtensors(self, stages: dict[int, nn.Module]) -> None:
+        """Tensor-parallel DTensors outside every `fully_shard` unit: neither a unit nor the plain-gradient
+        averaging reduces their gradients over the data-parallel ranks, so the replicas would train apart
+        (found by the scenario engine). Refused as `ModelParallelStrategy` refuses them; every rank together."""
+        if self.data_parallel_size == 1:
+            return
+        from torch.distributed.tensor import DTensor
+
+        mine = [
+            n
+            for s in stages.values()
+            for n, p in s.named_parameters()
+            if isinstance(p, DTensor) and DATA_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
+        ]
+        found = sorted({n for names in self.all_gather_object(mine) for n in names})
+        if found:
+            raise MisuseError(
+                f"Parameter(s) {found[:5]}{' ...' if len(found) > 5 else ''} are tensor-parallel DTensors outside "
+                f"every fully_shard unit, with data_parallel_size={self.data_parallel_size}: nothing would average "
+                "their gradients over the data-parallel ranks. In parallelize_fn, apply fully_shard(module, "
+                "mesh=device_mesh['data_parallel']) to a module that holds them (e.g. each block)."
+            )
 
     def _make_stage_groups(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
         if self.data_parallel_size * self.tensor_parallel_size == 1:
