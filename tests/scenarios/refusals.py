@@ -41,7 +41,7 @@ REFUSALS.append(
     Refusal(
         name="tie across units",
         applies=lambda s: (
-            s.strategy in ("fsdp", "fsdp2", "model_parallel")
+            s.strategy in ("fsdp", "fsdp2", "model_parallel", "pipeline")
             and s.tied
             and s.units == "hand"
             and not s.leftovers

@@ -261,7 +261,7 @@ class PipelineStrategy(ParallelStrategy):
                         "must end with `return model`."
                     )
                 stages[i] = result
-        self._refuse_unreduced_dtensors(stages)
+        self._check_parallelized(stages)
         self._named_plain = [
             (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
         ]
@@ -279,28 +279,39 @@ class PipelineStrategy(ParallelStrategy):
         )
         return module
 
-    def _refuse_unreduced_dtensors(self, stages: dict[int, nn.Module]) -> None:
-        """Tensor-parallel DTensors outside every `fully_shard` unit: neither a unit nor the plain-gradient
-        averaging reduces their gradients over the data-parallel ranks, so the replicas would train apart
-        (found by the scenario engine). Refused as `ModelParallelStrategy` refuses them; every rank together."""
-        if self.data_parallel_size == 1:
-            return
+    def _check_parallelized(self, stages: dict[int, nn.Module]) -> None:
+        """What parallelize_fn made that cannot train correctly (found by the scenario engine), refused on every
+        rank together: a weight tied between two `fully_shard` units (each unit would train its own copy), and
+        tensor-parallel DTensors outside every unit at data_parallel_size > 1 (neither a unit nor the
+        plain-gradient averaging would reduce their gradients: the replicas would train apart), as the sharded
+        strategies and `ModelParallelStrategy` refuse them."""
         from torch.distributed.tensor import DTensor
 
-        mine = [
+        from torchloom._layout import analyze
+        from torchloom.strategies._unit_checks import check_split_ties
+
+        problems: list[str] = []
+        try:
+            for stage in stages.values():
+                check_split_ties(analyze(stage))
+        except MisuseError as error:
+            problems.append(str(error))
+        unreduced = [
             n
             for s in stages.values()
             for n, p in s.named_parameters()
             if isinstance(p, DTensor) and DATA_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
         ]
-        found = sorted({n for names in self.all_gather_object(mine) for n in names})
-        if found:
-            raise MisuseError(
-                f"Parameter(s) {found[:5]}{' ...' if len(found) > 5 else ''} are tensor-parallel DTensors outside "
-                f"every fully_shard unit, with data_parallel_size={self.data_parallel_size}: nothing would average "
-                "their gradients over the data-parallel ranks. In parallelize_fn, apply fully_shard(module, "
+        if unreduced and self.data_parallel_size > 1:
+            problems.append(
+                f"Parameter(s) {unreduced[:5]}{' ...' if len(unreduced) > 5 else ''} are tensor-parallel DTensors "
+                f"outside every fully_shard unit, with data_parallel_size={self.data_parallel_size}: nothing would "
+                "average their gradients over the data-parallel ranks. In parallelize_fn, apply fully_shard(module, "
                 "mesh=device_mesh['data_parallel']) to a module that holds them (e.g. each block)."
             )
+        found = sorted({p for rank_problems in self.all_gather_object(problems) for p in rank_problems})
+        if found:
+            raise MisuseError("; ".join(found))
 
     def _make_stage_groups(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
         if self.data_parallel_size * self.tensor_parallel_size == 1:
@@ -458,8 +469,13 @@ class PipelineStrategy(ParallelStrategy):
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
-        # Saved for the whole model (both formats): this stage's part.
-        state = _state.optimizer_of_stage(state, {n for n, _ in module.named_parameters()})
+        from torchloom._layout import clean_name
+
+        # Saved for the whole model (both formats): this stage's part, by the names the state dict uses (without
+        # wrapper segments such as checkpoint_wrapper's, which named_parameters() keeps: a stage whose blocks
+        # parallelize_fn wrapped silently restarted their optimizer state from nothing).
+        own = {clean_name(n) for n, _ in module.named_parameters()}
+        state = _state.optimizer_of_stage(state, own)
         super().load_optimizer_state_dict(module, optimizer, state, full=full)
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
