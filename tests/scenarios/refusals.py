@@ -214,6 +214,18 @@ class KnownFailure:
 
 KNOWN_FAILURES: list[KnownFailure] = [
     KnownFailure(
+        name="a filtered sharded save under a pipeline",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.pp == 2
+            and s.checkpoint in ("sharded", "async")
+            and s.ckpt_state == "filter"
+        ),
+        reason="save(filter={'model': ...}) of a sharded checkpoint checks that the filter kept the same names on "
+        "every rank, but each pipeline rank holds other stages: it raises MisuseError 'save(..., filter=) for "
+        "entry 'model' kept different items on different ranks' for a filter that decides by name, as asked",
+    ),
+    KnownFailure(
         name="zero-bubble schedules with fully_shard units",
         applies=lambda s: (
             s.strategy == "pipeline"
