@@ -276,7 +276,8 @@ def pipeline_scenarios() -> list[Scenario]:
                 "load_pp": "ddp",
             }
         ),
-        # pp 2 x tp 2 (4 ranks), zero bubble in a V (without fully_shard units: a known failure), norm clipping.
+        # pp 2 x tp 2 (4 ranks), zero bubble in a V, no fully_shard unit (with units: a known failure), norm
+        # clipping.
         Scenario.of(
             **{
                 **pp,
@@ -284,11 +285,12 @@ def pipeline_scenarios() -> list[Scenario]:
                 "mesh": "1x2",
                 "schedule": "zbv_zero_bubble",
                 "microbatches": 4,
+                "units": "none",
+                "leftovers": False,
                 "clip": "norm",
             }
         ),
-        # refused: fp16's loss scaling; micro-batches that do not divide the batch (12 / 4 ranks... at dp 1: 12 / 4
-        # divides, so 1F1B at 1 micro-batch of 2 stages).
+        # refused: fp16's loss scaling; 1F1B with 1 micro-batch for 2 stages.
         Scenario.of(**{**pp, "precision": "16-mixed"}),
         Scenario.of(**{**pp, "microbatches": 1}),
         # tensor-parallel DTensors (a tensor-parallel mesh of 1) outside every unit at dp 2: refused (ran silently
