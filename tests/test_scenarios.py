@@ -1,6 +1,7 @@
 """The scenario engine's seeded pairwise set: every pair of axis values (tests/scenarios/axes.py) in at least
 one scenario, but the costly values (4 ranks, compile, offload: axes.COSTLY), which a few scenarios of their own
-hold (generator.extras), plus one plain baseline per strategy and world size; each scenario its own test, judged
+hold (generator.extras), plus one plain baseline per strategy and world size, plus a few pipeline scenarios
+(generator.pipeline_scenarios: the pipeline's axes are left out of the pairs); each scenario its own test, judged
 against plain torch on the global batch, the uninterrupted run
 (checkpoint scenarios) or a declared refusal. All of them run in a few launched rank groups (one per world
 size and phase), started by the first test; the rest read their results. The long random sample:

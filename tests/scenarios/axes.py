@@ -11,14 +11,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# The schedules that hold several stages per pipeline rank (2 here; zbv's V needs exactly 2).
+MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+SCHEDULES = ("none", "gpipe", "1f1b", *MULTI_STAGE)
+PIPELINE_AXES = ("pp", "schedule", "microbatches", "load_pp")  # pinned (1, "none", 1, 1) outside "pipeline"
+
 AXES: dict[str, tuple[Any, ...]] = {
     # "model_parallel": ModelParallelStrategy, tensor parallel on the blocks' MLPs with fully_shard over the
     # data-parallel ranks, in the user's parallelize_fn (model.parallelize).
-    "strategy": ("single", "ddp", "fsdp", "fsdp2", "model_parallel"),
+    # "pipeline": PipelineStrategy, the model cut into stages by the user's split_fn (the blocks' MLPs tensor
+    # parallel and fully_shard over the data-parallel ranks in parallelize_fn, per stage, as model_parallel's);
+    # the script runs every batch through `loom.forward_backward` under every strategy.
+    "strategy": ("single", "ddp", "fsdp", "fsdp2", "model_parallel", "pipeline"),
+    # pipeline: pipeline_parallel_size (1 elsewhere).
+    "pp": (1, 2),
     "world_size": (1, 2, 3, 4),
     # The device mesh. "flat": the strategy's 1-D default. "RxC" under fsdp2: HSDP, device_mesh=(R replicas, C
-    # shards); under model_parallel: data_parallel_size=R x tensor_parallel_size=C.
+    # shards); under model_parallel: data_parallel_size=R x tensor_parallel_size=C; under pipeline: "flat"
+    # (tensor_parallel_size=1) or "1x2" (tensor_parallel_size=2), data parallel over the ranks left.
     "mesh": ("flat", "1x2", "2x1", "2x2"),
+    # pipeline: torch's schedule ("none" elsewhere); the multi-stage ones hold 2 stages per pipeline rank.
+    "schedule": SCHEDULES,
+    # pipeline: n_microbatches, each data-parallel rank's batch cut into this many (1 elsewhere).
+    "microbatches": (1, 2, 4),
     # FSDP layouts: "hand" = units made by the user (wrap()/fully_shard on the blocks), "root" = the root is a
     # unit around the blocks' units (a policy, or unsharded_params="shard"), "none" = no unit but the root.
     "units": ("hand", "root", "none"),
@@ -63,6 +78,9 @@ AXES: dict[str, tuple[Any, ...]] = {
     "load_world_size": (1, 2, 3, 4),
     # model_parallel: the tensor-parallel size at load (data-parallel size = load_world_size / load_tp).
     "load_tp": (1, 2),
+    # pipeline: where the checkpoint resumes: PipelineStrategy at pipeline degree 1 or 2 (same schedule and
+    # micro-batches), or "ddp" / "fsdp2" (one unit at the root) without a pipeline. 1 elsewhere.
+    "load_pp": (1, 2, "ddp", "fsdp2"),
 }
 
 SHARDED = ("fsdp", "fsdp2")
@@ -76,6 +94,9 @@ COSTLY: dict[str, tuple[Any, ...]] = {
     "load_world_size": (4,),
     "compile": (True,),
     "offload": (True,),
+    # The pipeline's scenarios start a schedule each (threads, p2p): `make test` holds a few of its own
+    # (generator.pipeline_scenarios); the random samples draw it as often as any other strategy.
+    "strategy": ("pipeline",),
 }
 # How often random samples draw a value (default 1): compile is slow on CPU and offload only a refusal here.
 WEIGHTS: dict[str, dict[Any, float]] = {
@@ -92,16 +113,18 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     get = values.get
     strategy = get("strategy")
     ws, mesh = get("world_size"), get("mesh")
+    if _pipeline_conflicts(values):
+        return True
     if strategy == "single" and ws not in (None, 1):
         return True
     # Meshes: HSDP is fsdp2's, dp x tp is model_parallel's (which always has one), 2x2 is the 4-rank mesh.
-    if mesh not in (None, "flat") and strategy not in (None, "fsdp2", "model_parallel"):
+    if mesh not in (None, "flat") and strategy not in (None, "fsdp2", "model_parallel", "pipeline"):
         return True
     if strategy == "model_parallel" and (mesh == "flat" or ws in (1, 3)):
         return True
-    if ws == 4 and strategy not in (None, "fsdp2", "model_parallel"):
+    if ws == 4 and strategy not in (None, "fsdp2", "model_parallel", "pipeline"):
         return True
-    if ws is not None and mesh is not None:
+    if ws is not None and mesh is not None and strategy != "pipeline":
         if (mesh == "2x2") != (ws == 4) or (mesh in ("1x2", "2x1") and ws != 2):
             return True
     # Units and leftovers are FSDP notions; a model under one process or DDP is "no units, no leftovers".
@@ -109,6 +132,10 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     if strategy in ("single", "ddp") and get("units") not in (None, "none"):
         return True
     if strategy == "model_parallel" and get("units") not in (None, "hand"):
+        return True
+    # pipeline: "hand" = fully_shard on the blocks in parallelize_fn (and on the projections without leftovers),
+    # "none" = no unit (plain parameters, whose gradients PipelineStrategy averages over data parallel).
+    if strategy == "pipeline" and get("units") not in (None, "hand", "none"):
         return True
     if get("units") == "none" and get("leftovers") is True:
         return True
@@ -146,6 +173,32 @@ def conflicts(values: Mapping[str, Any]) -> bool:
         return True
     # The user's samplers replace the loop's own sampler (the "subset" loop is a sampler choice of its own).
     if get("sampler") not in (None, "auto") and get("loop") == "subset":
+        return True
+    return False
+
+
+def _pipeline_conflicts(values: Mapping[str, Any]) -> bool:
+    """The pipeline's own rules: its axes pinned elsewhere, its meshes, its degrees at save and load."""
+    get = values.get
+    strategy, ws, mesh, pp = get("strategy"), get("world_size"), get("mesh"), get("pp")
+    pinned = {"pp": 1, "schedule": "none", "microbatches": 1, "load_pp": 1}
+    if strategy not in (None, "pipeline") and any(get(a) not in (None, v) for a, v in pinned.items()):
+        return True
+    if strategy == "pipeline" and get("schedule") == "none":
+        return True
+    # pp x tp must divide the world: pp 2 on 2 or 4 ranks; tp 2 ("1x2") on 2 or 4, and on 4 with pp 2.
+    if pp == 2 and ws in (1, 3):
+        return True
+    if strategy == "pipeline" and mesh in ("2x1", "2x2"):
+        return True
+    if strategy == "pipeline" and mesh == "1x2" and ws in (1, 3):
+        return True
+    if pp == 2 and mesh == "1x2" and ws == 2:
+        return True
+    # Sequence parallel is model_parallel's (its norm hooks); 16-mixed and the rest are refusals, not conflicts.
+    if get("checkpoint") == "none" and get("load_pp") not in (None, 1):
+        return True
+    if get("load_pp") == 2 and get("load_world_size") in (1, 3):
         return True
     return False
 
@@ -191,14 +244,32 @@ class Scenario:
         return self.checkpoint != "none"
 
     def tp(self, phase: str = "train") -> int:
-        """The tensor-parallel size in a phase ("train" or "resume"); 1 outside model_parallel."""
+        """The tensor-parallel size in a phase ("train" or "resume"); 1 outside model_parallel and pipeline."""
+        if self.strategy == "pipeline":
+            return MESHES[self.mesh][1] if phase == "train" and self.mesh != "flat" else 1
         if self.strategy != "model_parallel":
             return 1
         return MESHES[self.mesh][1] if phase == "train" else self.load_tp
 
+    def pp_degree(self, phase: str = "train") -> int:
+        """The pipeline degree in a phase (1 without a pipeline)."""
+        if self.strategy != "pipeline":
+            return 1
+        if phase == "train":
+            return self.pp
+        return self.load_pp if isinstance(self.load_pp, int) else 1
+
+    def pipelined(self, phase: str = "train") -> bool:
+        """Whether the phase runs under PipelineStrategy (a pipeline checkpoint may resume in ddp or fsdp2)."""
+        return self.strategy == "pipeline" and (phase == "train" or isinstance(self.load_pp, int))
+
+    def num_stages(self, phase: str = "train") -> int:
+        return self.pp_degree(phase) * (2 if self.schedule in MULTI_STAGE else 1)
+
     def dp(self, phase: str = "train") -> int:
         """The ranks that read different data in a phase."""
-        return (self.world_size if phase == "train" else self.load_world_size) // self.tp(phase)
+        world = self.world_size if phase == "train" else self.load_world_size
+        return world // (self.tp(phase) * self.pp_degree(phase))
 
     def load_mesh(self) -> tuple[int, ...] | None:
         """fsdp2's HSDP mesh at load: the saved shape at the same world size, else the flat default (a reshard
@@ -213,6 +284,8 @@ class Scenario:
         v = self.as_dict()
         strategy = "mp" if v["strategy"] == "model_parallel" else v["strategy"]
         mesh = "" if v["mesh"] == "flat" else f"[{v['mesh']}]"
+        if v["strategy"] == "pipeline":  # pp{degree}.{schedule}.mb{micro-batches}
+            strategy = f"pp{v['pp']}.{v['schedule']}.mb{v['microbatches']}"
         layout = (
             "" if v["strategy"] in ("single", "ddp") else f"-{v['units']}{'+lo' if v['leftovers'] else ''}"
         )
@@ -237,6 +310,8 @@ class Scenario:
         if v["checkpoint"] != "none":
             state = "" if v["ckpt_state"] == "all" else f".{v['ckpt_state']}"
             load_tp = f"tp{v['load_tp']}" if v["strategy"] == "model_parallel" else ""
+            if v["strategy"] == "pipeline":
+                load_tp = f"pp{v['load_pp']}" if isinstance(v["load_pp"], int) else v["load_pp"]
             ckpt = f"-{v['checkpoint']}{state}@{v['save_step']}>w{v['load_world_size']}{load_tp}"
         return (
             f"{strategy}.w{v['world_size']}{mesh}{layout}{'-tied' if v['tied'] else ''}{extras}-{opt}"

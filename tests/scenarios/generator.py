@@ -7,14 +7,18 @@ import itertools
 import random
 from typing import Any
 
-from .axes import AXES, COSTLY, WEIGHTS, Scenario, conflicts
+from .axes import AXES, COSTLY, PIPELINE_AXES, WEIGHTS, Scenario, conflicts
 
 Pair = tuple[tuple[str, Any], tuple[str, Any]]
 
-# The axes of the pairwise set: every value but the costly ones (run by `extras` instead).
+# The axes of the pairwise set: every value but the costly ones (run by `extras` instead). The pipeline's own
+# axes are left out (pinned to their values outside "pipeline"), so the set stays the one it was before them.
 PAIRWISE_AXES = {
-    axis: tuple(v for v in values if v not in COSTLY.get(axis, ())) for axis, values in AXES.items()
+    axis: tuple(v for v in values if v not in COSTLY.get(axis, ()))
+    for axis, values in AXES.items()
+    if axis not in PIPELINE_AXES
 }
+NO_PIPELINE = {"pp": 1, "schedule": "none", "microbatches": 1, "load_pp": 1}
 
 
 def feasible_pairs(axes: dict[str, tuple[Any, ...]] = PAIRWISE_AXES) -> set[Pair]:
@@ -29,14 +33,15 @@ def feasible_pairs(axes: dict[str, tuple[Any, ...]] = PAIRWISE_AXES) -> set[Pair
 
 
 def pairs_of(values: dict[str, Any]) -> set[Pair]:
-    return {((a, values[a]), (b, values[b])) for a, b in itertools.combinations(AXES, 2)}
+    axes = [a for a in AXES if a in values]  # the pairwise set's values lack the pipeline's axes
+    return {((a, values[a]), (b, values[b])) for a, b in itertools.combinations(axes, 2)}
 
 
 def _complete(rng: random.Random, start: dict[str, Any], partners: dict) -> dict[str, Any] | None:
     """Fill the remaining axes, each with the value that covers the most uncovered pairs (ties at random).
     `partners[(axis, value)]`: the (axis, value)s it still forms an uncovered pair with."""
     values = dict(start)
-    axes = [a for a in AXES if a not in values]
+    axes = [a for a in PAIRWISE_AXES if a not in values]
     rng.shuffle(axes)
     for axis in axes:
         best, best_gain = [], -1
@@ -81,21 +86,23 @@ def pairwise(seed: int = 0, candidates: int = 20) -> list[Scenario]:
             partners[x].discard(y)
             partners[y].discard(x)
         uncovered -= pairs_of(best)
-        chosen.append(Scenario.of(**best))
+        chosen.append(Scenario.of(**best, **NO_PIPELINE))
     return chosen
 
 
-def random_sample(count: int, seed: int) -> list[Scenario]:
-    """`count` distinct scenarios: a strategy drawn uniformly, then the other axes among the feasible values
-    (rejection sampling, values weighted by axes.WEIGHTS). Uniform over all feasible scenarios would give
-    fsdp2, whose layouts are most numerous, half of them and one process a handful."""
+def random_sample(count: int, seed: int, strategy: str | None = None) -> list[Scenario]:
+    """`count` distinct scenarios: a strategy drawn uniformly (or the one given), then the other axes among the
+    feasible values (rejection sampling, values weighted by axes.WEIGHTS). Uniform over all feasible scenarios
+    would give fsdp2, whose layouts are most numerous, half of them and one process a handful."""
     rng = random.Random(seed)
     seen: dict[str, Scenario] = {}
     tries = 0
     while len(seen) < count and tries < 200 * count:
         tries += 1
-        values: dict[str, Any] = {}
-        for axis, options in AXES.items():  # each axis among the values the earlier ones leave feasible
+        values: dict[str, Any] = {} if strategy is None else {"strategy": strategy}
+        for axis, options in AXES.items():
+            if axis in values:
+                continue  # each axis among the values the earlier ones leave feasible
             feasible = [v for v in options if not conflicts({**values, axis: v})]
             if not feasible:
                 break
@@ -139,9 +146,9 @@ def baselines() -> list[Scenario]:
         "load_tp": 1,
     }
     out = []
-    for strategy in AXES["strategy"]:
+    for strategy in PAIRWISE_AXES["strategy"]:
         for world_size in PAIRWISE_AXES["world_size"]:
-            values = {**plain, "strategy": strategy, "world_size": world_size}
+            values = {**plain, **NO_PIPELINE, "strategy": strategy, "world_size": world_size}
             if strategy in ("fsdp", "fsdp2", "model_parallel"):
                 values.update(units="hand", leftovers=True)
             if strategy == "model_parallel":
@@ -219,17 +226,98 @@ def extras() -> list[Scenario]:
     ]
 
 
+def pipeline_scenarios() -> list[Scenario]:
+    """`make test`'s pipeline scenarios, in the rank groups the others start (2 and 4 ranks): each against one
+    process on the global batch, its checkpoints against the uninterrupted run, or a declared refusal."""
+    base = next(s for s in baselines() if s.strategy == "model_parallel").as_dict()
+    pp = {**base, "strategy": "pipeline", "mesh": "flat", "pp": 2, "schedule": "1f1b", "microbatches": 2}
+    return [
+        # pp 2, 1F1B, activation checkpointing, accumulation without sync, norm clipping, two optimizers, saved
+        # sharded and resumed at pp 1 on 2 ranks (dp 2). (The checkpoint_wrapper'd blocks restarted their
+        # optimizer state from nothing at the load: 0.013 off the uninterrupted run, silently.)
+        Scenario.of(
+            **{
+                **pp,
+                "act_ckpt": True,
+                "accum": "no_backward_sync",
+                "clip": "norm",
+                "n_opt": 2,
+                "checkpoint": "sharded",
+                "load_world_size": 2,
+                "load_pp": 1,
+            }
+        ),
+        # interleaved 1F1B (4 stages on 2 ranks), Adam, the blocks and projections in units, bf16-mixed, a full
+        # checkpoint resumed in fsdp2.
+        Scenario.of(
+            **{
+                **pp,
+                "schedule": "interleaved_1f1b",
+                "microbatches": 4,
+                "leftovers": False,
+                "optimizer": "adam",
+                "precision": "bf16-mixed",
+                "checkpoint": "full",
+                "load_world_size": 2,
+                "load_pp": "fsdp2",
+            }
+        ),
+        # pp 2 x dp 2 (4 ranks), GPipe, value clipping, the epoch loop with accumulation, resumed in ddp on 2.
+        Scenario.of(
+            **{
+                **pp,
+                "world_size": 4,
+                "schedule": "gpipe",
+                "accum": "plain",
+                "clip": "value",
+                "checkpoint": "sharded",
+                "save_step": 3,
+                "load_world_size": 2,
+                "load_pp": "ddp",
+            }
+        ),
+        # pp 2 x tp 2 (4 ranks), zero bubble in a V, no fully_shard unit (with units: a known failure), norm
+        # clipping.
+        Scenario.of(
+            **{
+                **pp,
+                "world_size": 4,
+                "mesh": "1x2",
+                "schedule": "zbv_zero_bubble",
+                "microbatches": 4,
+                "units": "none",
+                "leftovers": False,
+                "clip": "norm",
+            }
+        ),
+        # refused: fp16's loss scaling; 1F1B with 1 micro-batch for 2 stages.
+        Scenario.of(**{**pp, "precision": "16-mixed"}),
+        Scenario.of(**{**pp, "microbatches": 1}),
+        # tensor-parallel DTensors (a tensor-parallel mesh of 1) outside every unit at dp 2: refused (ran silently
+        # wrong before, the replicas 0.04 apart).
+        Scenario.of(**{**pp, "pp": 1, "schedule": "gpipe", "units": "none", "leftovers": False}),
+        # a weight tied between two units (the projections, each made a unit in parallelize_fn): refused (trained
+        # two copies apart before).
+        Scenario.of(**{**pp, "pp": 1, "schedule": "gpipe", "tied": True, "leftovers": False}),
+    ]
+
+
 # Values only the random samples hold (`make test`'s set has no scenario with them).
-RANDOM_ONLY: dict[str, tuple[Any, ...]] = {"compile": (True,), "load_world_size": (4,)}
+RANDOM_ONLY: dict[str, tuple[Any, ...]] = {
+    "compile": (True,),
+    "load_world_size": (4,),
+    "schedule": ("looped_bfs", "interleaved_zero_bubble"),
+    "load_pp": (2,),
+}
 
 # The seed of `make test`'s set: among the first 25, the one whose greedy set is smallest (37 scenarios).
 PAIRWISE_SEED = 6
 
 
 def make_test_set(seed: int = PAIRWISE_SEED) -> list[Scenario]:
-    """What `make test` runs: the pairwise set, the baselines, the costly values' scenarios and the
-    regressions."""
+    """What `make test` runs: the pairwise set, the baselines, the costly values' scenarios, the regressions and
+    the pipeline's scenarios."""
     chosen = pairwise(seed)
     ids = {s.id for s in chosen}
-    extra = [s for s in [*baselines(), *extras(), *regressions()] if s.id not in ids]
+    extra = [s for s in [*baselines(), *extras(), *regressions(), *pipeline_scenarios()] if s.id not in ids]
     return chosen + extra

@@ -59,6 +59,44 @@ class Net(nn.Module):
         return self.out(self.norm(h))
 
 
+# The pieces of each pipeline stage (split_fn), by the number of stages: every stage holds parameters, and under
+# every placement (round robin, or zbv's V of stages 0 and 3 on one rank) each pipeline rank holds a block and
+# something outside the blocks, so the scenarios' two optimizers (blocks, the rest) have parameters on every rank.
+STAGE_PIECES = {
+    1: [("inp", "blocks.0", "blocks.1", "norm", "out")],
+    2: [("inp", "blocks.0"), ("blocks.1", "norm", "out")],
+    4: [("inp", "blocks.0"), ("blocks.1",), ("norm",), ("out",)],
+}
+
+
+class Stage(nn.Module):
+    """What the user's `split_fn` returns for one pipeline stage: the model's modules of that stage under their
+    names in the model (`blocks` keeps the model's indices), the others None."""
+
+    def __init__(self, model: Net, pieces: tuple[str, ...]) -> None:
+        super().__init__()
+        self.inp = model.inp if "inp" in pieces else None
+        self.blocks = nn.ModuleDict(
+            {str(i): b for i, b in enumerate(model.blocks) if f"blocks.{i}" in pieces}
+        )
+        self.norm = model.norm if "norm" in pieces else None
+        self.out = model.out if "out" in pieces else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.inp is not None:
+            h = self.inp(h)
+        for block in self.blocks.values():
+            h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.out(h) if self.out is not None else h
+
+
+def split_fn(model: Net, index: int, num_stages: int) -> Stage:
+    # The modules themselves (not copies): PipelineStrategy materialises and places them.
+    return Stage(model, STAGE_PIECES[num_stages][index])
+
+
 def dataset(which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets, sample indices) of loader "a" or "b"."""
     n, seed, offset = (N_A, 11, 0) if which == "a" else (N_B, 12, B_OFFSET)
@@ -209,6 +247,17 @@ def clip_arguments(scenario) -> dict[str, float]:
     if scenario.clip == "value":
         return {"clip_val": 0.05 * f}
     return {}
+
+
+def batch_loss(scenario, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training script's loss, as `loss_fn(output, target)` of `loom.forward_backward`: the mean over the
+    samples it is given, times the loaders (two loaders give equal parts of every batch, so this is the mean per
+    loader summed, as `micro_loss` writes it). A pipeline cuts the batch into micro-batches and calls it on each:
+    it may not depend on where the loaders' parts begin."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        out = out.float()
+    loaders = 2 if scenario.loop == "two_loaders" else 1
+    return nn.functional.mse_loss(out, y) * loaders * loss_factor(scenario) / accumulation(scenario)
 
 
 def micro_loss(scenario, out: torch.Tensor, y: torch.Tensor, n_a: int) -> torch.Tensor:

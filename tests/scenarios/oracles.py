@@ -101,12 +101,17 @@ def _allowed_update_error(
     return max(UPDATE_ERROR[scenario.precision], 2 * noise)
 
 
-def _global(rank_results: list[dict], tp: int = 1, key: str = "seen") -> list[list[int]]:
-    """Each micro-batch's global batch: the union of the data-parallel ranks' samples, sorted (the ranks of one
-    tensor-parallel group, consecutive in the mesh, read the same batch: every tp-th rank stands for its group)."""
-    if any(r[key] != rank_results[(i // tp) * tp][key] for i, r in enumerate(rank_results)):
-        return [[-2]]  # a tensor-parallel group whose ranks read different batches
-    rank_results = rank_results[::tp]
+def _global(
+    rank_results: list[dict], tp: int = 1, dp: int | None = None, key: str = "seen"
+) -> list[list[int]]:
+    """Each micro-batch's global batch: the union of the data-parallel ranks' samples, sorted. The mesh is
+    (pipeline, data, tensor) ranks, the last the fastest: the ranks of one tensor-parallel group and of one
+    pipeline read the same batch, and the first rank of each data-parallel index stands for them."""
+    dp = len(rank_results) // tp if dp is None else dp
+    first = [(i // tp) % dp * tp for i in range(len(rank_results))]
+    if any(r[key] != rank_results[first[i]][key] for i, r in enumerate(rank_results)):
+        return [[-2]]  # a tensor-parallel group or a pipeline whose ranks read different batches
+    rank_results = [rank_results[d * tp] for d in range(dp)]
     steps = len(rank_results[0][key])
     if any(len(r[key]) != steps for r in rank_results):
         return [[-1]]
@@ -198,11 +203,16 @@ def _judge(
     if scenario.precision != "32-true" and _max_diff(reference["params"], initial) < 1e-3:
         problems.append("the reference hardly moved: the low-precision tolerance has no teeth")
     # (a) every rank's gathered parameters and optimizer state against one process on the global batch.
-    if _global(trained, scenario.tp("train")) != reference["batches"]:
+    seen = _global(trained, scenario.tp("train"), scenario.dp("train"))
+    if seen != reference["batches"]:
         problems.append(
-            f"train: global batches differ from the sampler's order:\n{_global(trained, scenario.tp('train'))}"
-            f"\nvs\n{reference['batches']}"
+            f"train: global batches differ from the sampler's order:\n{seen}\nvs\n{reference['batches']}"
         )
+    for rank, res in enumerate(trained):
+        if res.get("diverged"):
+            problems.append(
+                f"train: rank {rank}'s stages differ from their replicas' at {res['diverged'][:5]}"
+            )
     for rank, res in enumerate(trained):
         if rank and _max_diff(res["params"], trained[0]["params"]) != 0:
             problems.append(f"train: rank {rank}'s parameters differ from rank 0's (replicas diverged)")
@@ -250,7 +260,7 @@ def _judge(
     after = scenario.save_step * accumulation(scenario)
     if resumed[0]["loaded_step"] != scenario.save_step:
         problems.append(f"resume: loaded step {resumed[0]['loaded_step']}, saved at {scenario.save_step}")
-    seen = _global(resumed, scenario.tp("resume"))
+    seen = _global(resumed, scenario.tp("resume"), scenario.dp("resume"))
     if seen != reference["batches"][after:]:
         problems.append(
             f"resume: global batches after the load differ from the uninterrupted run's:\n{seen}\n"

@@ -3,6 +3,7 @@
     python tests/scenarios/run_many.py --count 300 --seed 1 --report report.md
     python tests/scenarios/run_many.py --pairwise --report pairwise.md
     python tests/scenarios/run_many.py --rerun report.json --report again.md   # its unexpected results again
+    python tests/scenarios/run_many.py --count 60 --seed 3 --strategy pipeline --report pp.md  # one strategy
 
 The report (markdown, and JSON beside it with the same name and .json) lists every scenario with its result,
 the measured errors and seconds, and each failure with its problems. Exit status 1 if a scenario failed that is
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=None, help="of the random sample (default 0), or of the pairwise set"
     )
     parser.add_argument(
+        "--strategy", default=None, help="draw the random sample of this strategy only (e.g. pipeline)"
+    )
+    parser.add_argument(
         "--pairwise", action="store_true", help="run the set of `make test` (pairwise + baselines) instead"
     )
     parser.add_argument(
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = make_test_set(args.seed)
     else:
         args.seed = args.seed or 0
-        scenarios = random_sample(args.count, args.seed)
+        scenarios = random_sample(args.count, args.seed, strategy=args.strategy)
     skipped = [s for s in scenarios if (k := known_failure(s)) is not None and not k.runs]
     runnable = [s for s in scenarios if s not in skipped]
     started = time.monotonic()
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rerun
         else "pairwise set"
         if args.pairwise
-        else f"random sample of {args.count}"
+        else f"random sample of {args.count}" + (f" ({args.strategy})" if args.strategy else "")
     )
     lines = [
         f"# Scenario engine report: {title}, seed {args.seed}",

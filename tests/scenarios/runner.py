@@ -43,13 +43,14 @@ from .model import (
     Net,
     UserSampler,
     accumulation,
+    batch_loss,
     clip_arguments,
     dataset,
     kept_by_filter,
     loader_generator,
     make_optimizers,
     make_schedulers,
-    micro_loss,
+    split_fn,
 )
 
 # Dynamo and AOT autograd; inductor's C++ build takes a minute per process on CPU.
@@ -69,7 +70,8 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
     features), with sequence parallel the norm too (the block slices the sequence at its entrance and gathers it
     at its exit, so the projections outside the blocks see whole sequences); then compile, then activation
     checkpointing (the order that works in torch 2.13), then one FSDP2 unit per block over the data-parallel
-    ranks. The projections stay plain (replicated leftovers) or become units of their own."""
+    ranks. The projections stay plain (replicated leftovers) or become units of their own. Under pipeline `model`
+    is one stage (model.Stage): its blocks a ModuleDict, the modules of other stages None."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
@@ -104,7 +106,10 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
         # (hooks run in the order they were registered: slice to a local shard, then SequenceParallel's own)
         sequence_sharded_inside(model.norm)
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
-    for i, block in enumerate(model.blocks):
+    blocks = (
+        model.blocks.items() if isinstance(model.blocks, torch.nn.ModuleDict) else enumerate(model.blocks)
+    )
+    for i, block in list(blocks):
         if scenario.seq_parallel:
             parallelize_module(
                 block,
@@ -122,11 +127,20 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
             block.compile(backend=COMPILE_BACKEND)
         if scenario.act_ckpt:
             block = model.blocks[i] = checkpoint_wrapper(block)
-        fully_shard(block, **strategy.unit_kwargs())
-    if not scenario.leftovers:
+        if scenario.units == "hand":  # pipeline's "none": no unit at all
+            fully_shard(block, **strategy.unit_kwargs())
+    if not scenario.leftovers and scenario.units == "hand":
         for edge in (model.inp, model.norm, model.out):
-            fully_shard(edge, **strategy.unit_kwargs())
+            if edge is not None:
+                fully_shard(edge, **strategy.unit_kwargs())
     return model
+
+
+def strategy_in(scenario: Scenario, phase: str) -> str:
+    """The strategy a phase runs: the scenario's, but a pipeline checkpoint may resume in "ddp" or "fsdp2"."""
+    if scenario.strategy == "pipeline" and not scenario.pipelined(phase):
+        return scenario.load_pp
+    return scenario.strategy
 
 
 def _strategy(scenario: Scenario, world_size: int, phase: str):
@@ -135,12 +149,30 @@ def _strategy(scenario: Scenario, world_size: int, phase: str):
         FSDP2Strategy,
         FSDPStrategy,
         ModelParallelStrategy,
+        PipelineStrategy,
         SingleDeviceStrategy,
     )
 
     from .model import Block
 
-    name = scenario.strategy
+    name = strategy_in(scenario, phase)
+    if name == "pipeline":
+        strategy = PipelineStrategy(
+            lambda stage, mesh: _parallelize(scenario, stage, mesh, strategy),
+            pipeline_parallel_size=scenario.pp_degree(phase),
+            data_parallel_size=scenario.dp(phase),
+            tensor_parallel_size=scenario.tp(phase),
+            split_fn=split_fn,
+            schedule=scenario.schedule,
+            n_microbatches=scenario.microbatches,
+            stages_per_rank=scenario.num_stages(phase) // scenario.pp_degree(phase),
+            save_distributed_checkpoint=scenario.checkpoint != "full",
+        )
+        return strategy
+    if scenario.strategy == "pipeline":  # resumed without a pipeline: ddp, or fsdp2 with one unit at the root
+        if name == "ddp":
+            return DDPStrategy()
+        return FSDP2Strategy(state_dict_type="full" if scenario.checkpoint == "full" else "sharded")
     if name == "single":
         return (
             SingleDeviceStrategy() if world_size == 1 else DDPStrategy()
@@ -179,8 +211,10 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
     )
     # Which modules get a unit by hand: the blocks, and the projections too when nothing is left outside units.
     edges_too = scenario.units == "hand" and not scenario.leftovers
-    if scenario.strategy == "model_parallel":
-        return Net(scenario.tied)  # the user's parallelize_fn does the rest (_parallelize)
+    if scenario.strategy in ("model_parallel", "pipeline") and loom.strategy.name != "ddp":
+        # The user's split_fn and parallelize_fn do the rest (_parallelize); a pipeline checkpoint resumed in
+        # fsdp2 shards the root (strategy_in).
+        return Net(scenario.tied)
     if scenario.strategy == "fsdp" and hand:
         from torch.distributed.fsdp.wrap import wrap
 
@@ -217,9 +251,9 @@ def _loaders(loom, scenario: Scenario, phase: str) -> list:
         sampler = SubsetRandomSampler(range(N_A), generator=loader_generator())
         loaders = [DataLoader(data, batch_size=per_rank, sampler=sampler)]
     elif scenario.sampler == "user_dist":  # over the data-parallel ranks: a tensor-parallel group reads alike
-        sampler = DistributedSampler(
-            data, num_replicas=dp, rank=loom.global_rank // scenario.tp(phase), shuffle=True, seed=SEED
-        )
+        # The mesh is (pipeline, data, tensor) ranks, the last the fastest: every rank of a pipeline reads.
+        rank = (loom.global_rank // scenario.tp(phase)) % dp
+        sampler = DistributedSampler(data, num_replicas=dp, rank=rank, shuffle=True, seed=SEED)
         loaders = [DataLoader(data, batch_size=per_rank, sampler=sampler)]
     elif scenario.sampler == "custom":
         loaders = [DataLoader(data, batch_size=per_rank, sampler=UserSampler(N_A, loader_generator()))]
@@ -274,12 +308,37 @@ def _stream(scenario: Scenario, loaders: list, state: dict):
             yield tuple(torch.cat([ta, tb]) for ta, tb in zip(a, b, strict=True))
 
 
-def _full_params(model) -> dict[str, torch.Tensor]:
+def _whole(loom, own: dict, diverged: list[str]) -> dict:
+    """Under a pipeline each rank holds its stages: the whole model's entries from every rank (the first that
+    holds a name), and in `diverged` the names some rank holds with other values (replicas that drifted)."""
+    if loom.strategy.name != "pipeline":
+        return own
+    import torch.distributed as dist
+
+    everyone: list = [None] * loom.world_size
+    dist.all_gather_object(everyone, own)
+    merged: dict = {}
+    for piece in everyone:
+        for name, value in piece.items():
+            if name not in merged:
+                merged[name] = value
+            elif _differs(merged[name], value):
+                diverged.append(name)
+    return merged
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
+    return a.shape != b.shape or not torch.equal(a, b)
+
+
+def _full_params(loom, model, diverged: list[str]) -> dict[str, torch.Tensor]:
     state = get_model_state_dict(model.forward_module, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().float().clone() for k, v in state.items()}
+    return _whole(loom, {k: v.detach().float().clone() for k, v in state.items()}, diverged)
 
 
-def _full_optim(model, optimizers) -> dict[str, dict[str, torch.Tensor]]:
+def _full_optim(loom, model, optimizers, diverged: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Each optimizer's per-parameter state, gathered whole by torch's own state-dict API, keyed by name."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for opt in optimizers:
@@ -295,7 +354,7 @@ def _full_optim(model, optimizers) -> dict[str, dict[str, torch.Tensor]]:
                 .clone()
                 for k, v in state.items()
             }
-    return out
+    return _whole(loom, out, diverged)
 
 
 def _setup(loom, scenario: Scenario, phase: str):
@@ -327,15 +386,14 @@ def _train(
     clip = clip_arguments(scenario)
     stream = _stream(scenario, loaders, counters)
     seen, norms = [], []
-    per_rank_a = GLOBAL_BATCH // scenario.dp(phase)
     while counters["step"] < STEPS:
         for micro in range(accum):
             x, y, idx = next(stream)
             seen.append(idx.tolist())
             sync_off = scenario.accum == "no_backward_sync" and micro < accum - 1
             ctx = loom.no_backward_sync(model) if sync_off else contextlib.nullcontext()
-            with ctx:
-                loom.backward(micro_loss(scenario, model(x), y, per_rank_a))
+            with ctx:  # the same call with and without a pipeline
+                loom.forward_backward(model, x, y, lambda out, target: batch_loss(scenario, out, target))
         if clip:
             for opt in optimizers:
                 norm = loom.clip_gradients(model, opt, **clip)
@@ -371,8 +429,9 @@ def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
         model, optimizers, schedulers, loaders = _setup(loom, scenario, phase)
         counters = {"step": 0, "epoch": 0, "in_epoch": 0}
         out: dict[str, Any] = {}
+        diverged: list[str] = []
         if phase == "train":
-            out["initial"] = _full_params(model)
+            out["initial"] = _full_params(loom, model, diverged)
             save_to = checkpoint_path(workdir, scenario) if scenario.saves else None
         else:
             state = _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters)
@@ -384,8 +443,9 @@ def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
         out["seen"], out["norms"] = _train(
             loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to
         )
-        out["params"] = _full_params(model)
-        out["optim"] = _full_optim(model, optimizers)
+        out["params"] = _full_params(loom, model, diverged)
+        out["optim"] = _full_optim(loom, model, optimizers, diverged)
+        out["diverged"] = sorted(set(diverged))
         scaler = getattr(loom.strategy.precision, "scaler", None)
         out["scale"] = scaler.get_scale() if scaler is not None else None
         return out

@@ -268,6 +268,7 @@ class PipelineStrategy(ParallelStrategy):
                         "must end with `return model`."
                     )
                 stages[i] = result
+        self._check_parallelized(stages)
         self._named_plain = [
             (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
         ]
@@ -284,6 +285,40 @@ class PipelineStrategy(ParallelStrategy):
             [int(r) for r in _along_pp(mesh)],
         )
         return module
+
+    def _check_parallelized(self, stages: dict[int, nn.Module]) -> None:
+        """What parallelize_fn made that cannot train correctly (found by the scenario engine), refused on every
+        rank together: a weight tied between two `fully_shard` units (each unit would train its own copy), and
+        tensor-parallel DTensors outside every unit at data_parallel_size > 1 (neither a unit nor the
+        plain-gradient averaging would reduce their gradients: the replicas would train apart), as the sharded
+        strategies and `ModelParallelStrategy` refuse them."""
+        from torch.distributed.tensor import DTensor
+
+        from torchloom._layout import analyze
+        from torchloom.strategies._unit_checks import check_split_ties
+
+        problems: list[str] = []
+        try:
+            for stage in stages.values():
+                check_split_ties(analyze(stage))
+        except MisuseError as error:
+            problems.append(str(error))
+        unreduced = [
+            n
+            for s in stages.values()
+            for n, p in s.named_parameters()
+            if isinstance(p, DTensor) and DATA_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
+        ]
+        if unreduced and self.data_parallel_size > 1:
+            problems.append(
+                f"Parameter(s) {unreduced[:5]}{' ...' if len(unreduced) > 5 else ''} are tensor-parallel DTensors "
+                f"outside every fully_shard unit, with data_parallel_size={self.data_parallel_size}: nothing would "
+                "average their gradients over the data-parallel ranks. In parallelize_fn, apply fully_shard(module, "
+                "mesh=device_mesh['data_parallel']) to a module that holds them (e.g. each block)."
+            )
+        found = sorted({p for rank_problems in self.all_gather_object(problems) for p in rank_problems})
+        if found:
+            raise MisuseError("; ".join(found))
 
     def _make_stage_groups(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
         if self.data_parallel_size * self.tensor_parallel_size == 1:
