@@ -13,7 +13,9 @@ its second by rows). Options: --ac (activation checkpointing of every block), --
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 
 import torch
 from torch import nn
@@ -58,9 +60,9 @@ def _parallelize(model: nn.Module, mesh: object) -> nn.Module:
     return model
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", default="ddp", choices=("ddp", "fsdp", "fsdp2-units", "tp"))
+    parser.add_argument("--layout", default="ddp", choices=("ddp", "fsdp", "fsdp2-units", "tp", "pp"))
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--ac", action="store_true")
     parser.add_argument("--dim", type=int, default=128)
@@ -70,14 +72,38 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the measured peaks (JSON) here")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--more",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="another configuration measured after this one in the same processes (its options as one string)",
+    )
+    return parser
 
+
+def _measure(args: argparse.Namespace) -> list[dict[str, int]]:
+    """Train one configuration; every rank's measured peak."""
+    gc.collect()  # what an earlier configuration left is freed before the count starts
     tracking = track_memory("cpu")
     strategy: object = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2-units": "fsdp2"}.get(args.layout)
     if args.layout == "tp":
         from torchloom.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(_parallelize, data_parallel_size=1, tensor_parallel_size=2)
+    if args.layout == "pp":
+        from torchloom.strategies import PipelineStrategy
+
+        # One stage per rank (the blocks cut evenly, the head on the last), 1F1B over 2 micro-batches per rank.
+        world = int(os.environ.get("WORLD_SIZE", "2"))
+        per_stage = max(args.blocks // world, 1)
+        strategy = PipelineStrategy(
+            pipeline_parallel_size=world,
+            split_points=[f"blocks.{per_stage * s}" for s in range(1, world)],
+            example_input=torch.zeros(max(args.micro_batch // 2, 1), args.seq, args.dim),
+            schedule="1f1b",
+            n_microbatches=2 if args.micro_batch >= 2 else 1,
+        )
     loom = Loom(accelerator="cpu", strategy=strategy, precision=args.precision)
     torch.manual_seed(0)
     if args.layout == "fsdp":
@@ -86,6 +112,10 @@ def main() -> None:
         with loom.init_module():
             model = Net(args.dim, args.blocks, args.ac)
             model.blocks = nn.ModuleList(wrap(block) for block in model.blocks)
+    elif args.layout == "pp":
+        with loom.init_module(empty_init=True):  # each rank allocates only its stage
+            model = Net(args.dim, args.blocks, args.ac)
+        torch.manual_seed(0)
     else:
         model = Net(args.dim, args.blocks, args.ac)
         if args.layout == "fsdp2-units":
@@ -93,21 +123,39 @@ def main() -> None:
 
             for block in model.blocks:
                 fully_shard(block)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = loom.setup(model, optimizer)
+    if args.layout == "pp":
+        model = loom.setup_module(model)
+        optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = loom.setup(model, optimizer)
+
+    def loss_fn(output: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        return output.float().pow(2).mean() / args.accumulate
+
     for _ in range(args.steps):
         for micro in range(args.accumulate):
             x = torch.randn(args.micro_batch, args.seq, args.dim)
             with loom.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-                loss = model(x).float().pow(2).mean()
-                loom.backward(loss / args.accumulate)
+                loom.forward_backward(model, x, torch.zeros(args.micro_batch), loss_fn)
         optimizer.step()
         optimizer.zero_grad()
     summary = loom.memory_summary()
     tracking.stop()
-    if args.out and loom.global_rank == 0:
+    return summary.ranks
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    # Several configurations in one launched group (the tests and the benchmark pay for starting ranks once);
+    # each is measured from what is live when it starts, after the previous one's model and optimizer are gone.
+    results = [{"args": [], "ranks": _measure(args)}]
+    for more in args.more:
+        results.append({"args": more.split(), "ranks": _measure(parser.parse_args(more.split()))})
+    if args.out and int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
-            json.dump({"ranks": summary.ranks}, f)
+            json.dump({"ranks": results[0]["ranks"], "configs": results}, f)
 
 
 if __name__ == "__main__":

@@ -345,7 +345,12 @@ class Loom:
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_optimizers(self, optimizers: tuple[Optimizer, ...]) -> list[LoomOptimizer]:
-        return _optimizer_setup.setup_optimizers(self._strategy, optimizers, self._modules, self._callbacks)
+        out = _optimizer_setup.setup_optimizers(self._strategy, optimizers, self._modules, self._callbacks)
+        if os.environ.get("TORCHLOOM_MEMORY_REPORT"):  # opt-in: the measured peaks after the first steps
+            from torchloom.planning.measure import report_after_steps
+
+            report_after_steps(self, out)
+        return out
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import PYTHON, REPO, run_job
@@ -12,19 +13,16 @@ from harness import PYTHON, REPO, run_job
 SCRIPT = REPO / "benchmarks" / "_plan_script.py"
 
 
-def _measured(tmp_path, args):
-    out = tmp_path / "measured.json"
-    result, _ = run_job(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(SCRIPT), *args, "--out", str(out)],
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    return [rank["peak_bytes"] for rank in json.loads(out.read_text())["ranks"]]
+CONFIGS = {
+    "ddp": ["--layout", "ddp", "--micro-batch", "4"],
+    "fsdp2-units-ac": ["--layout", "fsdp2-units", "--micro-batch", "4", "--ac"],
+    "tp2": ["--layout", "tp"],
+}
 
 
-def _planned(tmp_path, args, devices="2"):
-    out, page = tmp_path / "plan.json", tmp_path / "plan.html"
-    command = ["plan", "--devices", devices, "--json", str(out), "--plot", str(page), str(SCRIPT), *args]
+def _planned(folder, name):
+    out, page = folder / f"{name}.json", folder / f"{name}.html"
+    command = ["plan", "--devices", "2", "--json", str(out), "--plot", str(page), str(SCRIPT), *CONFIGS[name]]
     result, _ = run_job([PYTHON, "-m", "torchloom", *command], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     plan = json.loads(out.read_text())
@@ -33,24 +31,66 @@ def _planned(tmp_path, args, devices="2"):
     return plan, result.stdout
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--layout", "ddp", "--micro-batch", "4"],
-        ["--layout", "fsdp2-units", "--micro-batch", "4", "--ac"],
-        ["--layout", "tp"],
-    ],
-    ids=["ddp", "fsdp2-units-ac", "tp2"],
-)
-def test_plan_within_10_percent_of_measured(tmp_path, args):
-    plan, text = _planned(tmp_path, args)
-    measured = _measured(tmp_path, args)
+@pytest.fixture(scope="module")
+def planned_and_measured(tmp_path_factory):
+    """Every configuration planned (side by side), then all of them measured in ONE launched group of 2 real
+    ranks (`--more`: starting ranks dominates the time), with the opt-in memory report of the first steps on and
+    the ddp plan beside it."""
+    folder = tmp_path_factory.mktemp("plans")
+    with ThreadPoolExecutor(len(CONFIGS)) as pool:
+        plans = dict(zip(CONFIGS, pool.map(lambda name: _planned(folder, name), CONFIGS), strict=True))
+    out = folder / "measured.json"
+    more = [arg for name in list(CONFIGS)[1:] for arg in ("--more", " ".join(CONFIGS[name]))]
+    run, _ = run_job(
+        [
+            PYTHON,
+            "-m",
+            "torchloom",
+            "run",
+            "--devices",
+            "2",
+            str(SCRIPT),
+            *CONFIGS["ddp"],
+            *more,
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+        env={"TORCHLOOM_MEMORY_REPORT": "2", "TORCHLOOM_MEMORY_PLAN": str(folder / "ddp.json")},
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    configs = json.loads(out.read_text())["configs"]
+    measured = {
+        name: [rank["peak_bytes"] for rank in c["ranks"]] for name, c in zip(CONFIGS, configs, strict=True)
+    }
+    return plans, measured, run.stdout
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_plan_within_10_percent_of_measured(planned_and_measured, name):
+    plans, measured, _ = planned_and_measured
+    plan, text = plans[name]
     by_rank = {rank: entry["peak_bytes"] for entry in plan["ranks"] for rank in entry["ranks"]}
-    for rank, peak in enumerate(measured):
+    for rank, peak in enumerate(measured[name]):
         assert abs(by_rank[rank] / peak - 1) <= 0.10, (rank, by_rank[rank], peak, text)
     # The report says when and what: a phase and every kind of memory that was held.
     assert plan["ranks"][0]["phase"] in ("forward", "backward", "optimizer step"), text
     assert plan["ranks"][0]["breakdown"]["parameters"] > 0 and "parameters" in text
+
+
+def test_memory_report_after_the_first_steps(planned_and_measured):
+    """TORCHLOOM_MEMORY_REPORT=2 (with TORCHLOOM_MEMORY_PLAN): after the first 2 steps rank 0 prints every rank's
+    measured peak beside the plan's prediction, once, with the numbers `loom.memory_summary()` gives."""
+    plans, measured, stdout = planned_and_measured
+    assert stdout.count("peak memory of the first 2 steps") == 1, stdout[-3000:]
+    report = stdout[stdout.index("peak memory of the first 2 steps") :]
+    lines = [line.split() for line in report.splitlines()[2:4]]
+    by_rank = {rank: entry["peak_bytes"] for entry in plans["ddp"][0]["ranks"] for rank in entry["ranks"]}
+    for rank, line in enumerate(lines):
+        assert line[0] == str(rank), report
+        assert float(line[1]) == pytest.approx(measured["ddp"][rank] / 2**20, abs=0.05), report
+        assert float(line[3]) == pytest.approx(by_rank[rank] / 2**20, abs=0.05), report
+        assert float(line[5]) == pytest.approx(by_rank[rank] / measured["ddp"][rank], abs=0.001), report
 
 
 def _plan_raw(tmp_path, body):

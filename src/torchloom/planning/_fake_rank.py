@@ -85,6 +85,80 @@ def _fake_new_groups() -> Any:
     return original
 
 
+def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
+    """Pipeline stages tell the next stage the shapes they send (torch's `PipelineStage` metadata inference,
+    `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks run side by
+    side and post the objects as files, addressed by the sender's and receiver's rank in the group (a pipeline's
+    stage numbers), so that one simulated rank per stage receives what its neighbour sent."""
+    import pickle
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    counts: dict[tuple[int, int], int] = {}
+
+    def _address(src: int, dst: int, group: Any) -> str:
+        if group is not None:
+            src, dst = dist.get_group_rank(group, src), dist.get_group_rank(group, dst)
+        n = counts[src, dst] = counts.get((src, dst), -1) + 1
+        return os.path.join(folder, f"p2p-{src}-{dst}-{n}.pkl")
+
+    def send_object_list(object_list: list[Any], dst: int | None = None, group: Any = None, **_: Any) -> None:
+        path = _address(dist.get_rank(), int(dst if dst is not None else _["group_dst"]), group)
+        with open(path + ".tmp" + str(os.getpid()), "wb") as f:
+            pickle.dump(list(object_list), f)
+        os.replace(path + ".tmp" + str(os.getpid()), path)  # ranks standing for the same stage send the same
+
+    def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **_: Any) -> int:
+        source = int(src if src is not None else _["group_src"])
+        path = _address(source, dist.get_rank(), group)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if _a_peer_failed(folder) or time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no simulated rank sent rank {dist.get_rank()} the object it waits for from rank {source}"
+                )
+            time.sleep(0.05)
+        with open(path, "rb") as f:
+            object_list[:] = pickle.load(f)
+        return source
+
+    dist.send_object_list = distributed_c10d.send_object_list = send_object_list
+    dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list
+
+
+def _a_peer_failed(folder: str) -> bool:
+    """Another simulated rank ended with an error: what this one waits for will not come."""
+    for name in os.listdir(folder):
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    if json.load(f).get("error"):
+                        return True
+            except (OSError, ValueError):
+                continue
+    return False
+
+
+def _fake_object_collectives() -> None:
+    """Object collectives pickle into real byte tensors, which cannot meet the fake ones, and a fake peer sends
+    nothing back: every simulated peer answers with this rank's own object (the checks that ranks agree pass, as
+    they do in the real run of a correct script) and a broadcast keeps this rank's list."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+        for i in range(len(object_list)):
+            object_list[i] = obj
+
+    def broadcast_object_list(object_list: list[Any], *args: Any, **kwargs: Any) -> None:
+        return None
+
+    dist.all_gather_object = distributed_c10d.all_gather_object = all_gather_object
+    dist.broadcast_object_list = distributed_c10d.broadcast_object_list = broadcast_object_list
+
+
 def _completed_allreduce(state: object, bucket: Any) -> Any:
     """DDP's gradient all-reduce on the fake group: in place, as gloo's and NCCL's are, so the bucket itself."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -136,6 +210,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     publish(config["options"])
     _torch_compat.init_fake_process_group(rank, world_size)
     _fake_new_groups()
+    _fake_object_collectives()
+    _object_mailbox(config["mailbox"])
     from torchloom.strategies import _tp_leftovers
 
     # torchloom's check that a replicated leftover's gradient agrees across tensor-parallel ranks compares

@@ -241,3 +241,49 @@ def memory_summary(loom: Any, plan: str | dict[str, Any] | None = None) -> Memor
             if predicted is not None:
                 row["predicted_bytes"] = predicted
     return MemorySummary(tracking.device.type, ranks)
+
+
+#: `TORCHLOOM_MEMORY_REPORT=N`: after the first N optimizer steps, print every rank's measured peak (rank 0
+#: prints); with `TORCHLOOM_MEMORY_PLAN=plan.json` (a `torchloom plan --json` file) the prediction beside it.
+REPORT_VARIABLE = "TORCHLOOM_MEMORY_REPORT"
+PLAN_VARIABLE = "TORCHLOOM_MEMORY_PLAN"
+
+
+def report_after_steps(loom: Any, optimizers: list[Any]) -> None:
+    """The opt-in memory line of the setup summary: start tracking (if it is not on) and, after the first N steps
+    of the first optimizer set up, print `memory_summary` on rank 0 (a collective: every rank steps)."""
+    global _REPORT_ARMED
+    import os
+
+    text = os.environ.get(REPORT_VARIABLE, "").strip()
+    if not text or _PLANNING or not optimizers or _REPORT_ARMED:
+        return
+    after = int(text) if text.isdigit() else 0
+    if after < 1:
+        raise TorchloomError(
+            f"{REPORT_VARIABLE}={text!r}: give the number of optimizer steps after which each rank's measured "
+            f"peak memory is printed, e.g. {REPORT_VARIABLE}=2."
+        )
+    plan = os.environ.get(PLAN_VARIABLE) or None
+    if plan is not None and not os.path.isfile(plan):
+        raise TorchloomError(f"{PLAN_VARIABLE}={plan!r} is not a file: give a `torchloom plan --json` file.")
+    started = _ACTIVE is None
+    tracking = track_memory(loom.device) if started else _ACTIVE
+    optimizer = getattr(optimizers[0], "optimizer", optimizers[0])
+    steps = [0]
+
+    def after_step(*_: Any) -> None:
+        steps[0] += 1
+        if steps[0] < after:
+            return
+        handle.remove()
+        summary = memory_summary(loom, plan)
+        loom.print(f"torchloom: peak memory of the first {after} step{'s' if after > 1 else ''}, {summary}")
+        if started and tracking is not None:
+            tracking.stop()  # the user's own tracking, if any, goes on
+
+    handle = optimizer.register_step_post_hook(after_step)
+    _REPORT_ARMED = True
+
+
+_REPORT_ARMED = False  # one report per process: the first optimizer set up

@@ -56,6 +56,15 @@ def simulated_ranks(world_size: int) -> list[tuple[int, list[int]]]:
     return [(0, [0]), (world_size - 1, list(range(1, world_size)))]
 
 
+def rank_label(entry: dict[str, Any]) -> str:
+    """Who a simulated rank stands for: 'rank 0', 'ranks 1-7 (as rank 7)', with its pipeline stage if any."""
+    ranks = entry["ranks"]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
+    if entry.get("stage") is not None:
+        who += f", pipeline stage {entry['stage']}"
+    return who
+
+
 def _clean_module(name: str) -> str:
     """A module name without the wrappers' own levels (`LoomModule._forward_module.module.layers.3` ->
     `layers.3`)."""
@@ -111,6 +120,7 @@ def plan(
                 "script_args": list(script_args or []),
                 "out": os.path.join(folder, f"rank{rank}.json"),
                 "fit": fit,
+                "mailbox": folder,
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:
@@ -193,12 +203,7 @@ def format_plan(result: dict[str, Any]) -> str:
     ]
     budget = result.get("budget_bytes")
     for entry in result["ranks"]:
-        ranks = entry["ranks"]
-        who = (
-            f"rank {ranks[0]}"
-            if len(ranks) == 1
-            else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
-        )
+        who = rank_label(entry)
         where = (
             entry["phase"]
             if entry["phase"] in ("setup", "between steps")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from torchloom.planning.plan import rank_label
 from torchloom.planning.tracker import KINDS
 
 _COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#9c755f")
@@ -68,12 +69,7 @@ def plot_html(result: dict[str, Any]) -> str:
     )
     charts = []
     for entry in result["ranks"]:
-        ranks = entry["ranks"]
-        who = (
-            f"rank {ranks[0]}"
-            if len(ranks) == 1
-            else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
-        )
+        who = rank_label(entry)
         charts.append(f"<h2>{html.escape(who)}</h2>{_rank_svg(entry, result.get('budget_bytes'))}")
     title = html.escape(f"torchloom plan: {result['script']} on {result['world_size']} ranks")
     return (
