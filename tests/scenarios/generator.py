@@ -262,7 +262,9 @@ def pipeline_scenarios() -> list[Scenario]:
                 "load_pp": "fsdp2",
             }
         ),
-        # pp 2 x dp 2 (4 ranks), GPipe, value clipping, the epoch loop with accumulation, resumed in ddp on 2.
+        # pp 2 x dp 2 (4 ranks), GPipe, value clipping, the epoch loop with accumulation, a filtered sharded save
+        # (each pipeline rank filters its own stages' names: refused as "different items on different ranks"
+        # before) resumed in ddp on 2.
         Scenario.of(
             **{
                 **pp,
@@ -271,6 +273,7 @@ def pipeline_scenarios() -> list[Scenario]:
                 "accum": "plain",
                 "clip": "value",
                 "checkpoint": "sharded",
+                "ckpt_state": "filter",
                 "save_step": 3,
                 "load_world_size": 2,
                 "load_pp": "ddp",
@@ -290,9 +293,11 @@ def pipeline_scenarios() -> list[Scenario]:
                 "clip": "norm",
             }
         ),
-        # refused: fp16's loss scaling; 1F1B with 1 micro-batch for 2 stages.
+        # fp16's loss scaling through the schedule (refused before); refused: 1F1B with 1 micro-batch for 2
+        # stages; a zero-bubble schedule with fully_shard units (hung until the timeout before).
         Scenario.of(**{**pp, "precision": "16-mixed"}),
         Scenario.of(**{**pp, "microbatches": 1}),
+        Scenario.of(**{**pp, "schedule": "interleaved_zero_bubble", "microbatches": 4}),
         # tensor-parallel DTensors (a tensor-parallel mesh of 1) outside every unit at dp 2: refused (ran silently
         # wrong before, the replicas 0.04 apart).
         Scenario.of(**{**pp, "pp": 1, "schedule": "gpipe", "units": "none", "leftovers": False}),

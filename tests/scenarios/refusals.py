@@ -162,11 +162,16 @@ def _per_rank_batch(s: Scenario, phase: str) -> int:
 for _phase in ("train", "resume"):
     REFUSALS += [
         Refusal(
-            name="fp16 loss scaling under a pipeline",
-            applies=lambda s, phase=_phase: s.pipelined(phase) and s.precision == "16-mixed",
+            name="zero-bubble schedules with fully_shard units",
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase)
+                and s.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble")
+                and s.units == "hand"
+            ),
             error="MisuseError",
-            fragment="PipelineStrategy does not support fp16 loss scaling",
-            reason="the schedule runs the backward inside torch's step, where GradScaler's scaled loss cannot go",
+            fragment="with fully_shard units in the stages",
+            reason="the zero-bubble schedules compute weight gradients in a pass of their own, after FSDP2 has "
+            "resharded the unit (torch raised in stage_backward_weight while the peers waited for the timeout)",
             phase=_phase,
         ),
         Refusal(
@@ -213,31 +218,6 @@ class KnownFailure:
 
 
 KNOWN_FAILURES: list[KnownFailure] = [
-    KnownFailure(
-        name="a filtered sharded save under a pipeline",
-        applies=lambda s: (
-            s.strategy == "pipeline"
-            and s.pp == 2
-            and s.checkpoint in ("sharded", "async")
-            and s.ckpt_state == "filter"
-        ),
-        reason="save(filter={'model': ...}) of a sharded checkpoint checks that the filter kept the same names on "
-        "every rank, but each pipeline rank holds other stages: it raises MisuseError 'save(..., filter=) for "
-        "entry 'model' kept different items on different ranks' for a filter that decides by name, as asked",
-    ),
-    KnownFailure(
-        name="zero-bubble schedules with fully_shard units",
-        applies=lambda s: (
-            s.strategy == "pipeline"
-            and s.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble")
-            and s.units == "hand"
-        ),
-        reason="the zero-bubble schedules run each stage's weight gradients in a pass of their own, after FSDP2 "
-        "has resharded the unit: the stage holding a unit raises torch's 'The tensor has a non-zero number of "
-        "elements, but its data is not allocated yet' (stage_backward_weight) and its pipeline peers wait in "
-        "their p2p receive for the collective timeout; PipelineStrategy neither supports nor refuses it",
-        runs=False,
-    ),
     KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
         applies=lambda s: (

@@ -202,12 +202,12 @@ class Checkpointer:
                 )
         # Collecting is a collective (FSDP gathers): every rank, every filtered entry, in the filter's order.
         values = {key: collect(self._io, entries[key], full=fmt == "full") for key in filter}
-        kept = self._kept_items(values, filter, fmt)
+        kept, dropped = self._kept_items(values, filter, fmt)
         out = dict(entries)
         for key, names in kept.items():
             value = values[key]
             if names is not None:
-                if not names:
+                if key in dropped:
                     del out[key]
                     continue
                 chosen = set(names)
@@ -217,16 +217,17 @@ class Checkpointer:
 
     def _kept_items(
         self, values: dict[str, Any], filter: dict[str, Filter], fmt: str
-    ) -> dict[str, list[str] | None]:
-        """Which items of each filtered entry the filters keep (None: the value is no dict, kept whole), the same
-        answer on every rank: which entries a save writes decides which collectives follow (the record gathers
-        every rank's generators only for a checkpoint that holds a module or optimizer), so ranks that decided
-        apart would wait in different collectives until the timeout.
+    ) -> tuple[dict[str, list[str] | None], set[str]]:
+        """Which items of each filtered entry the filters keep (None: the value is no dict, kept whole), and the
+        entries kept by no rank (dropped from the save on every rank): which entries a save writes decides which
+        collectives follow (the record gathers every rank's generators only for a checkpoint that holds a module
+        or optimizer), so ranks that decided apart would wait in different collectives until the timeout.
 
         A full checkpoint is gathered to rank 0 alone under the FSDP layouts (the other ranks hold empty state
         dicts): rank 0, which writes the file, applies the filters to the full values and tells the others. A
-        sharded one gives every rank its shards under the same names: every rank applies the filters (a filter
-        may compute on a DTensor, a collective) and the ranks must agree."""
+        sharded one gives every rank its shards (a pipeline rank: its stages' names): every rank applies the
+        filters (a filter may compute on a DTensor, a collective) and the ranks that hold an item must agree on
+        it."""
         io = self._io
         decide = fmt != "full" or io.global_rank == 0
         failure, own, kept = None, None, {}
@@ -249,29 +250,25 @@ class Checkpointer:
         if not io.is_distributed:
             if own is not None:
                 raise own
-            return kept
+            return kept, {k for k, names in kept.items() if names == []}
         if fmt == "full":
             failure, kept = io.broadcast((failure, kept), src=0)
             if own is not None:
                 raise own
             raise_shared_failure(failure, 0, None, CheckpointError)
-            return kept
-        answers = io.all_gather_object((failure, kept))
+            return kept, {k for k, names in kept.items() if names == []}
+        held = {k: list(v) if isinstance(v, dict) else None for k, v in values.items()} if decide else {}
+        answers = io.all_gather_object((failure, kept, held))
         if own is not None:
             raise own
-        rank, failure = next(((r, f) for r, (f, _) in enumerate(answers) if f), (0, None))
+        rank, failure = next(((r, f) for r, (f, _, _) in enumerate(answers) if f), (0, None))
         raise_shared_failure(failure, rank, None, CheckpointError)
+        dropped = set()
         for key in filter:
-            differ = {r: k[key] for r, (_, k) in enumerate(answers) if k[key] != answers[0][1][key]}
-            if differ:
-                r, theirs = next(iter(differ.items()))
-                raise MisuseError(
-                    f"save(..., filter=) for entry {key!r} kept different items on different ranks (rank 0: "
-                    f"{_names(answers[0][1][key])}, rank {r}: {_names(theirs)}): in a sharded checkpoint each "
-                    "rank's filter sees only that rank's shard of each tensor. Decide by the item's name (the "
-                    "first argument), which is the same on every rank."
-                )
-        return kept
+            _check_same_choice(key, [(k[key], h[key]) for _, k, h in answers])
+            if all(k[key] == [] for _, k, _ in answers):
+                dropped.add(key)
+        return kept, dropped
 
     # ---- plain and Hugging Face files ------------------------------------------------------------------------
     def load_raw(
@@ -351,15 +348,29 @@ class Checkpointer:
                 traceback.print_exc(file=sys.stderr)
 
 
-def _names(items: list[str] | None) -> str:
-    if items is None:
-        return "the whole value"
-    return repr(items) if len(items) <= 6 else f"{items[:6]!r}[:6] of {len(items)} items"
-
-
 def _shown(kinds: dict[str, str], filtered: list[str] | bool) -> str:
     """`{'model': 'module', 'opt': 'optimizer'} with filter on ['model']`, as the error names what a rank got."""
     text = repr(kinds) if kinds else "no modules, optimizers or objects with state"
     if filtered:
         text += f" with a filter on {filtered}" if isinstance(filtered, list) else " with filter="
     return text
+
+
+def _check_same_choice(key: str, choices: list[tuple[list[str] | None, list[str] | None]]) -> None:
+    """Every rank that holds an item made the same choice about it (a pipeline rank holds only its stages' items,
+    so only the ranks that hold an item are compared)."""
+    first: dict[str, tuple[int, bool]] = {}
+    for rank, (kept, held) in enumerate(choices):
+        if held is None:
+            continue
+        chosen = set(kept or ())
+        for name in held:
+            r, keep = first.setdefault(name, (rank, name in chosen))
+            if keep != (name in chosen):
+                raise MisuseError(
+                    f"save(..., filter=) for entry {key!r} decided differently about {name!r} on different ranks "
+                    f"(rank {r}: {'kept' if keep else 'left out'}, rank {rank}: "
+                    f"{'kept' if name in chosen else 'left out'}): in a sharded checkpoint each rank's filter "
+                    "sees only that rank's shard of each tensor. Decide by the item's name (the first argument), "
+                    "which is the same on every rank."
+                )

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from torchloom._layout import clean_name
@@ -27,6 +28,7 @@ from torchloom.strategies.parallel import ParallelStrategy
 PIPELINE_PARALLEL = "pipeline_parallel"
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
+_ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 def _positive(value: Any, what: str) -> int:
@@ -315,6 +317,15 @@ class PipelineStrategy(ParallelStrategy):
                 f"outside every fully_shard unit, with data_parallel_size={self.data_parallel_size}: nothing would "
                 "average their gradients over the data-parallel ranks. In parallelize_fn, apply fully_shard(module, "
                 "mesh=device_mesh['data_parallel']) to a module that holds them (e.g. each block)."
+            )
+        if self.schedule in _ZERO_BUBBLE and any(
+            isinstance(m, FSDPModule) for s in stages.values() for m in s.modules()
+        ):
+            problems.append(
+                f"schedule={self.schedule!r} with fully_shard units in the stages: torch's zero-bubble schedules "
+                "compute the weight gradients in a pass of their own, after FSDP2 has resharded the unit, and the "
+                "stage fails there while its pipeline peers wait. Use schedule='interleaved_1f1b' (or '1f1b', "
+                "'gpipe') with fully_shard units, or the zero-bubble schedule without fully_shard in parallelize_fn."
             )
         found = sorted({p for rank_problems in self.all_gather_object(problems) for p in rank_problems})
         if found:
