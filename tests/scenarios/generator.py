@@ -311,7 +311,7 @@ def pipeline_scenarios() -> list[Scenario]:
 RANDOM_ONLY: dict[str, tuple[Any, ...]] = {
     "compile": (True,),
     "load_world_size": (4,),
-    "schedule": ("looped_bfs", "interleaved_zero_bubble"),
+    "schedule": ("looped_bfs",),
     "load_pp": (2,),
 }
 
