@@ -256,20 +256,23 @@ class _Fitter:
             0,
             comm,
             0,
-            "derived: activations (and forward/backward temporaries) scaled by the micro-batch; smaller "
-            "kernels run less efficiently, not counted",
+            "derived: activations (and forward/backward temporaries) scaled by the micro-batch, gradients "
+            "held across micro-batches; smaller kernels run less efficiently, not counted",
         )
 
     def _smaller_batch(self, plan: dict[str, Any], ratio: float) -> list[dict[str, Any]]:
+        """The peaks with a micro-batch `ratio` of today's and the accumulation to match: activations (and the
+        temporaries of a forward or backward peak) scale with the micro-batch, and from the second micro-batch
+        on every gradient is held (a peak before the gradients exist holds them then)."""
         out = []
         for entry in plan["ranks"]:
             kinds = entry["breakdown"]
             scaled = kinds.get("activations", 0)
             if entry.get("phase") in ("forward", "backward"):
                 scaled += kinds.get("temporaries", 0)
-            out.append(
-                {"ranks": entry["ranks"], "peak_bytes": int(entry["peak_bytes"] - scaled * (1 - ratio))}
-            )
+            held = max(0, kinds.get("parameters", 0) - kinds.get("gradients", 0)) if ratio < 1 else 0
+            peak = int(entry["peak_bytes"] - scaled * (1 - ratio) + held)
+            out.append({"ranks": entry["ranks"], "peak_bytes": peak})
         return out
 
     def _moved(self, plan: dict[str, Any], fraction: float) -> list[dict[str, Any]]:
