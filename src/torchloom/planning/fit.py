@@ -457,7 +457,7 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
         host,
         "every change that lowers the peak, together",
     )
-    return {"peak_bytes": _largest(peaks), "changes": took, "entry": entry}
+    return {"peak_bytes": _largest(peaks), "changes": took, "how": entry["how"], "entry": entry}
 
 
 def format_fits(fit: dict[str, Any]) -> str:
@@ -487,12 +487,12 @@ def format_fits(fit: dict[str, Any]) -> str:
     if not fit["fits"]:
         lines.append(
             f"no change the planner knows fits the budget of {human(budget)} per rank: the floor is "
-            f"{human(floor['peak_bytes'])}, with "
+            f"{human(floor['peak_bytes'])} ({floor['how']}), with "
             + ("; ".join(floor["changes"]) if floor["changes"] else "no change that lowers the peak")
             + ". Add devices, shard more of the model, or raise the budget."
         )
     else:
-        lines.append(f"floor (every change together): {human(floor['peak_bytes'])}")
+        lines.append(f"floor (every change together): {human(floor['peak_bytes'])} ({floor['how']})")
     lines.extend(f"note: {note}" for note in fit["notes"])
     lines.append(Assumptions(**fit["assumptions"]).describe())
     return "\n".join(lines)
