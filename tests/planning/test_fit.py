@@ -48,11 +48,9 @@ def test_floor_when_nothing_fits(impossible):
     assert "activation checkpointing (full) of every Block (4 blocks)" in text, text
 
 
-def test_fits_ordered_with_costs(impossible):
+def _fitted(plan):
     """The same base plan fitted to a budget between the checkpointed and the plain peak: each planned change
     replayed from what the planner returned for it (a change not planned above fails as a re-plan would)."""
-    _, plan = impossible
-    tried = {json.dumps(e["change"]): e for e in plan["fitting"]["tried"] if e["how"] == "planned"}
     checkpointed = _checkpointing(plan["fitting"]["tried"])
 
     def replan(fit, precision):
@@ -60,9 +58,15 @@ def test_fits_ordered_with_costs(impossible):
             return {"ranks": checkpointed["ranks"], "peak_bytes": checkpointed["peak_bytes"]}
         raise PlanError("not planned in this test", {"ranks": []})
 
-    assert tried, plan["fitting"]
     budget = (checkpointed["peak_bytes"] + plan["peak_bytes"]) // 2
-    fit = fit_budget(plan, budget, replan, changes=tuple(CHANGES.split(",")))
+    return budget, fit_budget(plan, budget, replan, changes=tuple(CHANGES.split(",")))
+
+
+def test_fits_ordered_with_costs(impossible):
+    _, plan = impossible
+    tried = [e for e in plan["fitting"]["tried"] if e["how"] == "planned"]
+    assert tried, plan["fitting"]
+    budget, fit = _fitted(plan)
     fits = fit["fits"]
     assert len(fits) >= 2, fit
     assert [e["added_seconds"] for e in fits] == sorted(e["added_seconds"] for e in fits), fits
@@ -89,18 +93,26 @@ def test_fits_ordered_with_costs(impossible):
     json.dumps(fit)  # what --json writes
 
 
-def test_applied_checkpointing_measured_within_10_percent(impossible, tmp_path):
-    """The fit's checkpointing, applied for real on 2 gloo ranks (`--ac` checkpoints every block), measured."""
-    _, plan = impossible
-    predicted = {
-        r: p["peak_bytes"] for p in _checkpointing(plan["fitting"]["tried"])["ranks"] for r in p["ranks"]
-    }
+def _measured(tmp_path, extra):
     out = tmp_path / "measured.json"
     result, _ = run_job(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(SCRIPT), *ARGS, "--ac", "--out", str(out)],
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(SCRIPT), *ARGS, *extra, "--out", str(out)],
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:]
-    measured = [rank["peak_bytes"] for rank in json.loads(out.read_text())["ranks"]]
-    for rank, peak in enumerate(measured):
-        assert abs(predicted[rank] / peak - 1) <= 0.10, (rank, predicted[rank], peak)
+    return [rank["peak_bytes"] for rank in json.loads(out.read_text())["ranks"]]
+
+
+def test_applied_changes_measured_within_10_percent(impossible, tmp_path):
+    """The fits applied for real on 2 gloo ranks and measured: the planned checkpointing (the script's `--ac`
+    checkpoints every block) and the derived micro-batch (`--micro-batch b --accumulate B/b`)."""
+    _, plan = impossible
+    smaller = next(e for e in _fitted(plan)[1]["fits"] if e["change"].startswith("micro-batch"))
+    size = int(smaller["change"].split()[1])
+    for entry, extra in (
+        (_checkpointing(plan["fitting"]["tried"]), ["--ac"]),
+        (smaller, ["--micro-batch", str(size), "--accumulate", str(BATCH // size)]),
+    ):
+        predicted = {r: p["peak_bytes"] for p in entry["ranks"] for r in p["ranks"]}
+        for rank, peak in enumerate(_measured(tmp_path, extra)):
+            assert abs(predicted[rank] / peak - 1) <= 0.10, (entry["change"], rank, predicted[rank], peak)

@@ -256,20 +256,23 @@ class _Fitter:
             0,
             comm,
             0,
-            "derived: activations (and forward/backward temporaries) scaled by the micro-batch; smaller "
-            "kernels run less efficiently, not counted",
+            "derived: activations (and forward/backward temporaries) scaled by the micro-batch, gradients "
+            "held across micro-batches; smaller kernels run less efficiently, not counted",
         )
 
     def _smaller_batch(self, plan: dict[str, Any], ratio: float) -> list[dict[str, Any]]:
+        """The peaks with a micro-batch `ratio` of today's and the accumulation to match: activations (and the
+        temporaries of a forward or backward peak) scale with the micro-batch, and from the second micro-batch
+        on every gradient is held (a peak before the gradients exist holds them then)."""
         out = []
         for entry in plan["ranks"]:
             kinds = entry["breakdown"]
             scaled = kinds.get("activations", 0)
             if entry.get("phase") in ("forward", "backward"):
                 scaled += kinds.get("temporaries", 0)
-            out.append(
-                {"ranks": entry["ranks"], "peak_bytes": int(entry["peak_bytes"] - scaled * (1 - ratio))}
-            )
+            held = max(0, kinds.get("parameters", 0) - kinds.get("gradients", 0)) if ratio < 1 else 0
+            peak = int(entry["peak_bytes"] - scaled * (1 - ratio) + held)
+            out.append({"ranks": entry["ranks"], "peak_bytes": peak})
         return out
 
     def _moved(self, plan: dict[str, Any], fraction: float) -> list[dict[str, Any]]:
@@ -454,7 +457,7 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
         host,
         "every change that lowers the peak, together",
     )
-    return {"peak_bytes": _largest(peaks), "changes": took, "entry": entry}
+    return {"peak_bytes": _largest(peaks), "changes": took, "how": entry["how"], "entry": entry}
 
 
 def format_fits(fit: dict[str, Any]) -> str:
@@ -484,12 +487,12 @@ def format_fits(fit: dict[str, Any]) -> str:
     if not fit["fits"]:
         lines.append(
             f"no change the planner knows fits the budget of {human(budget)} per rank: the floor is "
-            f"{human(floor['peak_bytes'])}, with "
+            f"{human(floor['peak_bytes'])} ({floor['how']}), with "
             + ("; ".join(floor["changes"]) if floor["changes"] else "no change that lowers the peak")
             + ". Add devices, shard more of the model, or raise the budget."
         )
     else:
-        lines.append(f"floor (every change together): {human(floor['peak_bytes'])}")
+        lines.append(f"floor (every change together): {human(floor['peak_bytes'])} ({floor['how']})")
     lines.extend(f"note: {note}" for note in fit["notes"])
     lines.append(Assumptions(**fit["assumptions"]).describe())
     return "\n".join(lines)
