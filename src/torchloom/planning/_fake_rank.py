@@ -158,6 +158,23 @@ def _fake_object_collectives() -> None:
     dist.broadcast_object_list = distributed_c10d.broadcast_object_list = broadcast_object_list
 
 
+def _tolerate_grad_of_leaves() -> None:
+    """The module tracker that names the module at the peak (torch's `ModTracker`) asks, in its multi-grad hooks,
+    whether autograd will run each tensor's node, and torch cannot answer for a leaf inside `torch.autograd.grad`
+    (as a pipeline stage computes its input gradients): a leaf's gradient is not accumulated there, so no."""
+    original = torch._C._will_engine_execute_node
+
+    def will_engine_execute_node(node: Any) -> bool:
+        try:
+            return bool(original(node))
+        except RuntimeError as error:
+            if "autograd.grad" not in str(error):
+                raise
+            return False
+
+    torch._C._will_engine_execute_node = will_engine_execute_node
+
+
 def _completed_allreduce(state: object, bucket: Any) -> Any:
     """DDP's gradient all-reduce on the fake group: in place, as gloo's and NCCL's are, so the bucket itself."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -211,6 +228,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     _fake_new_groups()
     _fake_object_collectives()
     _object_mailbox(config["mailbox"])
+    _tolerate_grad_of_leaves()
     from torchloom.strategies import _tp_leftovers
 
     # torchloom's check that a replicated leftover's gradient agrees across tensor-parallel ranks compares
@@ -250,7 +268,17 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         register_optimizer_step_post_hook(after_step),
         torch.nn.modules.module.register_module_forward_pre_hook(root_forward),
     ]
-    result: dict[str, Any] = {"rank": rank, "error": None}
+    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None}
+    from torchloom.strategies import pipeline
+
+    setup_stage = pipeline.PipelineStrategy.setup_module
+
+    def setup_module(self: pipeline.PipelineStrategy, *args: Any, **kwargs: Any) -> Any:
+        # Each pipeline stage is a role of its own: the plan names the stage a simulated rank runs.
+        result["stage"] = self.device_mesh[pipeline.PIPELINE_PARALLEL].get_local_rank()
+        return setup_stage(self, *args, **kwargs)
+
+    pipeline.PipelineStrategy.setup_module = setup_module  # type: ignore[method-assign]
     sys.argv = [config["script"], *config["script_args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
     fake = _torch_compat.fake_tensor_mode()
