@@ -84,7 +84,7 @@ def _fake_new_groups() -> Any:
     return original
 
 
-def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
+def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -> None:
     """Pipeline stages tell the next stage the shapes they send (torch's `PipelineStage` metadata inference,
     `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks run side by
     side and post the objects as files, addressed by the sender's and receiver's rank in the group (a pipeline's
@@ -111,6 +111,14 @@ def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
 
     def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **_: Any) -> int:
         source = int(src if src is not None else _["group_src"])
+        size = dist.get_world_size(group)
+        position = dist.get_group_rank(group, source) if group is not None else source
+        if position not in {rank // (dist.get_world_size() // size) for rank in simulated}:
+            raise NotImplementedError(
+                f"the plan simulates ranks {simulated} only, and none of them is at place {position} of the "
+                f"{size} ranks this rank receives from (a pipeline stage): `torchloom plan` covers pipelines of "
+                "at most 2 stages (pipeline_parallel_size=2)"
+            )
         path = _address(source, dist.get_rank(), group)
         deadline = time.monotonic() + timeout
         while not os.path.exists(path):
@@ -123,8 +131,8 @@ def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
             object_list[:] = pickle.load(f)
         return source
 
-    dist.send_object_list = distributed_c10d.send_object_list = send_object_list
-    dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list
+    dist.send_object_list = distributed_c10d.send_object_list = send_object_list  # type: ignore[assignment]
+    dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list  # type: ignore[assignment]
 
 
 def _a_peer_failed(folder: str) -> bool:
@@ -227,7 +235,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     _torch_compat.init_fake_process_group(rank, world_size)
     _fake_new_groups()
     _fake_object_collectives()
-    _object_mailbox(config["mailbox"])
+    _object_mailbox(config["mailbox"], config["simulated"])
     _tolerate_grad_of_leaves()
     from torchloom.strategies import _tp_leftovers
 

@@ -119,6 +119,7 @@ def plan(
                 "script_args": list(script_args or []),
                 "out": os.path.join(folder, f"rank{rank}.json"),
                 "mailbox": folder,
+                "simulated": [simulated for simulated, _ in simulated_ranks(world_size)],
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:
