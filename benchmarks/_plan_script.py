@@ -1,13 +1,15 @@
 """The training script that `benchmarks/planning.py` and `tests/planning/` plan (`torchloom plan`) and then run
-(`torchloom run`), measuring each rank's peak with `track_memory()` and `loom.memory_summary()`.
+(`torchloom run`), measuring each rank's peak with `track_memory()` (gathered from every rank).
 
     torchloom run --devices 2 benchmarks/_plan_script.py --layout fsdp2-units --out measured.json
     torchloom plan --devices 2 benchmarks/_plan_script.py --layout fsdp2-units
 
 Layouts: ddp; fsdp (FSDP1, every block a hand-made unit, the head a leftover); fsdp2-units (the same with
 `fully_shard(block)`); tp (ModelParallelStrategy, tensor parallel 2: each block's first layer split by columns,
-its second by rows). Options: --ac (activation checkpointing of every block), --precision, --micro-batch and
---accumulate (micro-batches per optimizer step).
+its second by rows); pp (PipelineStrategy, one stage per rank, 1F1B over 2 micro-batches). Options: --ac
+(activation checkpointing of every block), --offload (fsdp2-units: torch's CPUOffloadPolicy), --precision,
+--micro-batch, --accumulate (micro-batches per optimizer step) and --more "OPTIONS" (another configuration
+measured after this one in the same launched ranks; `--out` then lists each under `configs`).
 """
 
 from __future__ import annotations
