@@ -1,13 +1,15 @@
 """The training script that `benchmarks/planning.py` and `tests/planning/` plan (`torchloom plan`) and then run
-(`torchloom run`), measuring each rank's peak with `track_memory()` and `loom.memory_summary()`.
+(`torchloom run`), measuring each rank's peak with `track_memory()` (gathered from every rank).
 
     torchloom run --devices 2 benchmarks/_plan_script.py --layout fsdp2-units --out measured.json
     torchloom plan --devices 2 benchmarks/_plan_script.py --layout fsdp2-units
 
 Layouts: ddp; fsdp (FSDP1, every block a hand-made unit, the head a leftover); fsdp2-units (the same with
 `fully_shard(block)`); tp (ModelParallelStrategy, tensor parallel 2: each block's first layer split by columns,
-its second by rows). Options: --ac (activation checkpointing of every block), --precision, --micro-batch and
---accumulate (micro-batches per optimizer step).
+its second by rows); pp (PipelineStrategy, one stage per rank, 1F1B over 2 micro-batches). Options: --ac
+(activation checkpointing of every block), --offload (fsdp2-units: torch's CPUOffloadPolicy), --precision,
+--micro-batch, --accumulate (micro-batches per optimizer step) and --more "OPTIONS" (another configuration
+measured after this one in the same launched ranks; `--out` then lists each under `configs`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", default="ddp", choices=("ddp", "fsdp", "fsdp2-units", "tp", "pp"))
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--ac", action="store_true")
+    parser.add_argument("--offload", action="store_true", help="fsdp, fsdp2-units: CPU offload of the shards")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64, help="tokens per sample")
@@ -82,11 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _measure(args: argparse.Namespace) -> list[dict[str, int]]:
-    """Train one configuration; every rank's measured peak."""
+def _measure(args: argparse.Namespace, baseline: list[int]) -> list[dict[str, int]]:
+    """Train one configuration; every rank's measured peak. `baseline`: the live bytes when the first
+    configuration started (filled by it); a later configuration's peak is counted above the same baseline, so
+    what an earlier one left alive (FSDP2 keeps its last model's shards referenced) does not count."""
     gc.collect()  # what an earlier configuration left is freed before the count starts
     tracking = track_memory("cpu")
+    at_start = tracking.peak_bytes()["peak_bytes"]
+    baseline.append(at_start)
     strategy: object = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2-units": "fsdp2"}.get(args.layout)
+    if args.offload and args.layout != "fsdp2-units":
+        # torchloom's cpu_offload= is refused on CPU ranks (there is no device memory to offload from).
+        raise SystemExit("--offload: fsdp2-units only (hand-made units with torch's CPUOffloadPolicy)")
     if args.layout == "tp":
         from torchloom.strategies import ModelParallelStrategy
 
@@ -119,10 +129,12 @@ def _measure(args: argparse.Namespace) -> list[dict[str, int]]:
     else:
         model = Net(args.dim, args.blocks, args.ac)
         if args.layout == "fsdp2-units":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+            # Pinned memory needs an accelerator; on CPU ranks the offloaded shards stay where they are.
+            offload = CPUOffloadPolicy(pin_memory=False) if args.offload else OffloadPolicy()
             for block in model.blocks:
-                fully_shard(block)
+                fully_shard(block, offload_policy=offload)
     if args.layout == "pp":
         model = loom.setup_module(model)
         optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -140,9 +152,10 @@ def _measure(args: argparse.Namespace) -> list[dict[str, int]]:
                 loom.forward_backward(model, x, torch.zeros(args.micro_batch), loss_fn)
         optimizer.step()
         optimizer.zero_grad()
-    summary = loom.memory_summary()
+    own = tracking.peak_bytes()["peak_bytes"] - (at_start - baseline[0])
     tracking.stop()
-    return summary.ranks
+    peaks = loom.all_gather(torch.tensor(own, dtype=torch.int64)).reshape(-1).tolist()
+    return [{"peak_bytes": int(peak), "reserved_bytes": 0} for peak in peaks]
 
 
 def main() -> None:
@@ -150,9 +163,10 @@ def main() -> None:
     args = parser.parse_args()
     # Several configurations in one launched group (the tests and the benchmark pay for starting ranks once);
     # each is measured from what is live when it starts, after the previous one's model and optimizer are gone.
-    results = [{"args": [], "ranks": _measure(args)}]
+    baseline: list[int] = []
+    results = [{"args": [], "ranks": _measure(args, baseline)}]
     for more in args.more:
-        results.append({"args": more.split(), "ranks": _measure(parser.parse_args(more.split()))})
+        results.append({"args": more.split(), "ranks": _measure(parser.parse_args(more.split()), baseline)})
     if args.out and int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump({"ranks": results[0]["ranks"], "configs": results}, f)

@@ -8,7 +8,12 @@ then run with `torchloom run`, each rank measuring its peak of live tensor bytes
     python benchmarks/planning.py            # all configurations, writes the table into docs/performance.md
     python benchmarks/planning.py --tiny     # two configurations, nothing written
 
-CPU offload is CUDA only in torchloom (`cpu_offload=`), so it is not in the CPU table.
+    python benchmarks/planning.py --offload  # only the CPU-offload rows, merged into the table
+
+CPU offload: torchloom's `cpu_offload=` is refused on CPU ranks (there is no device memory to move shards away
+from), so the offload rows use hand-made FSDP2 units with torch's `CPUOffloadPolicy(pin_memory=False)` (pinned
+memory needs an accelerator). On CPU ranks the offloaded shards and the "device" are the same memory: the rows
+hold the planner to the same live-bytes total, they do not measure a device/host split.
 """
 
 from __future__ import annotations
@@ -44,12 +49,14 @@ CONFIGS = [
     ("tp", "32-true", True, 4),
     ("tp", "bf16-mixed", False, 4),
 ]
+OFFLOAD = [("fsdp2-units", "32-true", False, 4), ("fsdp2-units", "bf16-mixed", False, 4)]
 BEGIN = "<!-- planning table: begin (benchmarks/planning.py writes it) -->"
 END = "<!-- planning table: end -->"
 
 
-def _args(layout: str, precision: str, ac: bool, micro: int) -> list[str]:
+def _args(layout: str, precision: str, ac: bool, micro: int, offload: bool = False) -> list[str]:
     return [
+        *(["--offload"] if offload else []),
         "--layout",
         layout,
         "--precision",
@@ -81,11 +88,16 @@ def planned(args: list[str], devices: int = 2) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--offload", action="store_true", help="only the CPU-offload rows")
     options = parser.parse_args()
-    configs = CONFIGS[:1] + CONFIGS[7:8] if options.tiny else CONFIGS
+    configs = [(*c, False) for c in (CONFIGS[:1] + CONFIGS[7:8] if options.tiny else CONFIGS)]
+    if options.offload:
+        configs = [(*c, True) for c in OFFLOAD]
+    elif not options.tiny:
+        configs += [(*c, True) for c in OFFLOAD]
     rows = []
-    for layout, precision, ac, micro in configs:
-        args = _args(layout, precision, ac, micro)
+    for layout, precision, ac, micro, offload in configs:
+        args = _args(layout, precision, ac, micro, offload)
         start = time.perf_counter()
         try:
             predicted = planned(args)
@@ -96,39 +108,60 @@ def main() -> None:
                 f"FAILED  {layout} {precision} ac={ac} micro={micro}: {str(error).splitlines()[0]}",
                 flush=True,
             )
-            rows.append((layout, precision, ac, micro, None, None, 0.0))
+            rows.append((layout, precision, ac, micro, offload, None, None, 0.0))
             continue
-        rows.append((layout, precision, ac, micro, predicted, measured, plan_s))
+        rows.append((layout, precision, ac, micro, offload, predicted, measured, plan_s))
         worst = max(abs(p / m - 1) for p, m in zip(predicted, measured, strict=True))
         print(
-            f"ratio  {layout:<11} {precision:<10} ac={'on ' if ac else 'off'} micro={micro}  "
+            f"ratio  {layout:<11} {precision:<10} ac={'on ' if ac else 'off'} micro={micro} "
+            f"offload={'on ' if offload else 'off'}  "
             f"planned {[human(p) for p in predicted]}  measured {[human(m) for m in measured]}  "
             f"worst {worst:.3f} [|planned/measured - 1|]",
             flush=True,
         )
     if not options.tiny:
-        _write_table(rows)
+        _write_table(rows, merge=options.offload)
 
 
-def _write_table(rows: list[tuple]) -> None:
-    lines = [
-        BEGIN,
-        "",
-        "| strategy | precision | AC | micro-batch | rank | planned | measured | planned/measured |",
-        "|---|---|---|---|---|---|---|---|",
+HEAD = (
+    "| strategy | precision | AC | CPU offload | micro-batch | rank | planned | measured | planned/measured |"
+)
+
+
+def _row_lines(row: tuple) -> list[str]:
+    layout, precision, ac, micro, offload, predicted, measured, _ = row
+    first = f"| {layout} | {precision} | {'on' if ac else 'off'} | {'on' if offload else 'off'} | {micro} |"
+    if predicted is None:
+        return [f"{first} - | failed | | |"]
+    return [
+        f"{first} {rank} | {p:,} | {m:,} | {p / m:.3f} |"
+        for rank, (p, m) in enumerate(zip(predicted, measured, strict=True))
     ]
-    for layout, precision, ac, micro, predicted, measured, _ in rows:
-        if predicted is None:
-            lines.append(f"| {layout} | {precision} | {'on' if ac else 'off'} | {micro} | - | failed | | |")
-            continue
-        for rank, (p, m) in enumerate(zip(predicted, measured, strict=True)):
-            lines.append(
-                f"| {layout} | {precision} | {'on' if ac else 'off'} | {micro} | {rank} | {p:,} | {m:,} | "
-                f"{p / m:.3f} |"
-            )
-    lines += ["", END]
+
+
+def _kept_rows(text: str) -> list[str]:
+    """The table's rows as they are (merge: only the rows run now are replaced); rows of the older table, without
+    the CPU offload column, get it ("off")."""
+    if BEGIN not in text:
+        return []
+    rows = [line for line in text[text.index(BEGIN) : text.index(END)].splitlines() if line.startswith("| ")]
+    kept = []
+    for line in rows[1:]:
+        cells = line.split(" | ")
+        if len(cells) == 8:  # the older table: no CPU offload column
+            cells.insert(3, "off")
+        kept.append(" | ".join(cells))
+    return kept
+
+
+def _write_table(rows: list[tuple], merge: bool = False) -> None:
     page = REPO / "docs" / "performance.md"
     text = page.read_text()
+    new = [line for row in rows for line in _row_lines(row)]
+    if merge:
+        keys = {line.rsplit(" | ", 4)[0] for line in new}
+        new = [line for line in _kept_rows(text) if line.rsplit(" | ", 4)[0] not in keys] + new
+    lines = [BEGIN, "", HEAD, "|---|---|---|---|---|---|---|---|---|", *new, "", END]
     if BEGIN in text:
         text = text[: text.index(BEGIN)] + "\n".join(lines) + text[text.index(END) + len(END) :]
     else:

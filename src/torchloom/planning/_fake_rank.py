@@ -85,7 +85,7 @@ def _fake_new_groups() -> Any:
     return original
 
 
-def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
+def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -> None:
     """Pipeline stages tell the next stage the shapes they send (torch's `PipelineStage` metadata inference,
     `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks run side by
     side and post the objects as files, addressed by the sender's and receiver's rank in the group (a pipeline's
@@ -112,6 +112,14 @@ def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
 
     def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **_: Any) -> int:
         source = int(src if src is not None else _["group_src"])
+        size = dist.get_world_size(group)
+        position = dist.get_group_rank(group, source) if group is not None else source
+        if position not in {rank // (dist.get_world_size() // size) for rank in simulated}:
+            raise NotImplementedError(
+                f"the plan simulates ranks {simulated} only, and none of them is at place {position} of the "
+                f"{size} ranks this rank receives from (a pipeline stage): `torchloom plan` covers pipelines of "
+                "at most 2 stages (pipeline_parallel_size=2)"
+            )
         path = _address(source, dist.get_rank(), group)
         deadline = time.monotonic() + timeout
         while not os.path.exists(path):
@@ -124,8 +132,8 @@ def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
             object_list[:] = pickle.load(f)
         return source
 
-    dist.send_object_list = distributed_c10d.send_object_list = send_object_list
-    dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list
+    dist.send_object_list = distributed_c10d.send_object_list = send_object_list  # type: ignore[assignment]
+    dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list  # type: ignore[assignment]
 
 
 def _a_peer_failed(folder: str) -> bool:
@@ -157,6 +165,23 @@ def _fake_object_collectives() -> None:
 
     dist.all_gather_object = distributed_c10d.all_gather_object = all_gather_object
     dist.broadcast_object_list = distributed_c10d.broadcast_object_list = broadcast_object_list
+
+
+def _tolerate_grad_of_leaves() -> None:
+    """The module tracker that names the module at the peak (torch's `ModTracker`) asks, in its multi-grad hooks,
+    whether autograd will run each tensor's node, and torch cannot answer for a leaf inside `torch.autograd.grad`
+    (as a pipeline stage computes its input gradients): a leaf's gradient is not accumulated there, so no."""
+    original = torch._C._will_engine_execute_node
+
+    def will_engine_execute_node(node: Any) -> bool:
+        try:
+            return bool(original(node))
+        except RuntimeError as error:
+            if "autograd.grad" not in str(error):
+                raise
+            return False
+
+    torch._C._will_engine_execute_node = will_engine_execute_node
 
 
 def _completed_allreduce(state: object, bucket: Any) -> Any:
@@ -211,7 +236,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     _torch_compat.init_fake_process_group(rank, world_size)
     _fake_new_groups()
     _fake_object_collectives()
-    _object_mailbox(config["mailbox"])
+    _object_mailbox(config["mailbox"], config["simulated"])
+    _tolerate_grad_of_leaves()
     from torchloom.strategies import _tp_leftovers
 
     # torchloom's check that a replicated leftover's gradient agrees across tensor-parallel ranks compares
@@ -252,7 +278,17 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         register_optimizer_step_post_hook(after_step),
         torch.nn.modules.module.register_module_forward_pre_hook(root_forward),
     ]
-    result: dict[str, Any] = {"rank": rank, "error": None}
+    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None}
+    from torchloom.strategies import pipeline
+
+    setup_stage = pipeline.PipelineStrategy.setup_module
+
+    def setup_module(self: pipeline.PipelineStrategy, *args: Any, **kwargs: Any) -> Any:
+        # Each pipeline stage is a role of its own: the plan names the stage a simulated rank runs.
+        result["stage"] = self.device_mesh[pipeline.PIPELINE_PARALLEL].get_local_rank()
+        return setup_stage(self, *args, **kwargs)
+
+    pipeline.PipelineStrategy.setup_module = setup_module  # type: ignore[method-assign]
     sys.argv = [config["script"], *config["script_args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
     fake = _torch_compat.fake_tensor_mode()

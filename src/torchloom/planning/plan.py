@@ -121,6 +121,7 @@ def plan(
                 "out": os.path.join(folder, f"rank{rank}.json"),
                 "fit": fit,
                 "mailbox": folder,
+                "simulated": [simulated for simulated, _ in simulated_ranks(world_size)],
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:

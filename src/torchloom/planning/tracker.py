@@ -219,6 +219,8 @@ class MemoryAccount(TorchDispatchMode):
             for t in inputs:
                 results.append(t)
         for t in results:
+            if t.device.type == "meta":  # the model's device: no memory (a pipeline stage's shape inference)
+                continue
             storage = _storage(t)
             if storage is not None:
                 self._add(storage, label)
