@@ -149,6 +149,8 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
     one module of another stage at a time, and spends the whole model's initialisation time."""
     from torchloom.strategies import _meta_init
 
+    # Listed before this rank's stages are allocated: a split_fn may hand the model's own modules to a stage.
+    pending = _meta_init.meta_modules(model)
     mine: dict[str, torch.Tensor] = {}
     for stage in stages.values():
         meta = {n for n, t in _tensors(stage) if t.is_meta}
@@ -158,7 +160,6 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
         mine.update((n, t) for n, t in _tensors(stage) if n in meta)
     if not mine:
         return
-    pending = _meta_init.meta_modules(model)
     filled: set[str] = set()
     with torch.no_grad():
         for prefix, mod in pending:

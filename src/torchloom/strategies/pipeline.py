@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from torchloom._layout import clean_name
@@ -294,6 +293,7 @@ class PipelineStrategy(ParallelStrategy):
         tensor-parallel DTensors outside every unit at data_parallel_size > 1 (neither a unit nor the
         plain-gradient averaging would reduce their gradients: the replicas would train apart), as the sharded
         strategies and `ModelParallelStrategy` refuse them."""
+        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
         from torchloom._layout import analyze
