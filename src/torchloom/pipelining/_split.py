@@ -188,9 +188,12 @@ def tie_problems(
             fix = f"keep every user of the tied weight in one stage (split points or a split_fn that do), {untie}"
         else:
             cause = (
-                f"torch's tracer (split_points) made them two separate tensors inside stage {split_inside[g]}"
+                f"cutting the model made them two separate tensors inside stage {split_inside[g]} (torch's "
+                "tracer does, for split_points)"
             )
-            fix = f"pass split_fn instead (its stage modules keep the tie), {untie}"
+            fix = (
+                f"pass a split_fn whose stage holds the tied modules themselves (not copies of each), {untie}"
+            )
         problems.append(
             f"the model ties {tied} (one parameter under {len(groups[g])} names, e.g. an input embedding tied to "
             f"the output head), and {cause}. PipelineStrategy does not support a weight tied across pipeline "
