@@ -134,9 +134,11 @@ def user_stages(
 def tie_groups(model: nn.Module) -> list[list[str]]:
     """The model's tied parameters: the names of each tensor held under several names (e.g. a Llama-style
     model's `embed.weight` and `lm_head.weight`), in the model's order."""
+    from torchloom._layout import clean_name
+
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
+        by_id.setdefault(id(p), []).append(clean_name(name))
     return [names for names in by_id.values() if len(names) > 1]
 
 
