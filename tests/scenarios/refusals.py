@@ -197,9 +197,9 @@ for _phase in ("train", "resume"):
             # model.split_fn's stages: "inp" opens the first, "out" closes the last.
             applies=lambda s, phase=_phase: s.pipelined(phase) and s.tied and s.num_stages(phase) > 1,
             error="MisuseError",
-            fragment="holds parameters that are not the model's under these names",
-            reason="the tied weight would be two parameters on two stages, trained apart; the stage that holds "
-            "the tie's second name (out.weight, which named_parameters() leaves out) is refused",
+            fragment="does not support a weight tied across pipeline stages",
+            reason="the tied weight would be two parameters on two stages, trained apart: refused on every rank "
+            "at setup_module, naming the tied names and their stages",
             phase=_phase,
         ),
     ]

@@ -231,6 +231,7 @@ class PipelineStrategy(ParallelStrategy):
         )
         problems: list[str] = []
         stages: dict[int, nn.Module] = {}
+        ties = _split.tie_groups(module)
         try:
             if self.split_points is not None:
                 _split.check_split_points(module, self.split_points, self.num_stages)
@@ -245,8 +246,9 @@ class PipelineStrategy(ParallelStrategy):
         except MisuseError as error:
             problems = [str(error)]
         # Every rank learns every rank's problems, so all raise together instead of some waiting in a collective.
-        everyone = self.all_gather_object(problems)
-        found = sorted({p for rank_problems in everyone for p in rank_problems})
+        everyone = self.all_gather_object((problems, _split.tie_holdings(stages, ties)))
+        found = sorted({p for rank_problems, _ in everyone for p in rank_problems})
+        found += _split.tie_problems(ties, [holdings for _, holdings in everyone])
         if found:
             raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
         _split.materialize(stages, module, self.root_device)
