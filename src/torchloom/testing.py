@@ -4,10 +4,15 @@ rank processes and brings back each rank's result. Not part of the training API.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import io
 import os
 import queue as queue_module
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -53,6 +58,23 @@ def end_rank(world_size: int, failed: bool) -> None:
         shutdown_process_group(world_size, END_TIMEOUT)
 
 
+def _stacks_of(procs: dict[int, Any], folder: str) -> str:
+    """Every thread's Python stack of each live rank (asked for with SIGUSR1, written to its file)."""
+    for p in procs.values():
+        if p.is_alive() and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    out = []
+    for r in procs:
+        try:
+            with open(f"{folder}/rank{r}.txt") as f:
+                out.append(f"--- rank {r} ---\n{f.read().strip() or '(no stack written)'}")
+        except OSError:
+            out.append(f"--- rank {r} ---\n(no stack written)")
+    return "\n".join(out)
+
+
 class RanksFailed(AssertionError):
     """A rank of `run_ranks` raised, or died without reporting, or the ranks ran past their timeout. Every rank
     has been stopped. An AssertionError, so a test that runs ranks fails (rather than errors) on it."""
@@ -66,6 +88,7 @@ def _rank_main(
     args: tuple[Any, ...],
     results: Any,
     environ: dict[str, str],
+    stacks: str,
 ) -> None:
     import multiprocessing
 
@@ -81,6 +104,10 @@ def _rank_main(
     # platform's, with which its DataLoader workers start: fork on Linux, not a fork server of the rank's own or
     # an interpreter each (seconds per worker).
     multiprocessing.set_start_method(None, force=True)
+    # A rank past the job's timeout is asked (SIGUSR1) for every thread's stack before it is killed: where it
+    # waited is what a hang's report needs. (To a file: a fork server's stderr is not the caller's.)
+    stack_file = open(stacks, "w")  # noqa: SIM115 - open until the process ends, for the signal handler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(1)  # the ranks share the machine's cores: more threads per rank only add contention
     failed = True
     try:
@@ -156,8 +183,11 @@ def run_ranks(
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
+    stacks = tempfile.mkdtemp(prefix="torchloom-stacks-")
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, environ))
+        ctx.Process(
+            target=_rank_main, args=(fn, r, world_size, port, args, results, environ, f"{stacks}/rank{r}.txt")
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -169,7 +199,10 @@ def run_ranks(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(done))
-                raise RanksFailed(f"ranks {missing} did not finish within {timeout:.0f}s (killed)")
+                raise RanksFailed(
+                    f"ranks {missing} did not finish within {timeout:.0f}s (killed). Where they were:\n"
+                    + _stacks_of({r: procs[r] for r in missing}, stacks)
+                )
             try:
                 rank, ok, payload = results.get(timeout=min(0.2, remaining))
             except queue_module.Empty:
@@ -193,4 +226,5 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(stacks, ignore_errors=True)
     return [done[r] for r in range(world_size)]
