@@ -154,7 +154,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
         meta = {n for n, t in _tensors(stage) if t.is_meta}
         for mod in stage.modules():
             if any(t.is_meta for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]):
-                mod.to_empty(device=device, recurse=False)
+                _empty_on(mod, device)
         mine.update((n, t) for n, t in _tensors(stage) if n in meta)
     if not mine:
         return
@@ -165,7 +165,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
             # A module a split_fn put into its stage as it is (no copy) was allocated above: initialised in place.
             shared = not any(t.is_meta for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
             if not shared:
-                mod.to_empty(device=device, recurse=False)
+                _empty_on(mod, device)
             _meta_init.run_init(mod)
             for key, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
                 name = f"{prefix}.{key}" if prefix else key
@@ -175,7 +175,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
                     if target is not t:
                         target.copy_(t)
             if not shared:
-                mod.to_empty(device="meta", recurse=False)
+                _empty_on(mod, torch.device("meta"))
     unfilled = sorted(set(mine) - filled)
     if unfilled:
         raise MisuseError(
@@ -183,6 +183,19 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
             "of that name to initialise them from: keep each stage's tensors at their names in the model, or build "
             "the model for real, or load weights after setup (loom.load_raw)."
         )
+
+
+def _empty_on(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device=device, recurse=False)` that always puts new tensors in the module (as
+    `to_empty` does for plain ones), never swapping the old ones' contents (as it does for fake tensors, under
+    `torchloom plan`): the stage and the model may hold the same parameter objects, and the model's must stay
+    meta for `materialize` to initialise them."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+    for name, b in module._buffers.items():
+        if b is not None:
+            module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
