@@ -394,7 +394,9 @@ def parameters_on_meta() -> Generator[None, None, None]:
             and (type(param.data) is torch.Tensor or _torch_compat.is_fake(param.data))
         ):
             extra = dict(param.__dict__)  # attributes some libraries hang on parameters
-            kind = nn.Parameter if _torch_compat.is_fake(param) else type(param)  # a fake Parameter is a FakeTensor
+            kind = (
+                nn.Parameter if _torch_compat.is_fake(param) else type(param)
+            )  # a fake Parameter is a FakeTensor
             meta = kind(param.to("meta"), requires_grad=param.requires_grad)
             # (a fake tensor's own attributes, its device among them, stay the new tensor's)
             meta.__dict__.update({key: value for key, value in extra.items() if key not in meta.__dict__})
