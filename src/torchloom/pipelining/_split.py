@@ -186,10 +186,14 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
 
 
 def _empty_on(module: nn.Module, device: torch.device) -> None:
-    """`module.to_empty(device=device, recurse=False)` that always puts new tensors in the module (as
-    `to_empty` does for plain ones), never swapping the old ones' contents (as it does for fake tensors, under
-    `torchloom plan`): the stage and the model may hold the same parameter objects, and the model's must stay
-    meta for `materialize` to initialise them."""
+    """`module.to_empty(device=device, recurse=False)`. On fake tensors (under `torchloom plan`) `to_empty`
+    swaps the contents of the parameter objects, which a traced stage shares with the model there: new
+    tensors go into the module instead, so that the model's stay meta for `materialize` to initialise them."""
+    from torchloom import _torch_compat
+
+    if not any(_torch_compat.is_fake(t) for t in [*module._parameters.values(), *module._buffers.values()]):
+        module.to_empty(device=device, recurse=False)
+        return
     for name, p in module._parameters.items():
         if p is not None:
             module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
