@@ -17,9 +17,12 @@ CONFIGS = {
     "ddp": ["--layout", "ddp", "--micro-batch", "4"],
     "fsdp2-units-ac": ["--layout", "fsdp2-units", "--micro-batch", "4", "--ac"],
     "tp2": ["--layout", "tp"],
+    # The precision converts the model's parameters (`module.to(bfloat16)` on fake parameters).
+    "ddp-bf16-true": ["--layout", "ddp", "--micro-batch", "4", "--precision", "bf16-true"],
 }
-# Planned with the others, not measured in their launched group (a PipelineStrategy is planned, not yet held
-# to 10%: see docs/will-it-fit.md).
+# Planned with the others, not measured in their launched group: each stage planned apart (pp 2, 1F1B), the
+# model built on meta under init_module; its plan is 10.3% over the measured peak on stage 0 (6.71 MiB planned,
+# 6.08 MiB measured), not yet held to 10% in this test (see docs/will-it-fit.md).
 PIPELINE = ["--layout", "pp", "--micro-batch", "4"]
 
 

@@ -230,7 +230,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
         meta = {n for n, t in _tensors(stage) if t.is_meta}
         for mod in stage.modules():
             if any(t.is_meta for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]):
-                mod.to_empty(device=device, recurse=False)
+                _empty_on(mod, device)
         mine.update((n, t) for n, t in _tensors(stage) if n in meta)
     if not mine:
         return
@@ -240,7 +240,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
             # A module a split_fn put into its stage as it is (no copy) was allocated above: initialised in place.
             shared = not any(t.is_meta for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
             if not shared:
-                mod.to_empty(device=device, recurse=False)
+                _empty_on(mod, device)
             _meta_init.run_init(mod)
             for key, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
                 name = f"{prefix}.{key}" if prefix else key
@@ -250,7 +250,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
                     if target is not t:
                         target.copy_(t)
             if not shared:
-                mod.to_empty(device="meta", recurse=False)
+                _empty_on(mod, torch.device("meta"))
     unfilled = sorted(set(mine) - filled)
     if unfilled:
         raise MisuseError(
@@ -258,6 +258,23 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
             "of that name to initialise them from: keep each stage's tensors at their names in the model, or build "
             "the model for real, or load weights after setup (loom.load_raw)."
         )
+
+
+def _empty_on(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device=device, recurse=False)`. On fake tensors (under `torchloom plan`) `to_empty`
+    swaps the contents of the parameter objects, which a traced stage shares with the model there: new
+    tensors go into the module instead, so that the model's stay meta for `materialize` to initialise them."""
+    from torchloom import _torch_compat
+
+    if not any(_torch_compat.is_fake(t) for t in [*module._parameters.values(), *module._buffers.values()]):
+        module.to_empty(device=device, recurse=False)
+        return
+    for name, p in module._parameters.items():
+        if p is not None:
+            module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+    for name, b in module._buffers.items():
+        if b is not None:
+            module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

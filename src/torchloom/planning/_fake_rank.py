@@ -46,24 +46,51 @@ def _world_environment(rank: int, world_size: int, per_node: int) -> None:
         os.environ.pop(name, None)
 
 
-def _skip_aliasing_swaps() -> Any:
-    """`module.to(device)` on a fake parameter already there swaps the parameter with an alias of itself, which
-    torch refuses ("Couldn't swap"); a swap of two views of the same fake memory changes nothing, so skip it."""
+def _fake_swaps() -> Any:
+    """`torch.utils.swap_tensors` as `nn.Module._apply` uses it on fake parameters (it always swaps those:
+    `module.to(dtype)`, `to_empty`, `module.to(device)`), made to work on them:
+
+    - a fake tensor that came out of the fake mode's conversion (`detach`, `nn.Parameter(fake)`) is in its memo,
+      a dictionary of weak references, and torch refuses to swap a tensor that has a weak reference ("Couldn't
+      swap Linear.weight"): the memo's entry goes (it only saves converting the same real tensor again, which
+      these tensors, made on the fake mode, never are).
+    - `module.to(device)` on a fake parameter already there swaps it with an alias of itself, which torch refuses
+      too; a swap of two views of the same fake memory changes nothing, so it is skipped."""
     original = torch.utils.swap_tensors
 
     def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        if (
-            _torch_compat.is_fake(t1)
-            and _torch_compat.is_fake(t2)
-            and t1.untyped_storage()._cdata == t2.untyped_storage()._cdata
-            and (t1.shape, t1.stride(), t1.storage_offset(), t1.dtype)
-            == (t2.shape, t2.stride(), t2.storage_offset(), t2.dtype)
-        ):
-            return
+        if _torch_compat.is_fake(t1) and _torch_compat.is_fake(t2):
+            if t1.untyped_storage()._cdata == t2.untyped_storage()._cdata and (
+                t1.shape,
+                t1.stride(),
+                t1.storage_offset(),
+                t1.dtype,
+            ) == (t2.shape, t2.stride(), t2.storage_offset(), t2.dtype):
+                return
+            for t in (t1, t2):
+                _forget_conversion(t)
         original(t1, t2)
 
     torch.utils.swap_tensors = swap_tensors
     return original
+
+
+def _forget_conversion(tensor: torch.Tensor) -> None:
+    """Drop the weak references that fake conversions keep to `tensor`: a fake mode's memo (described tensor ->
+    fake tensor) and its describer's ids (tensor -> id), of this tensor's fake mode or of another one (the one
+    torch's pipeline tracer converts the model with)."""
+    import gc
+    import weakref
+
+    refs = weakref.getweakrefs(tensor)
+    if not refs:
+        return
+    for table in gc.get_referrers(*refs):
+        if not isinstance(table, dict):
+            continue
+        for key, value in list(table.items()):
+            if any(value is ref or key is ref for ref in refs):
+                del table[key]
 
 
 def _fake_new_groups() -> Any:
@@ -292,7 +319,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     sys.argv = [config["script"], *config["script_args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
     fake = _torch_compat.fake_tensor_mode()
-    original_swap = _skip_aliasing_swaps()
+    original_swap = _fake_swaps()
     ddp_originals = _patch_ddp(account)
     try:
         with fake, account:

@@ -386,11 +386,20 @@ def parameters_on_meta() -> Generator[None, None, None]:
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
         param = module._parameters.get(name)
-        # Plain tensors only: a DTensor registered here is fully_shard's, already sharded.
-        if param is not None and not param.is_meta and type(param.data) is torch.Tensor:
+        # Plain tensors only: a DTensor registered here is fully_shard's, already sharded. A fake tensor (the
+        # planner's run) stands for a plain one.
+        if (
+            param is not None
+            and not param.is_meta
+            and (type(param.data) is torch.Tensor or _torch_compat.is_fake(param.data))
+        ):
             extra = dict(param.__dict__)  # attributes some libraries hang on parameters
-            meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(extra)
+            kind = (
+                nn.Parameter if _torch_compat.is_fake(param) else type(param)
+            )  # a fake Parameter is a FakeTensor
+            meta = kind(param.to("meta"), requires_grad=param.requires_grad)
+            # (a fake tensor's own attributes, its device among them, stay the new tensor's)
+            meta.__dict__.update({key: value for key, value in extra.items() if key not in meta.__dict__})
             module._parameters[name] = meta
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
