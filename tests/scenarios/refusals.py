@@ -219,6 +219,20 @@ class KnownFailure:
 
 KNOWN_FAILURES: list[KnownFailure] = [
     KnownFailure(
+        name="zero-bubble schedules with compiled blocks",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble")
+            and s.compile
+            and s.units != "hand"  # with units: the declared refusal
+        ),
+        reason="with torch.compile'd blocks (aot_eager) under ZBV, the last stage's ranks raise in the input-gradient "
+        "action (1I0, step 16 of the schedule) and their pipeline peers wait in their receive for the collective "
+        "timeout (pp 2 flat and pp 2 x tp 2; activation checkpointing on or off). Not reproduced by a 4-block "
+        "Linear model compiled the same way (3 steps of Adam at 4 micro-batches pass): cause not found yet",
+        runs=False,
+    ),
+    KnownFailure(
         name="FSDP1 NO_SHARD tied mixed-precision accumulation",
         applies=lambda s: (
             s.strategy == "fsdp"
