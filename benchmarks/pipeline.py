@@ -182,16 +182,12 @@ def _loom_step(loom: Any, model: Any, opt: Any, xb: torch.Tensor, yb: torch.Tens
 
 
 def _raw_step(rank: int, raw: Any, module: nn.Module, opt: Any, xb: torch.Tensor, yb: torch.Tensor) -> float:
-    dist.barrier()
+    elapsed = _raw_schedule_wall(rank, raw, xb, yb)
     t = time.perf_counter()
-    if rank == 0:
-        raw.step(xb)
-    else:
-        raw.step(target=yb, losses=[])
     _raw_norm_clip(list(module.parameters()), 1.0)
     opt.step()
     opt.zero_grad()
-    return time.perf_counter() - t
+    return elapsed + time.perf_counter() - t
 
 
 def _all_gather_float(value: float, loom: Any) -> list[float]:

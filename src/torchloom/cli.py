@@ -147,22 +147,14 @@ def _add_plan_parser(sub: Any) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from torchloom.planning.fit import fit_for_command
-    from torchloom.planning.plan import PlanError, format_plan, parse_bytes, plan
+    from torchloom.planning.plan import PlanError, format_plan, parse_bytes
 
     budget = parse_bytes(args.budget) if args.budget else None
     status = 0
+    replan = _replan(args, budget)
     try:
-        result = plan(
-            args.script,
-            args.script_args,
-            devices=args.devices,
-            num_nodes=args.num_nodes,
-            steps=args.steps,
-            strategy=args.strategy,
-            precision=args.precision,
-            budget=budget,
-            fit={"observe": True} if budget is not None else None,
-        )
+        # With a budget the first plan also records what fitting it needs (the blocks, the micro-batch).
+        result = replan({"observe": True} if budget is not None else None, None)
     except PlanError as error:
         print(f"torchloom: error: {error}", file=sys.stderr)
         if not error.plan.get("ranks"):
@@ -172,7 +164,7 @@ def _plan(args: argparse.Namespace) -> int:
     if "script" in result:
         print(format_plan(result))
     if status == 0 and budget is not None and result["peak_bytes"] > budget:
-        print(fit_for_command(args, result, budget, _replan(args, budget)))
+        print(fit_for_command(args, result, budget, replan))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot and "script" in result:
@@ -184,11 +176,11 @@ def _plan(args: argparse.Namespace) -> int:
     return status
 
 
-def _replan(args: argparse.Namespace, budget: int) -> Any:
-    """The script planned again with a fit's changes (`torchloom.planning.fit`)."""
+def _replan(args: argparse.Namespace, budget: int | None) -> Any:
+    """The command's plan of the script, with a fit's changes (`torchloom.planning.fit`) when given."""
     from torchloom.planning.plan import plan
 
-    def replan(fit: dict[str, Any], precision: str | None) -> dict[str, Any]:
+    def replan(fit: dict[str, Any] | None, precision: str | None) -> dict[str, Any]:
         return plan(
             args.script,
             args.script_args,
