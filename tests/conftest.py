@@ -73,3 +73,51 @@ def _no_process_group_outlives_its_test():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# TORCHLOOM_TEST_CPU=DIR: each pytest process writes DIR/<worker>.json, the CPU seconds each test used with
+# every process it started (ranks, launchers, the fork server's ranks). The suite is CPU-bound on 2 cores, so
+# this, not wall time under load, says which tests to make cheaper (docs/testing.md).
+_CPU_DIR = os.environ.get("TORCHLOOM_TEST_CPU")
+_cpu_used: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    # Live children (the fork server) hold the CPU of the ranks they reaped in their own counters.
+    tick = os.sysconf("SC_CLK_TCK")
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            total += sum(int(f) for f in fields[11:15]) / tick
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not _CPU_DIR:
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    _cpu_used[item.nodeid] = _cpu_used.get(item.nodeid, 0.0) + _cpu_seconds() - start
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _CPU_DIR and _cpu_used:
+        import json
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(_CPU_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(_CPU_DIR) / f"{worker}.json").write_text(json.dumps(_cpu_used, indent=0))

@@ -38,7 +38,8 @@ def run_job(
 ) -> tuple[subprocess.CompletedProcess[str], str]:
     """Run `cmd` in a new session; on timeout kill it all. Returns the result and the job's token."""
     token = uuid.uuid4().hex
-    full_env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # PYTHONFAULTHANDLER: a job past its timeout is asked (SIGABRT) for every process's Python stacks first.
+    full_env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         if env is None or key not in env:
             full_env.pop(key, None)
@@ -54,9 +55,12 @@ def run_job(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _dump_stacks(token)
         kill_token(token)
         out, _ = proc.communicate()
-        raise AssertionError(f"{cmd} did not finish within {timeout}s; output:\n{out}") from None
+        raise AssertionError(
+            f"{cmd} did not finish within {timeout}s; output (each process's stacks at the end):\n{out}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None), token
 
 
@@ -82,6 +86,17 @@ def wait_no_strays(token: str, within: float = 10.0) -> list[int]:
     while (left := stray_processes(token)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def _dump_stacks(token: str) -> None:
+    """Ask every process of the job for its Python stacks (faulthandler writes them to the job's output on
+    SIGABRT), so a hang says where each process was."""
+    for pid in stray_processes(token):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    time.sleep(2)
 
 
 def kill_token(token: str) -> None:
