@@ -39,7 +39,13 @@ def run_job(
     """Run `cmd` in a new session; on timeout kill it all. Returns the result and the job's token."""
     token = uuid.uuid4().hex
     # PYTHONFAULTHANDLER: a job past its timeout is asked (SIGABRT) for every process's Python stacks first.
-    full_env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        TOKEN_ENV: token,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        **(env or {}),
+    }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         if env is None or key not in env:
             full_env.pop(key, None)
