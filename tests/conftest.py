@@ -75,11 +75,11 @@ def _no_process_group_outlives_its_test():
             os.environ[key] = value
 
 
-# TORCHLOOM_TEST_CPU=DIR: each pytest process writes DIR/<worker>.json, the CPU seconds each test used with
-# every process it started (ranks, launchers, the fork server's ranks). The suite is CPU-bound on 2 cores, so
+# TORCHLOOM_TEST_CPU=DIR: each pytest process writes DIR/<worker>.json, the CPU and wall seconds each test used
+# with every process it started (ranks, launchers, the fork server's ranks); tests/cost_report.py sums them. The suite is CPU-bound on 2 cores, so
 # this, not wall time under load, says which tests to make cheaper (docs/testing.md).
 _CPU_DIR = os.environ.get("TORCHLOOM_TEST_CPU")
-_cpu_used: dict[str, float] = {}
+_cpu_used: dict[str, dict[str, float]] = {}
 
 
 def _cpu_seconds() -> float:
@@ -109,9 +109,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if not _CPU_DIR:
         yield
         return
-    start = _cpu_seconds()
+    import time
+
+    cpu, wall = _cpu_seconds(), time.monotonic()
     yield
-    _cpu_used[item.nodeid] = _cpu_used.get(item.nodeid, 0.0) + _cpu_seconds() - start
+    used = _cpu_used.setdefault(item.nodeid, {"cpu": 0.0, "wall": 0.0})
+    used["cpu"] += _cpu_seconds() - cpu
+    used["wall"] += time.monotonic() - wall
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
