@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 import sys
 import time
 import traceback
@@ -85,6 +86,14 @@ def _run(name: str, out_dir: Path) -> int:
     return rc
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and those of every child it reaped (the ranks, startup.py's commands)."""
+    return sum(
+        u.ru_utime + u.ru_stime
+        for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -95,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     _preload()
     failed = []
     for name in argv[1:] or SCRIPTS:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         print(f"smoke: {name} ...", file=sys.stderr, flush=True)
         rc = _run(name, out_dir)
-        print(f"smoke: {name} exit {rc} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"smoke: {name} exit {rc} ({time.perf_counter() - start:.0f} s, {_cpu_seconds() - cpu:.1f} CPU s)",
+            file=sys.stderr,
+            flush=True,
+        )
         if rc:
             failed.append(name)
     return 1 if failed else 0
