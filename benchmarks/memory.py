@@ -38,7 +38,7 @@ the model exists: about zero). The caching allocator's reserved peak is printed 
 live outside the allocator and are in neither. "(a) glibc" has no meaning there and is not run.
 
     python benchmarks/memory.py                  # ~202M parameters, a few minutes
-    python benchmarks/memory.py --tiny           # smoke test (every configuration in the same ranks)
+    python benchmarks/memory.py --tiny           # smoke test (on CPU every configuration in the same ranks)
     python benchmarks/memory.py --device cuda    # GPU memory on 2 GPUs
 """
 
@@ -276,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     measured: dict[str, dict[str, float]] = {}
-    # Each configuration in fresh ranks: a peak is a process's high-water mark. --tiny, whose numbers mean
+    # Each configuration in fresh ranks: a peak is a process's high-water mark. --tiny on CPU, whose numbers mean
     # nothing, runs them all in the same two ranks (starting ranks is most of a smoke test's cost).
-    for group in [configs] if args.tiny else [[c] for c in configs]:
+    for group in [configs] if args.tiny and not on_gpu else [[c] for c in configs]:
         per_group = run_ranks(_ranks, group, cfg, world_size=world, device=args.device)
         for i, config in enumerate(group):
             per_rank = [r[i] for r in per_group]
