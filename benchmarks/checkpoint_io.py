@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.tiny:
-        args.dim, args.blocks, args.repeats = 128, 4, 2
+        args.dim, args.blocks, args.repeats = 64, 2, 1
     numel = model_numel(args.dim, args.blocks)
     nbytes = numel * 4
     header(

@@ -198,7 +198,7 @@ def _all_gather_float(value: float, loom: Any) -> list[float]:
     return [float(v) for v in got]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -209,9 +209,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="smoke-test size (seconds)")
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
-        args.dim, args.rows, args.microbatches, args.steps = 32, 4, [2], 4
+        args.dim, args.rows, args.microbatches, args.steps = 32, 4, [2], 1
     header("pipeline parallelism: bubble and step time vs raw torch.distributed.pipelining (pp 2, CPU)", args)
     cfg = {k: getattr(args, k) for k in ("dim", "blocks", "rows", "microbatches", "steps")}
     load_before = os.getloadavg()

@@ -335,7 +335,7 @@ def _measure_pair(
         loom_step()
         raw_step()
     out: dict[str, Any] = alternate({"torchloom": timed(loom_step), "raw": timed(raw_step)}, cfg["repeats"])
-    out["own_python"] = _own_python_time(loom_step, 5)
+    out["own_python"] = _own_python_time(loom_step, cfg["profile_steps"])
     return out
 
 
@@ -440,7 +440,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for pair in cfg["pairs"]:
         results[pair] = _measure_pair(pair, cfg, world, *inputs.get(pair, (x, y)))
         dist.barrier()
-    results["record"] = _record_cost(min(cfg["repeats"], 20))
+    results["record"] = _record_cost(min(cfg["repeats"], 20), cfg["record_calls"])
     return results
 
 
@@ -469,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_device(parser, args.device, args.world)
     if args.tiny:
-        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 2, 32, 3, 2, 1
-        args.many_blocks, args.many_experts, args.many_adapters = 4, 8, 2
+        # One of everything: every pair, the accumulating steps' norm check, a timed step per side, one profiled
+        # step and a few recorded collectives.
+        args.dim, args.blocks, args.tokens, args.steps, args.repeats, args.warmup = 64, 2, 32, 1, 1, 0
+        args.many_blocks, args.many_experts, args.many_adapters = 2, 4, 2
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
@@ -496,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# skipped {', '.join(skipped)}: tensor parallelism needs 2 ranks, this run has 1", flush=True)
     cfg["pairs"] = pairs
     cfg["device"] = args.device
+    cfg["profile_steps"] = 1 if args.tiny else 5
+    cfg["record_calls"] = 10 if args.tiny else 2000
     per_rank = run_ranks(_rank, cfg, world_size=args.world, device=args.device)
     record = [max(costs) for costs in zip(*(r["record"] for r in per_rank), strict=True)]
     rows, out, record_rows = [], [], []

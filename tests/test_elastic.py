@@ -24,6 +24,7 @@ from harness import PYTHON, REPO, TOKEN_ENV, free_port, kill_token, run_job, wai
 
 TESTS = Path(__file__).resolve().parent
 JOB_TIMEOUT = 150
+CHAIN_TIMEOUT = 2 * JOB_TIMEOUT  # a launch whose attempts stand for several jobs
 STEPS = 4
 DIE_AT = 2  # rank 1 of the first attempt dies at the start of this step, after checkpoint `step-0002`
 RESULT_TAG = "TORCHLOOM_ELASTIC_RESULT "
@@ -44,8 +45,11 @@ def say(line):
     sys.stdout.flush()
 
 
-ckpt_dir, steps, die_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+ckpt_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", -1))  # -1: the launching process
+# Where rank 1 dies in each attempt ("2,4": at step 2 of the first, after the last step of the second).
+plan = [int(at) for at in sys.argv[3].split(",")]
+die_at = plan[attempt] if 0 <= attempt < len(plan) else None
 loom = Loom(accelerator="cpu")  # processes and nodes as the launcher started them
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
@@ -57,7 +61,7 @@ if saved:
     loom.load(saved[-1], state)
 resumed_at = state["step"]
 for step in range(resumed_at, steps):
-    if step == die_at and attempt == 0 and loom.global_rank == 1:
+    if step == die_at and loom.global_rank == 1:
         say(f"TORCHLOOM_ELASTIC_DYING {step} {time.time()}")
         os.kill(os.getpid(), signal.SIGKILL)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
@@ -72,7 +76,7 @@ params = torch.cat([p.detach().flatten() for p in model.parameters()])
 report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "resumed_at": resumed_at,
           "params": params.tolist()}
 say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
-if die_at == steps and attempt == 0 and loom.global_rank == 1:
+if die_at == steps and loom.global_rank == 1:
     # After its last step and save, while rank 0 is ending the job.
     say(f"TORCHLOOM_ELASTIC_DYING {steps} {time.time()}")
     os.kill(os.getpid(), signal.SIGKILL)
@@ -109,75 +113,102 @@ def _torchrun(*args: str) -> list[str]:
     return [PYTHON, "-m", "torch.distributed.run", *args]
 
 
-RENDEZVOUS = {
-    # torchrun's default: the static rendezvous, whose store the agent of node 0 holds.
-    "static": "--max-restarts 1 --master-addr 127.0.0.1 --master-port {port}",
-    # The elastic one: the agent shares a store of its own with the workers, kept across restarts.
-    "c10d": "--max-restarts 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port}",
-}
+# torchrun's default: the static rendezvous, whose store the agent of node 0 holds.
+STATIC = "--max-restarts 1 --master-addr 127.0.0.1 --master-port {port}"
+# The elastic one (c10d), through `torchloom run`, which hands these options to torchrun's own `run` in its
+# process (test_torchloom_run_passes_elastic_options_to_torchrun checks the LaunchConfig it builds): the agent
+# shares a store of its own with the workers, kept across restarts. One job serves three tests: rank 1 dies at
+# step 2 of the first attempt (test_a[c10d], test_torchloom_launcher_restarts_a_failed_attempt[torchloom-run])
+# and after the last step and save of the second (test_b); the third ends the job.
+C10D_RUN = "run --devices 2 --max-restarts 2 --rdzv-backend c10d --monitor-interval 0.1"
 
 
-@pytest.mark.timeout(JOB_TIMEOUT + 30)
-@pytest.mark.parametrize("rendezvous", sorted(RENDEZVOUS))
-def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous):
+def _job_result(proc: subprocess.CompletedProcess, token: str) -> dict:
+    return {"proc": proc, "strays": wait_no_strays(token)}
+
+
+@pytest.fixture(scope="module")
+def c10d_job(tmp_path_factory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("c10d")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    cmd = [
+        PYTHON,
+        "-m",
+        "torchloom",
+        *C10D_RUN.split(),
+        str(script),
+        str(ckpts),
+        str(STEPS),
+        f"{DIE_AT},{STEPS}",
+    ]
+    return _job_result(*run_job(cmd, timeout=CHAIN_TIMEOUT))
+
+
+def _check_restarted(job: dict, attempt: int, what: str) -> None:
+    """Rank 1 died at step DIE_AT of attempt `attempt - 1`: attempt `attempt` resumed from the newest checkpoint
+    on both ranks and ended with the uninterrupted run's parameters; the job left no process behind."""
+    proc = job["proc"]
+    assert proc.returncode == 0, f"{what}: {proc.stdout}"
+    assert job["strays"] == [], f"{what}: processes of the job survived it"
+    reports = [r for r in _reports(proc.stdout) if r["attempt"] == attempt]
+    assert [r["rank"] for r in reports] == [0, 1], f"{what}: {proc.stdout}"
+    expected = _reference(2)
+    for report in reports:
+        # From the checkpoint the failed attempt wrote last (step 2; step 1 at worst when rank 0 was still
+        # swapping step 2's file into place when rank 1 died).
+        assert report["world_size"] == 2 and 1 <= report["resumed_at"] <= DIE_AT, (what, report)
+        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (what, report, expected)
+    _print_recovery(proc.stdout, what)
+
+
+@pytest.mark.timeout(CHAIN_TIMEOUT + 30)
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_a_restarted_attempt_resumes_from_its_checkpoint(tmp_path, rendezvous, request):
     """Rank 1 is killed at step 2 of the first attempt; the agent restarts both ranks, which form a new group in
     the store the failed attempt used (its gloo addresses and start-up counters still there), load the newest
     checkpoint and finish: the parameters are those of an uninterrupted run, the job exits 0 and leaves no
     process behind."""
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
-    cmd = _torchrun(
-        "--nproc-per-node", "2", *RENDEZVOUS[rendezvous].format(port=free_port()).split(), str(script), str(ckpts), str(STEPS),
-        str(DIE_AT),
-    )  # fmt: skip
-    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
-    reports = _reports(proc.stdout)
-    assert [r["rank"] for r in reports] == [0, 1], proc.stdout
-    expected = _reference(2)
-    for report in reports:
-        # The second attempt finished, from the checkpoint the first one wrote last (step 2; step 1 at worst
-        # when rank 0 was still swapping step 2's file into place when rank 1 died).
-        assert report["attempt"] == 1 and report["world_size"] == 2
-        assert 1 <= report["resumed_at"] <= DIE_AT, report
-        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
-    assert wait_no_strays(token) == [], "processes of the job survived it"
-    _print_recovery(proc.stdout, f"rank died ({rendezvous})")
+    if rendezvous == "c10d":
+        job = request.getfixturevalue("c10d_job")
+    else:
+        script = tmp_path / "train.py"
+        script.write_text(SCRIPT)
+        ckpts = tmp_path / "ckpts"
+        ckpts.mkdir()
+        cmd = _torchrun("--nproc-per-node", "2", *STATIC.format(port=free_port()).split(), str(script), str(ckpts),
+                        str(STEPS), str(DIE_AT))  # fmt: skip
+        job = _job_result(*run_job(cmd, timeout=JOB_TIMEOUT))
+        assert job["proc"].stdout.count(DYING_TAG) == 1, job["proc"].stdout
+    _check_restarted(job, 1, f"rank died ({rendezvous})")
 
 
-@pytest.mark.timeout(JOB_TIMEOUT + 30)
-def test_b_a_rank_dies_after_its_last_step_while_the_other_ends_the_job(tmp_path):
+@pytest.mark.timeout(CHAIN_TIMEOUT + 30)
+def test_b_a_rank_dies_after_its_last_step_while_the_other_ends_the_job(c10d_job):
     """Issue 25 (b): rank 0 finishes and is ending the job (the exit agreement) when rank 1 dies after its last
-    step and save. The agent restarts both; the restarted attempt, meeting in the store where the failed one
-    left its exit keys, loads the last checkpoint, has nothing left to train, ends cleanly (exit 0) with the
-    uninterrupted run's parameters, and leaves no process behind."""
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
-    cmd = _torchrun(
-        "--nproc-per-node", "2", *RENDEZVOUS["c10d"].format(port=free_port()).split(), str(script), str(ckpts),
-        str(STEPS), str(STEPS),
-    )  # fmt: skip
-    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
+    step and save (in the second attempt of the c10d job). The agent restarts both; the restarted attempt,
+    meeting in the store where the failed ones left their exit keys, loads the last checkpoint, has nothing left
+    to train, ends cleanly (exit 0) with the uninterrupted run's parameters, and leaves no process behind."""
+    proc = c10d_job["proc"]
     assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
-    restarted = [r for r in _reports(proc.stdout) if r["attempt"] == 1]
+    assert proc.stdout.count(DYING_TAG) == 2, (
+        proc.stdout
+    )  # at step 2 of attempt 0, after the end of attempt 1
+    restarted = [r for r in _reports(proc.stdout) if r["attempt"] == 2]
     assert sorted(r["rank"] for r in restarted) == [0, 1], proc.stdout
     expected = _reference(2)
     for report in restarted:
         assert report["resumed_at"] == STEPS, report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
-    assert wait_no_strays(token) == [], "processes of the job survived it"
+    assert c10d_job["strays"] == [], "processes of the job survived it"
 
 
 def _print_recovery(output: str, what: str) -> None:
     """Seconds from the rank's death to the restarted attempt's first step (the first rank's to get there)."""
-    (died,) = [float(fields[1]) for fields in _tagged(output, "TORCHLOOM_ELASTIC_DYING")]
-    first = min(float(fields[0]) for fields in _tagged(output, "TORCHLOOM_FIRST_STEP"))
+    died = float(_tagged(output, "TORCHLOOM_ELASTIC_DYING")[0][1])  # the first death
+    first = min(float(t) for t, *_ in _tagged(output, "TORCHLOOM_FIRST_STEP") if float(t) > died)
     print(f"{what}: {first - died:.1f} s from the fault to the first step after resuming")
     assert first - died < 60, output
 
@@ -358,53 +389,27 @@ def test_elastic_refuses_bad_options(kwargs, message):
         Elastic(**kwargs)
 
 
-LAUNCH_LINE = 'loom = Loom(accelerator="cpu")'
-LAUNCHERS = {
-    # `torchloom run` starts torchrun's agent with these options.
-    "torchloom-run": "run --devices 2 --max-restarts 1 --rdzv-backend c10d --monitor-interval 0.1",
-    # The script starts the agent itself: `python train.py` with `Loom(elastic=...).launch()`.
-    "launch": 'loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=1, rdzv_backend="c10d")); loom.launch()',
-}
-
-
-@pytest.mark.timeout(JOB_TIMEOUT + 30)
-@pytest.mark.parametrize("how", sorted(LAUNCHERS))
-def test_torchloom_launcher_restarts_a_failed_attempt(tmp_path, how):
-    """A job torchloom launches with one restart allowed: rank 1 dies once, the agent restarts both ranks, the
-    second attempt resumes from the newest checkpoint and ends with the uninterrupted run's parameters (before,
-    max_restarts was pinned to 0 and the job failed)."""
-    script = tmp_path / "train.py"
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
-    job_args = [str(ckpts), str(STEPS), str(DIE_AT)]
-    if how == "launch":
-        script.write_text(SCRIPT.replace("from torchloom import Loom", "from torchloom import Elastic, Loom")
-                          .replace(LAUNCH_LINE, LAUNCHERS[how]))  # fmt: skip
-        cmd = [PYTHON, str(script), *job_args]
-    else:
-        script.write_text(SCRIPT)
-        cmd = [PYTHON, "-m", "torchloom", *LAUNCHERS[how].split(), str(script), *job_args]
-    proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count(DYING_TAG) == 1, proc.stdout
-    reports = _reports(proc.stdout)
-    assert [r["rank"] for r in reports] == [0, 1], proc.stdout
-    expected = _reference(2)
-    for report in reports:
-        assert report["attempt"] == 1 and 1 <= report["resumed_at"] <= DIE_AT, report
-        assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
-    assert wait_no_strays(token) == [], "processes of the job survived it"
-    _print_recovery(proc.stdout, f"rank died ({how})")
-
-
 # ---- preemption: a signal, a checkpoint at the next step boundary, and a restart ------------------------------
-PREEMPT_STEPS = 6
-PREEMPT_AT = 2  # rank 1 of the first run sends the signal at the start of this step
+# One chain of two launches serves every case (launches dominate the suite's time): `torchloom run` (one rank
+# of each attempt signals: the rank itself, then the agent, which passes SIGUSR2 on, then SIGTERM to the agent,
+# which stops the ranks and ends), then `python train.py` with `loom.launch()`'s agent (SIGUSR1 to that agent;
+# then rank 1 is SIGKILLed: the launcher's restart after a death). Each preemption checkpoints at one step
+# boundary on every rank, and the next attempt (or the relaunch, after SIGTERM) resumes from it.
+PREEMPT_STEPS = 24  # room for 5 faults, each a few steps after its attempt's first one
+PREEMPT_RUN = "rank:SIGUSR1,agent:SIGUSR2,agent:SIGTERM"  # `torchloom run`'s attempts 0, 1, 2
+PREEMPT_LAUNCH = "agent:SIGUSR1,rank:SIGKILL"  # `loom.launch()`'s attempts 0, 1; attempt 2 ends the job
+PREEMPT_CASES = {
+    # (target, signal): the launcher and attempt whose rank 1 sends it
+    ("rank", "SIGUSR1"): ("run", 0),
+    ("agent", "SIGUSR2"): ("run", 1),
+    ("agent", "SIGTERM"): ("run", 2),
+    ("launch-agent", "SIGUSR1"): ("launch", 0),
+}
 PREEMPT_SCRIPT = """\
 import json, os, signal, sys, time
 import torch
 from torch import nn
-from torchloom import Loom, latest_checkpoint
+from torchloom import Elastic, Loom, latest_checkpoint
 
 
 def say(line):
@@ -412,8 +417,14 @@ def say(line):
     sys.stdout.flush()
 
 
-ckpt_dir, steps, stop_at, target, signame = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-loom = Loom(accelerator="cpu")
+ckpt_dir, steps, launcher, plan = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+if launcher == "launch":
+    loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=2, rdzv_backend="c10d"))
+    loom.launch()
+else:
+    loom = Loom(accelerator="cpu")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+target, signame = plan[attempt].split(":") if attempt < len(plan) else (None, None)
 loom.on_preempt()
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
@@ -424,9 +435,11 @@ latest = latest_checkpoint(ckpt_dir)
 if latest is not None:
     loom.load(latest, state)
 resumed_at = state["step"]
+say(f"TORCHLOOM_RESUMED {loom.global_rank} {resumed_at} {launcher} {attempt}")
 for step in range(resumed_at, steps):
-    if resumed_at == 0 and step == stop_at and loom.global_rank == 1:
-        say(f"TORCHLOOM_FAULT {time.time()}")
+    if target is not None and step == resumed_at + 1 and loom.global_rank == 1:
+        tag = "TORCHLOOM_ELASTIC_DYING" if signame == "SIGKILL" else "TORCHLOOM_FAULT"
+        say(f"{tag} {launcher}:{attempt} {time.time()}")
         os.kill(os.getpid() if target == "rank" else os.getppid(), getattr(signal, signame))
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + loom.global_rank))
     loom.backward(model(x).pow(2).mean())
@@ -438,10 +451,11 @@ for step in range(resumed_at, steps):
     time.sleep(0.1)  # a step long enough for a forwarded signal to land inside it
     if loom.should_stop():
         loom.save(os.path.join(ckpt_dir, f"step-{step + 1:04d}"), state)
-        say(f"TORCHLOOM_PREEMPTED {loom.global_rank} {step + 1}")
+        say(f"TORCHLOOM_PREEMPTED {loom.global_rank} {step + 1} {launcher} {attempt}")
         loom.exit_for_restart()
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
-report = {"rank": loom.global_rank, "world_size": loom.world_size, "resumed_at": resumed_at, "params": params.tolist()}
+report = {"rank": loom.global_rank, "world_size": loom.world_size, "attempt": attempt, "launcher": launcher,
+          "resumed_at": resumed_at, "params": params.tolist()}
 say("TORCHLOOM_ELASTIC_RESULT " + json.dumps(report))
 loom.close()
 """
@@ -451,50 +465,92 @@ def _tagged(output: str, tag: str) -> list[list[str]]:
     return [line.split()[1:] for line in output.splitlines() if line.startswith(tag + " ")]
 
 
-@pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
-@pytest.mark.parametrize(
-    ("target", "signame"),
-    [("rank", "SIGUSR1"), ("agent", "SIGUSR2"), ("agent", "SIGTERM"), ("launch-agent", "SIGUSR1")],
-)
-def test_preempted_job_saves_at_one_step_and_resumes(tmp_path, target, signame):
-    """SLURM's warning (SIGUSR1/SIGUSR2, `--signal=USR1@N`) reaches one rank, or the agent that passes it on
-    (`torchloom run`'s, or `loom.launch()`'s in `python train.py`); SIGTERM reaches the agent, which stops the
-    ranks. Every rank checkpoints at the same step boundary and exits; the restart (the agent's, with one
-    restart allowed, or a relaunch after SIGTERM ended the agent) resumes from `latest_checkpoint` and ends with
-    the uninterrupted run's parameters."""
+@pytest.fixture(scope="module")
+def preempted_job(tmp_path_factory) -> dict:
+    """The two launches of the chain; checks what every case relies on: how each launch ended, no process
+    left, and the final attempt's parameters."""
+    tmp_path = tmp_path_factory.mktemp("preempt")
     script = tmp_path / "train.py"
+    script.write_text(PREEMPT_SCRIPT)
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
-    job_args = [str(ckpts), str(PREEMPT_STEPS), str(PREEMPT_AT), target.removeprefix("launch-"), signame]
-    if target == "launch-agent":
-        launch = 'loom = Loom(accelerator="cpu", devices=2, elastic=Elastic(max_restarts=1, rdzv_backend="c10d"))\n'
-        script.write_text(PREEMPT_SCRIPT.replace("from torchloom import Loom", "from torchloom import Elastic, Loom")
-                          .replace('loom = Loom(accelerator="cpu")\n', launch + "loom.launch()\n"))  # fmt: skip
-        cmd = [PYTHON, str(script), *job_args]
-    else:
-        script.write_text(PREEMPT_SCRIPT)
-        cmd = [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
-               str(script), *job_args]  # fmt: skip
-    proc, token = run_job(cmd, timeout=JOB_TIMEOUT, env={"TORCHLOOM_SHUTDOWN_TIMEOUT": "20"})
+    run = [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--max-restarts", "2", "--rdzv-backend", "c10d",
+           str(script), str(ckpts), str(PREEMPT_STEPS), "run", PREEMPT_RUN]  # fmt: skip
+    proc, token = run_job(run, timeout=CHAIN_TIMEOUT, env={"TORCHLOOM_SHUTDOWN_TIMEOUT": "20"})
     output = proc.stdout
-    assert wait_no_strays(token) == [], "processes of the job survived it"
-    if signame == "SIGTERM":
-        # torch's agent ends on SIGTERM (no restart): the job is started again, as SLURM's requeue would.
-        assert proc.returncode == 128 + signal.SIGTERM, output
-        proc, token = run_job(cmd, timeout=JOB_TIMEOUT)
-        output += proc.stdout
+    assert wait_no_strays(token) == [], "processes of the `torchloom run` job survived it"
+    # torch's agent ends on SIGTERM (no restart): the job is started again, as SLURM's requeue would.
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    proc, token = run_job([PYTHON, str(script), str(ckpts), str(PREEMPT_STEPS), "launch", PREEMPT_LAUNCH],
+                          timeout=CHAIN_TIMEOUT)  # fmt: skip
+    output += proc.stdout
+    assert wait_no_strays(token) == [], "processes of the `loom.launch()` job survived it"
     assert proc.returncode == 0, output
-    preempted = _tagged(output, "TORCHLOOM_PREEMPTED")
-    assert sorted(rank for rank, _ in preempted) == ["0", "1"], output
-    stopped_at = {int(step) for _, step in preempted}
-    assert len(stopped_at) == 1 and PREEMPT_AT < stopped_at.pop() + 1 <= PREEMPT_STEPS, output
     reports = _reports(output)
-    assert [r["rank"] for r in reports] == [0, 1], output
+    assert [(r["rank"], r["launcher"], r["attempt"]) for r in reports] == [(0, "launch", 2), (1, "launch", 2)]
     expected = _reference(2, PREEMPT_STEPS)
     for report in reports:
-        assert report["resumed_at"] == int(preempted[0][1]), report
         assert torch.allclose(torch.tensor(report["params"]), expected, atol=1e-6), (report, expected)
-    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{int(preempted[0][1]):04d}"]
+    return {"output": output, "ckpts": sorted(p.name for p in ckpts.iterdir()), "reports": reports}
+
+
+def _resumed(output: str, launcher: str, attempt: int) -> list[int]:
+    return [
+        int(at)
+        for rank, at, who, n in _tagged(output, "TORCHLOOM_RESUMED")
+        if (who, int(n)) == (launcher, attempt)
+    ]
+
+
+@pytest.mark.timeout(2 * CHAIN_TIMEOUT + 30)
+@pytest.mark.parametrize(("target", "signame"), sorted(PREEMPT_CASES))
+def test_preempted_job_saves_at_one_step_and_resumes(preempted_job, target, signame):
+    """SLURM's warning (SIGUSR1/SIGUSR2, `--signal=USR1@N`) reaches one rank, or the agent that passes it on
+    (`torchloom run`'s, or `loom.launch()`'s in `python train.py`); SIGTERM reaches the agent, which stops the
+    ranks. Every rank checkpoints at the same step boundary and exits; the restart (the agent's, with restarts
+    allowed, or a relaunch after SIGTERM ended the agent) resumes from `latest_checkpoint`, and the job ends with
+    the uninterrupted run's parameters (checked by the fixture)."""
+    output = preempted_job["output"]
+    launcher, attempt = PREEMPT_CASES[(target, signame)]
+    case = f"{target} {signame} ({launcher}, attempt {attempt}):\n"
+    preempted = [(rank, int(step)) for rank, step, who, n in _tagged(output, "TORCHLOOM_PREEMPTED")
+                 if (who, int(n)) == (launcher, attempt)]  # fmt: skip
+    assert sorted(rank for rank, _ in preempted) == ["0", "1"], case + output
+    stopped_at = {step for _, step in preempted}
+    assert len(stopped_at) == 1, case + output
+    stopped = stopped_at.pop()
+    # The signal was sent at the start of the attempt's second step: the checkpoint is at a later boundary.
+    (started,) = set(_resumed(output, launcher, attempt))
+    assert started + 1 < stopped < PREEMPT_STEPS, case + output
+    # What resumed next: the agent's next attempt, or after SIGTERM ended `torchloom run`, the relaunch.
+    after = ("launch", 0) if signame == "SIGTERM" else (launcher, attempt + 1)
+    assert _resumed(output, *after) == [stopped, stopped], case + output
+    # One checkpoint per preemption, nothing else.
+    every = sorted(
+        f"step-{int(step):04d}" for rank, step, _, _ in _tagged(output, "TORCHLOOM_PREEMPTED") if rank == "0"
+    )
+    assert preempted_job["ckpts"] == every and len(every) == len(PREEMPT_CASES), case + output
+
+
+@pytest.mark.timeout(2 * CHAIN_TIMEOUT + 30)
+@pytest.mark.parametrize("how", ["launch", "torchloom-run"])
+def test_torchloom_launcher_restarts_a_failed_attempt(how, request):
+    """A job torchloom launches with restarts allowed: rank 1 dies, the agent restarts both ranks, the next
+    attempt resumes from the newest checkpoint and ends with the uninterrupted run's parameters (before,
+    max_restarts was pinned to 0 and the job failed). `torchloom run`: the c10d job of test_a (its attempt 1);
+    `python train.py` with `Loom(elastic=...).launch()`: the preemption chain's (its attempt 1 is SIGKILLed
+    after resuming from the SIGUSR1 checkpoint; attempt 2 ends the job)."""
+    if how == "torchloom-run":
+        _check_restarted(request.getfixturevalue("c10d_job"), 1, "rank died (torchloom-run)")
+        return
+    job = request.getfixturevalue("preempted_job")
+    output = job["output"]
+    assert len(_tagged(output, "TORCHLOOM_ELASTIC_DYING")) == 1, output
+    (newest,) = set(_resumed(output, "launch", 1))  # attempt 1 resumed from the SIGUSR1 checkpoint, then died
+    for report in job["reports"]:  # attempt 2, checked against the uninterrupted run by the fixture
+        assert report["attempt"] == 2 and report["resumed_at"] == newest, report
+    assert f"step-{newest:04d}" == job["ckpts"][-1], output
+    _print_recovery(output, "rank died (launch)")
 
 
 # ---- a changed world size: a node lost, a node joining ---------------------------------------------------------

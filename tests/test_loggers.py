@@ -66,13 +66,6 @@ def test_csv_versions_buffering_and_resume(tmp_path):
     assert _rows(metrics) == [{"loss": "9.0", "step": "0"}]
 
 
-def test_rows_are_flushed_at_exit_without_finalize(tmp_path):
-    script = f"from torchloom.loggers import CSVLogger\nCSVLogger({str(tmp_path)!r}).log_metrics({{'x': 1}}, step=0)\n"
-    result, _ = run_job([PYTHON, "-c", script], timeout=60)
-    assert result.returncode == 0, result.stdout
-    assert _rows(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") == [{"step": "0", "x": "1"}]
-
-
 def test_tensorboard_logger_writes_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -131,26 +124,46 @@ import sys
 from torchloom import Loom
 from torchloom.loggers import CSVLogger, TensorBoardLogger
 
-root = sys.argv[1]
+root, unfinished = sys.argv[1], sys.argv[2]
 csv_logger, tb_logger = CSVLogger(root, name="csv"), TensorBoardLogger(root, name="tb")
 loom = Loom(accelerator="cpu", devices=2, loggers=[csv_logger, tb_logger])
 csv_logger.log_metrics({"before_launch": 1.0}, step=0)  # runs in the launching process too: writes nothing there
 loom.launch()
 loom.log("rank", loom.global_rank, step=1)
 loom.finalize_loggers()
+# A logger of no Loom's, never finalized: its buffered row must reach the file when the rank's interpreter exits.
+CSVLogger(unfinished).log_metrics({"x": 1}, step=0)
 """
 
 
-@pytest.mark.timeout(120)
-def test_the_launching_process_creates_nothing(tmp_path):
-    """A plain `python train.py` with devices=2 runs the code before launch() in the launching process and in
-    each rank: only rank 0 writes, so there is one version_0, not a version_0 of the launcher's and a version_1."""
+@pytest.fixture(scope="module")
+def launched_job(tmp_path_factory) -> dict:
+    """One `python train.py` job (devices=2, launch() re-runs the script) for the two tests below."""
+    tmp_path = tmp_path_factory.mktemp("launched")
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED_SCRIPT)
-    root = tmp_path / "logs"
-    result, token = run_job([PYTHON, str(script), str(root)], timeout=90, cwd=REPO)
+    cmd = [PYTHON, str(script), str(tmp_path / "logs"), str(tmp_path / "unfinished")]
+    result, token = run_job(cmd, timeout=90, cwd=REPO)
+    return {"result": result, "strays": wait_no_strays(token), "root": tmp_path}
+
+
+@pytest.mark.timeout(120)
+def test_rows_are_flushed_at_exit_without_finalize(launched_job):
+    result = launched_job["result"]
     assert result.returncode == 0, result.stdout
-    assert wait_no_strays(token) == []
+    unfinished = launched_job["root"] / "unfinished"
+    assert _rows(unfinished / "lightning_logs" / "version_0" / "metrics.csv") == [{"step": "0", "x": "1"}]
+    assert _files(unfinished) == ["lightning_logs/version_0/metrics.csv"]  # rank 0's only
+
+
+@pytest.mark.timeout(120)
+def test_the_launching_process_creates_nothing(launched_job):
+    """A plain `python train.py` with devices=2 runs the code before launch() in the launching process and in
+    each rank: only rank 0 writes, so there is one version_0, not a version_0 of the launcher's and a version_1."""
+    result = launched_job["result"]
+    root = launched_job["root"] / "logs"
+    assert result.returncode == 0, result.stdout
+    assert launched_job["strays"] == []
     files = _files(root)
     assert (
         files[0] == "csv/version_0/metrics.csv" and len(files) == 2 and files[1].startswith("tb/version_0/")
