@@ -1,31 +1,50 @@
-"""The examples run as real 2-rank jobs: examples/train_ddp.py, and README.md's script as written (train, stop,
-resume, compared with an uninterrupted run)."""
+"""The examples on 2 ranks: examples/train_ddp.py, and README.md's script as written (train, stop, resume, compared
+with an uninterrupted run) under each launch command the README shows, as real jobs.
+
+train_ddp.py's ranks start from `run_ranks`'s fork server with the environment torchrun gives a rank (its
+docstring's torchrun line: `loom.launch()` starts nothing); a script starting its own ranks with `python ...` is
+the README script's first job here."""
 
 from __future__ import annotations
 
+import os
 import re
+import runpy
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
-from harness import PYTHON, REPO, run_job, wait_no_strays
+from harness import PYTHON, REPO, run_job, run_ranks, wait_no_strays
 from torch import nn
 
 STEPS = 150
 
 
+def _example_rank(rank: int, world_size: int, argv: list[str], log_dir: str) -> str:
+    """One rank of examples/train_ddp.py; its stdout and stderr, from a file of its own."""
+    log = Path(log_dir) / f"rank{rank}.txt"
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return log.read_text()
+
+
 def test_train_ddp_example(tmp_path):
     out = tmp_path / "demo.pt"
-    cmd = [PYTHON, str(REPO / "examples" / "train_ddp.py"), "--devices", "2", "--steps", str(STEPS),
-           "--log-every", "50", "--samples", "4096", "--hidden", "32", "--out", str(out)]  # fmt: skip
-    proc, token = run_job(cmd, timeout=120)
-    assert proc.returncode == 0, proc.stdout
-    assert wait_no_strays(token) == []
-    assert "2 rank(s), strategy ddp" in proc.stdout
-    logged = [
-        (int(s), float(loss)) for s, loss in re.findall(r"^step +(\d+) \| loss ([\d.]+)", proc.stdout, re.M)
-    ]
+    argv = [str(REPO / "examples" / "train_ddp.py"), "--devices", "2", "--steps", str(STEPS),
+            "--log-every", "50", "--samples", "4096", "--hidden", "32", "--out", str(out)]  # fmt: skip
+    stdout = "".join(run_ranks(_example_rank, 2, argv, str(tmp_path), timeout=120))  # rank 0's output first
+    assert "2 rank(s), strategy ddp" in stdout
+    logged = [(int(s), float(loss)) for s, loss in re.findall(r"^step +(\d+) \| loss ([\d.]+)", stdout, re.M)]
     # Printed by rank 0 only: each logged step appears once.
-    assert [s for s, _ in logged] == [1, 50, 100, 150], proc.stdout
+    assert [s for s, _ in logged] == [1, 50, 100, 150], stdout
     assert logged[-1][1] < 0.25 * logged[0][1], "the example should learn the synthetic function"
     # The checkpoint is a plain torch file with the model under its own parameter names.
     checkpoint = torch.load(out, weights_only=False)
@@ -33,7 +52,7 @@ def test_train_ddp_example(tmp_path):
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
     model.load_state_dict(checkpoint["model"])
     assert list(checkpoint["optimizer"]["state"]) == [n for n, _ in model.named_parameters()]
-    assert f"saved {out}" in proc.stdout
+    assert f"saved {out}" in stdout
 
 
 def _readme_script() -> str:
