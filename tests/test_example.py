@@ -67,16 +67,30 @@ def _losses(out: str) -> dict[int, str]:
 
 
 def test_readme_script_trains_and_resumes(tmp_path):
-    """README.md's FSDP2 script, as written, under the three launch commands the README shows: stopped at step 30
-    and resumed, it prints the losses of an uninterrupted run to every digit, and leaves a sharded checkpoint."""
+    """README.md's FSDP2 script, as written, under the three launch commands the README shows: stopped at step 20
+    (mid-epoch: 16 steps an epoch) and resumed to step 40 (into the next epoch), it prints the losses of an
+    uninterrupted run to every digit, and leaves a sharded checkpoint."""
     script = _readme_script()
     interrupted, whole = tmp_path / "interrupted", tmp_path / "whole"
     for folder in (interrupted, whole):
         folder.mkdir()
         (folder / "train.py").write_text(script)
+    to_40 = ["--steps", "40"]
     jobs = [
-        ([PYTHON, "train.py", "--steps", "30"], interrupted),
-        ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], whole),
+        ([PYTHON, "train.py", "--steps", "20"], interrupted),
+        (
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "train.py",
+                *to_40,
+            ],
+            whole,
+        ),
     ]
     # The stopped run and the uninterrupted reference are independent jobs: run them side by side.
     with ThreadPoolExecutor(2) as pool:
@@ -86,16 +100,16 @@ def test_readme_script_trains_and_resumes(tmp_path):
         assert wait_no_strays(token) == []
     first, reference = results[0][0].stdout, results[1][0].stdout
     assert "the root is not a unit" in first and "replicated on every rank" in first, first
-    assert sorted(_losses(first)) == [10, 20, 30] and sorted(_losses(reference)) == [10, 20, 30, 40, 50]
-    assert float(_losses(reference)[50]) < 0.5 * float(_losses(reference)[10]), "the script should learn"
+    assert sorted(_losses(first)) == [10, 20] and sorted(_losses(reference)) == [10, 20, 30, 40]
+    assert float(_losses(reference)[40]) < 0.5 * float(_losses(reference)[10]), "the script should learn"
     assert (interrupted / "checkpoint" / ".metadata").exists()
 
     proc, token = run_job(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py"], 240, cwd=interrupted
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py", *to_40], 240, cwd=interrupted
     )
     assert proc.returncode == 0, proc.stdout
     assert wait_no_strays(token) == []
-    assert "resumed at step 30" in proc.stdout, proc.stdout
+    assert "resumed at step 20" in proc.stdout, proc.stdout
     resumed = _losses(proc.stdout)
-    assert sorted(resumed) == [40, 50], proc.stdout
-    assert resumed == {step: _losses(reference)[step] for step in (40, 50)}, (proc.stdout, reference)
+    assert sorted(resumed) == [30, 40], proc.stdout
+    assert resumed == {step: _losses(reference)[step] for step in (30, 40)}, (proc.stdout, reference)
