@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import PYTHON, REPO, run_job, wait_no_strays
+from harness import PYTHON, REPO, run_job, run_ranks, wait_no_strays
 
 import torchloom
 from torchloom.checkpointing import FORMAT_VERSION
@@ -167,6 +168,40 @@ _CHECKS = {
 }
 
 
+# Pages whose `run:` scripts are launched as a user runs them, one job each: `launch(fn)` returning rank 0's result
+# (launching.md), an elastic agent and `torchloom run` (resuming.md); a module-level `launch()` starting its own
+# ranks is README.md's script, launched by tests/test_example.py. The other `run: python` scripts differ in what
+# their ranks do, not in how they start: each runs on the `devices=N` ranks its Loom names, started from
+# `run_ranks`'s fork server with the environment torchrun gives a rank (`launch()` then starts nothing), which
+# saves every rank's interpreter and torch import.
+_LAUNCHED_PAGES = {"docs/launching.md", "docs/resuming.md"}
+
+
+def _on_forked_ranks(block: Block) -> int | None:
+    """The number of ranks to run `block` on from the fork server, or None to launch it as a job."""
+    if block.kind != "run" or block.where.split(":")[0] in _LAUNCHED_PAGES or block.arg.split() != ["python"]:
+        return None
+    devices = re.findall(r"\bLoom\(.*\bdevices=(\d+)", block.code)
+    assert len(devices) == 1, f"{block.where}: one `Loom(..., devices=N)` expected, found {devices}"
+    return int(devices[0])
+
+
+def _script_rank(rank: int, world_size: int, folder: str) -> str:
+    """One rank of `folder/script.py`, run there as `__main__`; its stdout and stderr (also what is logged)."""
+    os.chdir(folder)
+    log = Path(folder) / f"rank{rank}.txt"
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.argv = ["script.py"]
+    try:
+        runpy.run_path("script.py", run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return log.read_text()
+
+
 def _run_script(block: Block, folder: Path) -> tuple[Block, subprocess.CompletedProcess[str], str, Path]:
     folder.mkdir()
     (folder / "script.py").write_text(block.code)
@@ -174,21 +209,39 @@ def _run_script(block: Block, folder: Path) -> tuple[Block, subprocess.Completed
     return block, proc, token, folder
 
 
+def _run_on_forked_ranks(block: Block, folder: Path, ranks: int) -> str:
+    folder.mkdir()
+    (folder / "script.py").write_text(block.code)
+    try:
+        return "".join(run_ranks(_script_rank, ranks, str(folder), timeout=240))
+    except Exception as e:
+        outputs = "".join(f"--- {log.name}:\n{log.read_text()}" for log in sorted(folder.glob("rank*.txt")))
+        raise AssertionError(f"{block.where} failed on {ranks} ranks: {e}\n{outputs}") from None
+
+
 def test_script_blocks(tmp_path):
-    """The blocks marked `run:`, as jobs of their own, side by side; each exits 0 and leaves no process."""
+    """The blocks marked `run:`: the launched ones as jobs of their own, side by side, each exits 0 and leaves no
+    process; meanwhile the others, one after the other, on ranks from the fork server."""
     blocks = [block for block in ALL_BLOCKS if block.kind == "run"]
     assert blocks, "no multi-process block found"
-    with ThreadPoolExecutor(len(blocks)) as pool:
-        results = list(
-            pool.map(lambda ib: _run_script(ib[1], tmp_path / f"script{ib[0]}"), enumerate(blocks))
-        )
+    launched = [(i, b) for i, b in enumerate(blocks) if _on_forked_ranks(b) is None]
+    forked = [(i, b, _on_forked_ranks(b)) for i, b in enumerate(blocks) if _on_forked_ranks(b) is not None]
+    assert launched and forked
+    outputs = []
+    with ThreadPoolExecutor(len(launched)) as pool:
+        jobs = pool.map(lambda ib: _run_script(ib[1], tmp_path / f"script{ib[0]}"), launched)
+        for i, block, ranks in forked:
+            folder = tmp_path / f"script{i}"
+            outputs.append((block, _run_on_forked_ranks(block, folder, ranks), folder))
+        for block, proc, token, folder in jobs:
+            assert proc.returncode == 0, f"{block.where}:\n{proc.stdout}"
+            assert wait_no_strays(token) == [], block.where
+            outputs.append((block, proc.stdout, folder))
     checked = set()
-    for block, proc, token, folder in results:
-        assert proc.returncode == 0, f"{block.where}:\n{proc.stdout}"
-        assert wait_no_strays(token) == [], block.where
+    for block, out, folder in outputs:
         for line, check in _CHECKS.items():
             if line in block.code:
-                check(proc.stdout, folder)
+                check(out, folder)
                 checked.add(line)
     assert checked == set(_CHECKS), f"scripts not found in the docs: {set(_CHECKS) - checked}"
 

@@ -1,31 +1,50 @@
-"""The examples run as real 2-rank jobs: examples/train_ddp.py, and README.md's script as written (train, stop,
-resume, compared with an uninterrupted run)."""
+"""The examples on 2 ranks: examples/train_ddp.py, and README.md's script as written (train, stop, resume, compared
+with an uninterrupted run) under each launch command the README shows, as real jobs.
+
+train_ddp.py's ranks start from `run_ranks`'s fork server with the environment torchrun gives a rank (its
+docstring's torchrun line: `loom.launch()` starts nothing); a script starting its own ranks with `python ...` is
+the README script's first job here."""
 
 from __future__ import annotations
 
+import os
 import re
+import runpy
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
-from harness import PYTHON, REPO, run_job, wait_no_strays
+from harness import PYTHON, REPO, run_job, run_ranks, wait_no_strays
 from torch import nn
 
 STEPS = 150
 
 
+def _example_rank(rank: int, world_size: int, argv: list[str], log_dir: str) -> str:
+    """One rank of examples/train_ddp.py; its stdout and stderr, from a file of its own."""
+    log = Path(log_dir) / f"rank{rank}.txt"
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return log.read_text()
+
+
 def test_train_ddp_example(tmp_path):
     out = tmp_path / "demo.pt"
-    cmd = [PYTHON, str(REPO / "examples" / "train_ddp.py"), "--devices", "2", "--steps", str(STEPS),
-           "--log-every", "50", "--samples", "4096", "--hidden", "32", "--out", str(out)]  # fmt: skip
-    proc, token = run_job(cmd, timeout=120)
-    assert proc.returncode == 0, proc.stdout
-    assert wait_no_strays(token) == []
-    assert "2 rank(s), strategy ddp" in proc.stdout
-    logged = [
-        (int(s), float(loss)) for s, loss in re.findall(r"^step +(\d+) \| loss ([\d.]+)", proc.stdout, re.M)
-    ]
+    argv = [str(REPO / "examples" / "train_ddp.py"), "--devices", "2", "--steps", str(STEPS),
+            "--log-every", "50", "--samples", "4096", "--hidden", "32", "--out", str(out)]  # fmt: skip
+    stdout = "".join(run_ranks(_example_rank, 2, argv, str(tmp_path), timeout=120))  # rank 0's output first
+    assert "2 rank(s), strategy ddp" in stdout
+    logged = [(int(s), float(loss)) for s, loss in re.findall(r"^step +(\d+) \| loss ([\d.]+)", stdout, re.M)]
     # Printed by rank 0 only: each logged step appears once.
-    assert [s for s, _ in logged] == [1, 50, 100, 150], proc.stdout
+    assert [s for s, _ in logged] == [1, 50, 100, 150], stdout
     assert logged[-1][1] < 0.25 * logged[0][1], "the example should learn the synthetic function"
     # The checkpoint is a plain torch file with the model under its own parameter names.
     checkpoint = torch.load(out, weights_only=False)
@@ -33,7 +52,7 @@ def test_train_ddp_example(tmp_path):
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
     model.load_state_dict(checkpoint["model"])
     assert list(checkpoint["optimizer"]["state"]) == [n for n, _ in model.named_parameters()]
-    assert f"saved {out}" in proc.stdout
+    assert f"saved {out}" in stdout
 
 
 def _readme_script() -> str:
@@ -48,16 +67,30 @@ def _losses(out: str) -> dict[int, str]:
 
 
 def test_readme_script_trains_and_resumes(tmp_path):
-    """README.md's FSDP2 script, as written, under the three launch commands the README shows: stopped at step 30
-    and resumed, it prints the losses of an uninterrupted run to every digit, and leaves a sharded checkpoint."""
+    """README.md's FSDP2 script, as written, under the three launch commands the README shows: stopped at step 20
+    (mid-epoch: 16 steps an epoch) and resumed to step 40 (into the next epoch), it prints the losses of an
+    uninterrupted run to every digit, and leaves a sharded checkpoint."""
     script = _readme_script()
     interrupted, whole = tmp_path / "interrupted", tmp_path / "whole"
     for folder in (interrupted, whole):
         folder.mkdir()
         (folder / "train.py").write_text(script)
+    to_40 = ["--steps", "40"]
     jobs = [
-        ([PYTHON, "train.py", "--steps", "30"], interrupted),
-        ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], whole),
+        ([PYTHON, "train.py", "--steps", "20"], interrupted),
+        (
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "train.py",
+                *to_40,
+            ],
+            whole,
+        ),
     ]
     # The stopped run and the uninterrupted reference are independent jobs: run them side by side.
     with ThreadPoolExecutor(2) as pool:
@@ -67,16 +100,16 @@ def test_readme_script_trains_and_resumes(tmp_path):
         assert wait_no_strays(token) == []
     first, reference = results[0][0].stdout, results[1][0].stdout
     assert "the root is not a unit" in first and "replicated on every rank" in first, first
-    assert sorted(_losses(first)) == [10, 20, 30] and sorted(_losses(reference)) == [10, 20, 30, 40, 50]
-    assert float(_losses(reference)[50]) < 0.5 * float(_losses(reference)[10]), "the script should learn"
+    assert sorted(_losses(first)) == [10, 20] and sorted(_losses(reference)) == [10, 20, 30, 40]
+    assert float(_losses(reference)[40]) < 0.5 * float(_losses(reference)[10]), "the script should learn"
     assert (interrupted / "checkpoint" / ".metadata").exists()
 
     proc, token = run_job(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py"], 240, cwd=interrupted
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", "train.py", *to_40], 240, cwd=interrupted
     )
     assert proc.returncode == 0, proc.stdout
     assert wait_no_strays(token) == []
-    assert "resumed at step 30" in proc.stdout, proc.stdout
+    assert "resumed at step 20" in proc.stdout, proc.stdout
     resumed = _losses(proc.stdout)
-    assert sorted(resumed) == [40, 50], proc.stdout
-    assert resumed == {step: _losses(reference)[step] for step in (40, 50)}, (proc.stdout, reference)
+    assert sorted(resumed) == [30, 40], proc.stdout
+    assert resumed == {step: _losses(reference)[step] for step in (30, 40)}, (proc.stdout, reference)

@@ -1,14 +1,27 @@
 """The main example (examples/train_lm.py) at a tiny size: it trains, logs, checkpoints, a resumed run reproduces
 the uninterrupted run's losses exactly on CPU, and a run saved on 2 processes resumed on 1 or 3 continues the same
-loss curve (the same global batches; only the order of summation differs)."""
+loss curve (the same global batches; only the order of summation differs).
+
+The uninterrupted run is the user's command, `python examples/train_lm.py --devices 2`, a real job that starts its
+own ranks. The other runs start each rank from `run_ranks`'s fork server with the environment torchrun gives a
+rank (so `loom.launch()` starts nothing, as under torchrun): a rank that does not import torch again costs a
+fraction of a launched one, and the resumed runs matching the launched run to every digit shows that both ways
+train alike. The two argument checks fail before any rank starts, in one process."""
 
 from __future__ import annotations
 
 import csv
+import json
+import os
+import runpy
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
-from harness import PYTHON, REPO, run_job, wait_no_strays
+from harness import PYTHON, REPO, run_job, run_ranks, wait_no_strays
+
+SCRIPT = REPO / "examples" / "train_lm.py"
 
 TINY = [
     "--steps",
@@ -38,17 +51,39 @@ TINY = [
 ]
 
 
-def _job(out_dir, devices: int, *extra: str):
-    cmd = [PYTHON, str(REPO / "examples" / "train_lm.py"), *TINY, "--devices", str(devices)]
-    result, token = run_job([*cmd, "--out-dir", str(out_dir), *extra], timeout=180)
-    assert wait_no_strays(token) == []
-    return result
-
-
 def _run(out_dir, *extra: str, devices: int = 2) -> str:
-    result = _job(out_dir, devices, *extra)
+    """The example as a user runs it: a job that starts its own ranks."""
+    cmd = [PYTHON, str(SCRIPT), *TINY, "--devices", str(devices), "--out-dir", str(out_dir), *extra]
+    result, token = run_job(cmd, timeout=180)
+    assert wait_no_strays(token) == []
     assert result.returncode == 0, result.stdout
     return result.stdout
+
+
+def _example_rank(rank: int, world_size: int, argv: list[str], log_dir: str) -> str:
+    """One rank of the example, its stdout and stderr (the sharding summary is logged) in a file of its own."""
+    log = Path(log_dir) / f"rank{rank}.txt"
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.argv = [str(SCRIPT), *argv]
+    try:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    except BaseException as e:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise AssertionError(f"{argv} failed on rank {rank}; its output:\n{log.read_text()}") from e
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return log.read_text()
+
+
+def _run_on_ranks(out_dir, *extra: str, devices: int = 2) -> str:
+    """The example on `devices` ranks started from the fork server: every rank's output, in rank order."""
+    argv = [*TINY, "--devices", str(devices), "--out-dir", str(out_dir), *extra]
+    log_dir = Path(out_dir) / "rank-output"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return "".join(run_ranks(_example_rank, devices, argv, str(log_dir), timeout=180))
 
 
 def _rows(out_dir) -> list[dict[str, str]]:
@@ -81,7 +116,7 @@ def whole(tmp_path_factory):
 def runs(whole, tmp_path_factory):
     """The uninterrupted run, and one stopped after its checkpoint at step 3 (fsdp2)."""
     stopped = tmp_path_factory.mktemp("lm") / "stopped"
-    _run(stopped, "--stop-at", "3")
+    _run_on_ranks(stopped, "--stop-at", "3")
     assert (stopped / "checkpoint").is_dir()  # sharded
     return whole, stopped
 
@@ -91,7 +126,7 @@ def test_resume_reproduces_the_uninterrupted_run(runs, tmp_path):
     whole, stopped = runs
     split = tmp_path / "split"
     shutil.copytree(stopped, split)
-    resumed = _run(split, "--resume")
+    resumed = _run_on_ranks(split, "--resume")
     assert "resumed from" in resumed and "at step 3" in resumed
     a, b = _rows(whole), _rows(split)
     # Columns sorted by name, as Fabric's CSVLogger writes them.
@@ -111,20 +146,53 @@ def test_resume_at_another_world_size_continues_the_curve(runs, tmp_path, device
     whole, stopped = runs
     split = tmp_path / "split"
     shutil.copytree(stopped, split)
-    resumed = _run(split, "--resume", devices=devices)
+    resumed = _run_on_ranks(split, "--resume", devices=devices)
     assert "at step 3" in resumed and f"({devices} rank" in resumed
     _assert_same_curve(whole, split)
 
 
-def test_global_batch_must_divide_over_the_ranks(tmp_path):
-    result = _job(tmp_path, 2, "--batch-size", "13")
-    assert result.returncode != 0
-    assert "--batch-size 13 (the global batch) must be divisible by 2 ranks" in result.stdout
+# The argument checks, each `python examples/train_lm.py ...` in one process, which must stop before any rank
+# starts: one interpreter runs them in turn (the first fails before the Loom is made, the second after).
+_ARGUMENT_CASES = {
+    "tp": [*TINY, "--devices", "3", "--tp", "2"],
+    "batch": [*TINY, "--devices", "2", "--batch-size", "13"],
+}
+_CASES_DRIVER = """
+import json, runpy, sys
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+for name, argv in cases.items():
+    print(f"=== case {name}", flush=True)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        print(f"=== exit {e.code}", flush=True)
+    else:
+        print("=== exit 0", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def argument_errors(tmp_path_factory) -> dict[str, str]:
+    """Each case's output up to its exit code, by case name."""
+    folder = tmp_path_factory.mktemp("lm-arguments")
+    cases = {name: [*argv, "--out-dir", str(folder / name)] for name, argv in _ARGUMENT_CASES.items()}
+    result, token = run_job([PYTHON, "-c", _CASES_DRIVER, str(SCRIPT), json.dumps(cases)], timeout=120)
+    assert wait_no_strays(token) == []
+    assert result.returncode == 0, result.stdout
+    parts = result.stdout.split("=== case ")[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in parts}
+
+
+def test_global_batch_must_divide_over_the_ranks(argument_errors):
+    out = argument_errors["batch"]
+    assert "=== exit 2" in out, out  # argparse's usage error
+    assert "--batch-size 13 (the global batch) must be divisible by 2 ranks" in out
 
 
 @pytest.mark.timeout(300)
 def test_fsdp1_flavour_trains(tmp_path):
-    out = _run(tmp_path, "--flavour", "fsdp", "--precision", "bf16-mixed")
+    out = _run_on_ranks(tmp_path, "--flavour", "fsdp", "--precision", "bf16-mixed")
     assert "4 FullyShardedDataParallel unit(s)" not in out and "2 FullyShardedDataParallel unit(s)" in out
     losses = [float(r["val_loss"]) for r in _rows(tmp_path) if r["val_loss"]]
     assert losses[-1] < losses[0]
@@ -135,13 +203,13 @@ def test_tensor_parallel_reproduces_the_fsdp2_curve(whole, tmp_path):
     # --tp 2 on 4 processes: 2 data-parallel ranks, as in the 2-process fsdp2 run, so the same global batches split
     # the same way; each block's attention and MLP are split over a tensor-parallel pair of ranks that read the
     # same batch. The curve is the same up to the order of summation (fp32).
-    out = _run(tmp_path, "--tp", "2", devices=4)
+    out = _run_on_ranks(tmp_path, "--tp", "2", devices=4)
     assert "2 fully_shard unit(s)" in out and "sample:" in out
     assert (tmp_path / "checkpoint").is_dir()
     _assert_same_curve(whole, tmp_path)
 
 
-def test_tensor_parallel_size_must_divide_the_devices(tmp_path):
-    result = _job(tmp_path, 3, "--tp", "2")
-    assert result.returncode != 0
-    assert "--devices 3 must be a number of processes divisible by --tp 2" in result.stdout
+def test_tensor_parallel_size_must_divide_the_devices(argument_errors):
+    out = argument_errors["tp"]
+    assert "=== exit 2" in out, out  # argparse's usage error
+    assert "--devices 3 must be a number of processes divisible by --tp 2" in out
