@@ -512,23 +512,34 @@ def test_training_step_under_every_fsdp_layout(layout):
 
 
 # ---- 5: `torchloom run SCRIPT --devices 2 --accelerator cpu` (options after the script, as Fabric's READMEs) ----
-@pytest.mark.timeout(150)
-def test_run_with_options_after_the_script(tmp_path):
+# One `torchloom run` job serves this check and the next section's (the constructor joins the group): each job
+# starts three interpreters that import torch, the suite's main cost. Its script is the raw collective of the
+# next section followed by test_run's script, which reports each rank's options and arguments.
+@pytest.fixture(scope="module")
+def run_job_output(tmp_path_factory) -> str:
     from harness import PYTHON, run_job, wait_no_strays
-    from test_run import SCRIPT, _lines
+    from test_run import SCRIPT
 
+    tmp_path = tmp_path_factory.mktemp("run")
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(RAW_COLLECTIVE_SCRIPT + SCRIPT)
     options = "--lr 3 --devices 2 --accelerator cpu --strategy ddp --num_nodes 1 -- --devices 9".split()
     cmd = [PYTHON, "-m", "torchloom", "run", str(script), *options]
     result, token = run_job(cmd, timeout=120)
     assert result.returncode == 0, result.stdout
-    ranks = _lines(result.stdout)
-    assert [r["rank"] for r in ranks] == [0, 1]
+    assert wait_no_strays(token) == []
+    return result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_run_with_options_after_the_script(run_job_output):
+    from test_run import _lines
+
+    ranks = _lines(run_job_output)
+    assert [r["rank"] for r in ranks] == [0, 1], run_job_output
     for r in ranks:
         assert r["world"] == 2 and r["strategy"] == "ddp" and r["sum"] == 3.0
         assert r["args"] == ["--lr", "3", "--devices", "9"]
-    assert wait_no_strays(token) == []
 
 
 # ---- 6: DataLoader workers ------------------------------------------------------------------------------------
@@ -661,19 +672,13 @@ print(f"SUM {loom.global_rank} {t.item()}", flush=True)
 
 
 @pytest.mark.timeout(150)
-def test_torchloom_run_joins_the_group_in_the_constructor(tmp_path):
-    from harness import PYTHON, run_job, wait_no_strays
-
-    script = tmp_path / "raw.py"
-    script.write_text(RAW_COLLECTIVE_SCRIPT)
-    cmd = [PYTHON, "-m", "torchloom", "run", str(script), "--devices", "2", "--accelerator", "cpu"]
-    result, token = run_job(cmd, timeout=120)
-    assert result.returncode == 0, result.stdout
-    # Two ranks write to one pipe unbuffered, so their lines can interleave: find the records, not the lines.
-    assert sorted(re.findall(r"SUM (\d) ([\d.]+)", result.stdout)) == [("0", "3.0"), ("1", "3.0")], (
-        result.stdout
+def test_torchloom_run_joins_the_group_in_the_constructor(run_job_output):
+    # The job of test_run_with_options_after_the_script (`torchloom run SCRIPT --devices 2 --accelerator cpu
+    # ...`), whose script starts with RAW_COLLECTIVE_SCRIPT. Two ranks write to one pipe unbuffered, so their
+    # lines can interleave: find the records, not the lines.
+    assert sorted(re.findall(r"SUM (\d) ([\d.]+)", run_job_output)) == [("0", "3.0"), ("1", "3.0")], (
+        run_job_output
     )
-    assert wait_no_strays(token) == []
 
 
 # ---- Loom(...) in processes that exist already ------------------------------------------------------------------

@@ -25,75 +25,59 @@ lightning = pytest.importorskip("lightning")
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _python(code: str, timeout: float = 240) -> str:
-    """Run `code` in a fresh interpreter: the switch changes Lightning's modules for the whole process."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(Path(__file__).parent)])}
-    env.pop("TORCHLOOM_FABRIC_COMPAT", None)
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
+# The switch's own checks, run by the program below in its main process once its ranks are done: the program runs
+# under `python -m torchloom.lightning_compat` (the switch installed before it imports Lightning), so one
+# interpreter importing torch and Lightning serves both tests (each such interpreter costs seconds of CPU).
+_SWITCH_CHECKS = """
+def check_switch():
+    import pickle
+    import pytest
+    import torch
+    from torch import nn
+    import torchloom
+    from torchloom import lightning_compat, strategies
+    from torchloom.errors import ConfigurationError
 
+    lightning_compat.install()
+    import lightning as L
+    import lightning.fabric
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.fabric.utilities import ThroughputMonitor, measure_flops
+    from lightning.fabric.utilities.throughput import ThroughputMonitor as TM2
 
-def test_switch_maps_fabric_names_and_translates_strategies():
-    out = _python(
-        """
-        import pickle
-        import pytest
-        import torch
-        from torch import nn
-        import torchloom
-        from torchloom import lightning_compat, strategies
-        from torchloom.errors import ConfigurationError
+    assert L.Fabric is torchloom.Loom and lightning.fabric.Fabric is torchloom.Loom
+    # litgpt's pretrain and LoRA strategies, as litgpt writes them.
+    pre = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")
+    lora = FSDPStrategy(auto_wrap_policy={nn.Linear}, activation_checkpointing_policy={nn.Sequential},
+                        state_dict_type="full", limit_all_gathers=True, cpu_offload=False)
+    for s in (pre, lora):
+        assert type(s) is strategies.FSDPStrategy and isinstance(s, FSDPStrategy)
+        assert not isinstance(s, DDPStrategy) and not isinstance(s, ModelParallelStrategy)
+        assert s.state_dict_type == "full"
+        pickle.loads(pickle.dumps(s))  # launch(fn) pickles it for spawned ranks
+    assert pre.sharding_strategy == "HYBRID_SHARD" and lora._unit_options["limit_all_gathers"] is True
+    ddp = DDPStrategy(find_unused_parameters=True, start_method="spawn")
+    assert type(ddp) is strategies.DDPStrategy and isinstance(ddp, DDPStrategy)
+    with pytest.raises(ConfigurationError, match="DeepSpeedStrategy has no torchloom counterpart"):
+        DeepSpeedStrategy()
+    with pytest.raises(ConfigurationError, match=r"FSDPStrategy\\(precision=...\\) cannot be translated"):
+        FSDPStrategy(precision=object())
+    assert callable(measure_flops) and ThroughputMonitor.__name__ == TM2.__name__ == "ThroughputMonitor"
 
-        lightning_compat.install()
-        import lightning as L
-        import lightning.fabric
-        from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-        from lightning.fabric.utilities import ThroughputMonitor, measure_flops
-        from lightning.fabric.utilities.throughput import ThroughputMonitor as TM2
-
-        assert L.Fabric is torchloom.Loom and lightning.fabric.Fabric is torchloom.Loom
-        # litgpt's pretrain and LoRA strategies, as litgpt writes them.
-        pre = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")
-        lora = FSDPStrategy(auto_wrap_policy={nn.Linear}, activation_checkpointing_policy={nn.Sequential},
-                            state_dict_type="full", limit_all_gathers=True, cpu_offload=False)
-        for s in (pre, lora):
-            assert type(s) is strategies.FSDPStrategy and isinstance(s, FSDPStrategy)
-            assert not isinstance(s, DDPStrategy) and not isinstance(s, ModelParallelStrategy)
-            assert s.state_dict_type == "full"
-            pickle.loads(pickle.dumps(s))  # launch(fn) pickles it for spawned ranks
-        assert pre.sharding_strategy == "HYBRID_SHARD" and lora._unit_options["limit_all_gathers"] is True
-        ddp = DDPStrategy(find_unused_parameters=True, start_method="spawn")
-        assert type(ddp) is strategies.DDPStrategy and isinstance(ddp, DDPStrategy)
-        with pytest.raises(ConfigurationError, match="DeepSpeedStrategy has no torchloom counterpart"):
-            DeepSpeedStrategy()
-        with pytest.raises(ConfigurationError, match=r"FSDPStrategy\\(precision=...\\) cannot be translated"):
-            FSDPStrategy(precision=object())
-        assert callable(measure_flops) and ThroughputMonitor.__name__ == TM2.__name__ == "ThroughputMonitor"
-
-        lightning_compat.install(fsdp="fsdp2")
-        two = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", sharding_strategy="HYBRID_SHARD",
-                           limit_all_gathers=True, activation_checkpointing_policy={nn.Linear})
-        assert type(two) is strategies.FSDP2Strategy and isinstance(two, FSDPStrategy)
-        assert two.hybrid and two.reshard_after_forward is True and two.state_dict_type == "full"
-        pickle.loads(pickle.dumps(two))
-        with pytest.raises(ConfigurationError, match=r"FSDPStrategy\\(forward_prefetch=...\\) cannot run as 'fsdp2'"):
-            FSDPStrategy(forward_prefetch=True)
-        with pytest.raises(ConfigurationError, match="NO_SHARD"):
-            FSDPStrategy(sharding_strategy="NO_SHARD")
-        with pytest.raises(ConfigurationError, match="use_orig_params=False"):
-            FSDPStrategy(use_orig_params=False)
-        print("ok")
-        """
-    )
-    assert out.strip().endswith("ok")
-
+    lightning_compat.install(fsdp="fsdp2")
+    two = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", sharding_strategy="HYBRID_SHARD",
+                       limit_all_gathers=True, activation_checkpointing_policy={nn.Linear})
+    assert type(two) is strategies.FSDP2Strategy and isinstance(two, FSDPStrategy)
+    assert two.hybrid and two.reshard_after_forward is True and two.state_dict_type == "full"
+    pickle.loads(pickle.dumps(two))
+    with pytest.raises(ConfigurationError, match=r"FSDPStrategy\\(forward_prefetch=...\\) cannot run as 'fsdp2'"):
+        FSDPStrategy(forward_prefetch=True)
+    with pytest.raises(ConfigurationError, match="NO_SHARD"):
+        FSDPStrategy(sharding_strategy="NO_SHARD")
+    with pytest.raises(ConfigurationError, match="use_orig_params=False"):
+        FSDPStrategy(use_orig_params=False)
+    print("switch checks ok")
+"""
 
 _SPAWNED = """
 from lightning.fabric.strategies import FSDPStrategy  # bound when the rank imports this module
@@ -104,10 +88,12 @@ def check(fabric):
 """
 
 
-def test_spawned_ranks_are_switched_before_the_program_imports_lightning(tmp_path):
-    # launch(fn) spawns ranks that import the program's modules before anything of torchloom: they must see the
-    # switch too (litgpt's LoRA script checks isinstance(fabric.strategy, FSDPStrategy) in its ranks).
+@pytest.fixture(scope="module")
+def switched_program(tmp_path_factory) -> str:
+    """The output of a program run through the switch: launch(fn) spawns 2 ranks, then the switch's checks."""
+    tmp_path = tmp_path_factory.mktemp("switched")
     (tmp_path / "spawned_program.py").write_text(_SPAWNED)
+    (tmp_path / "switch_checks.py").write_text(_SWITCH_CHECKS)
     program = tmp_path / "main.py"
     program.write_text(
         textwrap.dedent(
@@ -118,7 +104,10 @@ def test_spawned_ranks_are_switched_before_the_program_imports_lightning(tmp_pat
 
             if __name__ == "__main__":
                 fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(state_dict_type="full"))
-                print("result", fabric.launch(check))
+                print("result", fabric.launch(check), flush=True)
+                from switch_checks import check_switch
+
+                check_switch()
             """
         )
     )
@@ -132,8 +121,18 @@ def test_spawned_ranks_are_switched_before_the_program_imports_lightning(tmp_pat
         timeout=240,
         cwd=tmp_path,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "result ('Loom', True, 'torchloom.lightning_compat')" in done.stdout
+    return f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
+def test_switch_maps_fabric_names_and_translates_strategies(switched_program):
+    assert "switch checks ok" in switched_program, switched_program
+
+
+def test_spawned_ranks_are_switched_before_the_program_imports_lightning(switched_program):
+    # launch(fn) spawns ranks that import the program's modules before anything of torchloom: they must see the
+    # switch too (litgpt's LoRA script checks isinstance(fabric.strategy, FSDPStrategy) in its ranks).
+    assert "result ('Loom', True, 'torchloom.lightning_compat')" in switched_program, switched_program
+    assert switched_program.startswith("exit 0\n"), switched_program
 
 
 def test_switch_without_lightning_says_so(monkeypatch):

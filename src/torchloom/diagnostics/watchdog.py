@@ -65,12 +65,13 @@ class _Watchdog(threading.Thread):
                         frame = sys._current_frames().get(self._main)
                         store.set(answer, json.dumps(RECORD.snapshot(frame, "answered")))
                     return
-                if self._report_after is not None and RECORD.overdue(self._report_after):
+                report_after = _forced_report_after() or self._report_after
+                if report_after is not None and RECORD.overdue(report_after):
                     snapshot = RECORD.snapshot(None, "failed")
                     what = f"loom.{snapshot['name']}() #{snapshot['seq']} on rank {RECORD.rank}"
                     state = "is still queued on the device" if snapshot["queued"] else "is still waiting"
                     explain(
-                        f"{what} {state} after {timedelta(seconds=self._report_after)}",
+                        f"{what} {state} after {timedelta(seconds=report_after)}",
                         timed_out=True,
                         frame=sys._current_frames().get(self._main),
                     )
@@ -103,14 +104,20 @@ def start(
     RECORD.store = _connect()
     if RECORD.store is None:
         return
-    # Tests set this to take, on gloo, the path NCCL takes: the report started by the watchdog, not by an error.
-    forced = os.environ.get("TORCHLOOM_DESYNC_REPORT_AFTER")
-    seconds = float(forced) if forced else report_after.total_seconds() if report_after else None
+    seconds = report_after.total_seconds() if report_after else None
     _watchdog = _Watchdog(threading.main_thread().ident or 0, seconds, device)
     _watchdog.start()
     # Registered after the process group's own exit hook, so it runs first: the watchdog stops polling a store
     # before the group (and, on rank 0, the store's server) goes away.
     atexit.register(stop)
+
+
+def _forced_report_after() -> float | None:
+    """TORCHLOOM_DESYNC_REPORT_AFTER (seconds): tests set it to take, on gloo, the path NCCL takes (the report
+    started by the watchdog, not by an error). Read at every poll, so a test script can set it at the step where
+    its ranks part ways: a slow start under load must not count as a desync."""
+    forced = os.environ.get("TORCHLOOM_DESYNC_REPORT_AFTER")
+    return float(forced) if forced else None
 
 
 def stop() -> None:
