@@ -90,9 +90,9 @@ KILL_POINTS = [
 
 @pytest.mark.parametrize("fmt,point", KILL_POINTS)
 def test_killed_save_keeps_previous_checkpoint(fmt, point, tmp_path):
-    # Ranks forked from run_ranks' server, not a launched job (a job start per kill point cost 5x the CPU): the
-    # victim's SIGKILL ends the group as a launcher ends the job. That a killed save's job leaves no process
-    # behind is checked by tests/checkpointing/test_soak.py, which kills a launched job at each of these points.
+    # Ranks forked from run_ranks' server, not a launched job (a job start per kill point cost ~5x the CPU): the
+    # victim's SIGKILL ends the group as a launcher ends the job. That a launched job whose rank is SIGKILLed
+    # ends with no process left is tests/test_launcher.py's (test_failing_rank_ends_the_job[kill]).
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
     with pytest.raises(RanksFailed) as failed:
         run_ranks(_killed_save, 2, fmt, point, str(path), str(expected), timeout=120)
