@@ -60,8 +60,8 @@ OTHER_BATCH_AT = 5  # also saved by the 2-rank run: resumed on 2 ranks with glob
 def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) -> dict:
     """One rank group per world size (starting ranks dominates the cost): for each format, the uninterrupted
     run (on 2 ranks it writes every checkpoint), then a resume from every checkpoint, each under its own Loom.
-    Keys: (fmt, None) for the uninterrupted run, (fmt, at) for the resume from `ckpt`-`at`, and ("other batch",
-    OTHER_BATCH_AT) for the 2-rank resume with 4 samples per rank."""
+    Keys: (fmt, None) for the uninterrupted run, (fmt, at) for the resume from `ckpt`-`at`, ("other batch",
+    OTHER_BATCH_AT) for the 2-rank resume with 4 samples per rank, and "scenarios" for `_scenarios_then_resumed`."""
     out: dict = {}
     for fmt in ("full", "sharded"):
         ckpt = f"{root}/{fmt}/ckpt"
@@ -73,6 +73,10 @@ def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) ->
     if world_size == 2:
         ckpt = f"{root}/full/ckpt-{OTHER_BATCH_AT}"
         out[("other batch", OTHER_BATCH_AT)] = _steps(2, N, 4, ckpt, [], ckpt, "full")
+    # test_resumes_equal_the_uninterrupted_run_in_every_scenario's runs at this world size, in this group too.
+    out["scenarios"] = _scenarios_then_resumed(
+        rank, world_size, f"{root}/live{world_size}", f"{root}/again{world_size}", f"{root}/live2"
+    )
     return out
 
 
@@ -80,12 +84,12 @@ def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) ->
 def every_resume(tmp_path_factory) -> dict[int, dict]:
     """world size -> `_every_resume`'s runs; the 2-rank group first (it writes the checkpoints)."""
     root = tmp_path_factory.mktemp("resume")
-    for fmt in ("full", "sharded"):
-        (root / fmt).mkdir()
-    return {ws: run_ranks(_every_resume, ws, str(root), ws != 3, timeout=400)[0] for ws in (2, 1, 3)}
+    for name in ("full", "sharded", "live1", "live2", "live3"):
+        (root / name).mkdir()
+    return {ws: run_ranks(_every_resume, ws, str(root), ws != 3, timeout=500)[0] for ws in (2, 1, 3)}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_resume_at_every_world_size_continues_the_same_global_batches(every_resume, fmt):
     full = every_resume[2][(fmt, None)]
@@ -102,7 +106,7 @@ def test_resume_at_every_world_size_continues_the_same_global_batches(every_resu
     assert full[0] != full[per_epoch]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
 def test_another_global_batch_reads_each_remaining_sample_once(every_resume):
     # Saved after 5 steps of 2 ranks x 3 samples, resumed on 2 ranks with 4 samples each (global batch 8).
     full = every_resume[2][("full", None)]
@@ -562,27 +566,18 @@ def _scenarios_then_resumed(
     return _scenarios(world_size, live, None), _scenarios(world_size, again, resume_from)
 
 
-@pytest.mark.timeout(900)
-def test_resumes_equal_the_uninterrupted_run_in_every_scenario(tmp_path):
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
+def test_resumes_equal_the_uninterrupted_run_in_every_scenario(every_resume):
     """Saved on 2 ranks, resumed on 2 (and 1 and 3): the global batches after the save point equal the
     uninterrupted run's at that world size. Ragged end: the padding after a resume repeats the epoch's first
     samples, as the uninterrupted run's does. A sampler with its own generator: the resumed pass draws the saved
     epoch's permutation. An IterableDataset: every rank continues from its own position (refused on another world
     size). A pass left early (break, exception, dropped iterator): the resumed run starts the next epoch, as the
     live one does; one saved while live resumes inside the epoch."""
-    live = {ws: tmp_path / f"live{ws}" for ws in (1, 2, 3)}
-    for path in live.values():
-        path.mkdir()
-    uninterrupted, resumed = {}, {}
-    for ws in (2, 1, 3):  # the 2-rank group first: it writes the checkpoints every world size resumes from
-        uninterrupted[ws], resumed[ws] = run_ranks(
-            _scenarios_then_resumed,
-            ws,
-            str(live[ws]),
-            str(tmp_path / f"again{ws}"),
-            str(live[2]),
-            timeout=400,
-        )[0]
+    # Run in `every_resume`'s groups, the 2-rank group first (it writes the checkpoints every world size resumes
+    # from).
+    uninterrupted = {ws: every_resume[ws]["scenarios"][0] for ws in (1, 2, 3)}
+    resumed = {ws: every_resume[ws]["scenarios"][1] for ws in (1, 2, 3)}
     for name in SCENARIOS:
         assert uninterrupted[2][name], name  # the scenario saw batches after its save point
         assert resumed[2][name] == uninterrupted[2][name], name
