@@ -54,6 +54,10 @@ def _steps(
 
 N = 48  # 8 global batches per epoch
 SAVE_AT = (3, 8, 11)  # inside epoch 0, at its last batch, inside epoch 1
+AUGMENTED_RESUMES = {
+    1: 1,
+    3: 2,
+}  # world size -> DataLoader workers per rank, resuming the 2-rank, 2-worker run
 OTHER_BATCH_AT = 5  # also saved by the 2-rank run: resumed on 2 ranks with global batch 8 instead of 6
 
 
@@ -73,6 +77,13 @@ def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) ->
     if world_size == 2:
         ckpt = f"{root}/full/ckpt-{OTHER_BATCH_AT}"
         out[("other batch", OTHER_BATCH_AT)] = _steps(2, N, 4, ckpt, [], ckpt, "full")
+    # test_worker_augmentations_follow_the_sample_not_the_worker's run at this world size (2 ranks: saved after
+    # step 3; 1 and 3: resumed from there with AUGMENTED_RESUMES' workers).
+    ckpt = f"{root}/augmented"
+    if world_size == 2:
+        out["augmented"] = _augmented_steps(rank, 2, ckpt, 3, None, 2)
+    else:
+        out["augmented"] = _augmented_steps(rank, world_size, ckpt, None, ckpt, AUGMENTED_RESUMES[world_size])
     # test_resumes_equal_the_uninterrupted_run_in_every_scenario's runs at this world size, in this group too.
     out["scenarios"] = _scenarios_then_resumed(
         rank, world_size, f"{root}/live{world_size}", f"{root}/again{world_size}", f"{root}/live2"
@@ -161,40 +172,37 @@ class _Augmented(Dataset):
 def _augmented_steps(
     rank: int, world_size: int, ckpt: str, save_at: int | None, resume: str | None, workers: int
 ):
-    loom = Loom(accelerator="cpu", devices=world_size)
-    loom.launch()
-    loom.seed_everything(0)
-    loader = loom.setup_dataloaders(
-        DataLoader(_Augmented(), batch_size=6 // world_size, shuffle=True, num_workers=workers)
-    )
-    model = loom.setup_module(nn.Linear(1, 1))
-    steps, step, first_epoch = [], 0, 0
-    if resume:
-        rest = loom.load(resume, {"loader": loader, "model": model})
-        step, first_epoch = rest["step"], rest["epoch"]
-    for epoch in range(first_epoch, 2):
-        for batch in loader:
-            gathered = loom.all_gather(batch).reshape(-1, 2)
-            steps.append(sorted(map(tuple, gathered.tolist())))
-            step += 1
-            if step == save_at:
-                loom.save(ckpt, {"loader": loader, "model": model, "step": step, "epoch": epoch})
-    return steps
+    with Loom(accelerator="cpu", devices=world_size) as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        loader = loom.setup_dataloaders(
+            DataLoader(_Augmented(), batch_size=6 // world_size, shuffle=True, num_workers=workers)
+        )
+        model = loom.setup_module(nn.Linear(1, 1))
+        steps, step, first_epoch = [], 0, 0
+        if resume:
+            rest = loom.load(resume, {"loader": loader, "model": model})
+            step, first_epoch = rest["step"], rest["epoch"]
+        for epoch in range(first_epoch, 2):
+            for batch in loader:
+                gathered = loom.all_gather(batch).reshape(-1, 2)
+                steps.append(sorted(map(tuple, gathered.tolist())))
+                step += 1
+                if step == save_at:
+                    loom.save(ckpt, {"loader": loader, "model": model, "step": step, "epoch": epoch})
+        return steps
 
 
-@pytest.mark.timeout(600)
-def test_worker_augmentations_follow_the_sample_not_the_worker(tmp_path):
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
+def test_worker_augmentations_follow_the_sample_not_the_worker(every_resume):
     """With DataLoader workers, each sample's random numbers depend on the seed, the epoch and the sample, so
     a resumed run (another world size, another number of workers) draws what the uninterrupted one drew."""
-    ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(_augmented_steps, 2, ckpt, 3, None, 2, timeout=240)[0]
+    full = every_resume[2]["augmented"]  # 2 ranks, 2 workers each, saved after step 3
     assert (
         len({noise for step in full for _, noise in step}) == len(full) * 6
     )  # no repeats across workers, ranks
-    # One process needs no launch: it runs here (its workers forked from this process, as a script's are).
-    assert _augmented_steps(0, 1, ckpt, None, ckpt, 1) == full[3:], (1, 1)
-    resumed = run_ranks(_augmented_steps, 3, ckpt, None, ckpt, 2, timeout=240)[0]
-    assert resumed == full[3:], (3, 2)
+    for world_size, workers in AUGMENTED_RESUMES.items():
+        assert every_resume[world_size]["augmented"] == full[3:], (world_size, workers)
 
 
 class _Noisy(nn.Module):
