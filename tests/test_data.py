@@ -24,72 +24,110 @@ EPOCHS = 2
 
 
 def _steps(
-    rank: int,
-    world_size: int,
-    n: int,
-    batch: int,
-    ckpt: str,
-    save_at: list[int],
-    resume: str | None,
-    fmt: str,
-):
-    """Run the data loop; record every step's global indices. Save after the steps in `save_at` (to
-    `ckpt`-STEP); with `resume`, load that checkpoint first and continue from it."""
+    world_size: int, n: int, batch: int, ckpt: str, save_at: list[int], resume: str | None, fmt: str
+) -> list[list[int]]:
+    """Run the data loop under a fresh Loom (closed at the end, so the next run in these processes makes a
+    new group); record every step's global indices. Save after the steps in `save_at` (to `ckpt`-STEP); with
+    `resume`, load that checkpoint first and continue from it."""
     strategy = "fsdp2" if fmt == "sharded" else "ddp"
-    loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
-    loom.launch()
-    loom.seed_everything(0)
-    loader = loom.setup_dataloaders(
-        DataLoader(TensorDataset(torch.arange(n)), batch_size=batch, shuffle=True)
-    )
-    model = loom.setup_module(nn.Linear(1, 1))  # a model makes the checkpoint torchloom's own format
-    steps, step, first_epoch = [], 0, 0
-    if resume is not None:
-        rest = loom.load(resume, {"loader": loader, "model": model})
-        step, first_epoch = rest["step"], rest["epoch"]
-    for epoch in range(first_epoch, EPOCHS):
-        for (idx,) in loader:
-            steps.append(sorted(loom.all_gather(idx).flatten().tolist()))
-            step += 1
-            if resume is None and step in save_at:
-                loom.save(f"{ckpt}-{step}", {"loader": loader, "model": model, "step": step, "epoch": epoch})
+    with Loom(accelerator="cpu", devices=world_size, strategy=strategy) as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        loader = loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(n)), batch_size=batch, shuffle=True)
+        )
+        model = loom.setup_module(nn.Linear(1, 1))  # a model makes the checkpoint torchloom's own format
+        steps, step, first_epoch = [], 0, 0
+        if resume is not None:
+            rest = loom.load(resume, {"loader": loader, "model": model})
+            step, first_epoch = rest["step"], rest["epoch"]
+        for epoch in range(first_epoch, EPOCHS):
+            for (idx,) in loader:
+                steps.append(sorted(loom.all_gather(idx).flatten().tolist()))
+                step += 1
+                if resume is None and step in save_at:
+                    loom.save(
+                        f"{ckpt}-{step}", {"loader": loader, "model": model, "step": step, "epoch": epoch}
+                    )
     return steps
 
 
-@pytest.mark.timeout(600)
+N = 48  # 8 global batches per epoch
+SAVE_AT = (3, 8, 11)  # inside epoch 0, at its last batch, inside epoch 1
+AUGMENTED_RESUMES = {
+    1: 1,
+    3: 2,
+}  # world size -> DataLoader workers per rank, resuming the 2-rank, 2-worker run
+OTHER_BATCH_AT = 5  # also saved by the 2-rank run: resumed on 2 ranks with global batch 8 instead of 6
+
+
+def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) -> dict:
+    """One rank group per world size (starting ranks dominates the cost): for each format, the uninterrupted
+    run (on 2 ranks it writes every checkpoint), then a resume from every checkpoint, each under its own Loom.
+    Keys: (fmt, None) for the uninterrupted run, (fmt, at) for the resume from `ckpt`-`at`, ("other batch",
+    OTHER_BATCH_AT) for the 2-rank resume with 4 samples per rank, and "scenarios" for `_scenarios_then_resumed`."""
+    out: dict = {}
+    for fmt in ("full", "sharded"):
+        ckpt = f"{root}/{fmt}/ckpt"
+        if uninterrupted:
+            saves = [*SAVE_AT, OTHER_BATCH_AT] if world_size == 2 else []
+            out[(fmt, None)] = _steps(world_size, N, G // world_size, ckpt, saves, None, fmt)
+        for at in SAVE_AT:
+            out[(fmt, at)] = _steps(world_size, N, G // world_size, ckpt, [], f"{ckpt}-{at}", fmt)
+    if world_size == 2:
+        ckpt = f"{root}/full/ckpt-{OTHER_BATCH_AT}"
+        out[("other batch", OTHER_BATCH_AT)] = _steps(2, N, 4, ckpt, [], ckpt, "full")
+    # test_worker_augmentations_follow_the_sample_not_the_worker's run at this world size (2 ranks: saved after
+    # step 3; 1 and 3: resumed from there with AUGMENTED_RESUMES' workers).
+    ckpt = f"{root}/augmented"
+    if world_size == 2:
+        out["augmented"] = _augmented_steps(rank, 2, ckpt, 3, None, 2)
+    else:
+        out["augmented"] = _augmented_steps(rank, world_size, ckpt, None, ckpt, AUGMENTED_RESUMES[world_size])
+    # test_resumes_equal_the_uninterrupted_run_in_every_scenario's runs at this world size, in this group too.
+    out["scenarios"] = _scenarios_then_resumed(
+        rank, world_size, f"{root}/live{world_size}", f"{root}/again{world_size}", f"{root}/live2"
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def every_resume(tmp_path_factory) -> dict[int, dict]:
+    """world size -> `_every_resume`'s runs; the 2-rank group first (it writes the checkpoints)."""
+    root = tmp_path_factory.mktemp("resume")
+    for name in ("full", "sharded", "live1", "live2", "live3"):
+        (root / name).mkdir()
+    return {ws: run_ranks(_every_resume, ws, str(root), ws != 3, timeout=500)[0] for ws in (2, 1, 3)}
+
+
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_resume_at_every_world_size_continues_the_same_global_batches(tmp_path, fmt):
-    n = 48  # 8 global batches per epoch
-    ckpt = str(tmp_path / "ckpt")
-    save_at = [3, 8, 11]  # inside epoch 0, at its last batch, inside epoch 1
-    full = run_ranks(_steps, 2, n, G // 2, ckpt, save_at, None, fmt, timeout=240)[0]
-    assert len(full) == 2 * n // G
+def test_resume_at_every_world_size_continues_the_same_global_batches(every_resume, fmt):
+    full = every_resume[2][(fmt, None)]
+    assert len(full) == 2 * N // G
     # Global batch b of an epoch is the same whatever the world size: one process agrees with two.
-    assert run_ranks(_steps, 1, n, G, ckpt, [], None, fmt, timeout=120)[0] == full
-    for at in save_at:
+    assert every_resume[1][(fmt, None)] == full
+    for at in SAVE_AT:
         for world_size in (1, 2, 3):
-            resumed = run_ranks(
-                _steps, world_size, n, G // world_size, ckpt, [], f"{ckpt}-{at}", fmt, timeout=240
-            )
-            assert resumed[0] == full[at:], (at, world_size)
+            assert every_resume[world_size][(fmt, at)] == full[at:], (at, world_size)
     # Each epoch reads every sample once, and the second epoch is shuffled differently.
     per_epoch = len(full) // EPOCHS
     epochs = [sum(full[e * per_epoch : (e + 1) * per_epoch], []) for e in range(EPOCHS)]
-    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert all(sorted(e) == list(range(N)) for e in epochs)
     assert full[0] != full[per_epoch]
 
 
-@pytest.mark.timeout(300)
-def test_another_global_batch_reads_each_remaining_sample_once(tmp_path):
-    n = 48
-    ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(_steps, 2, n, 3, ckpt, [5], None, "full", timeout=240)[0]
-    # Resume on 2 ranks with 4 samples each (global batch 8 instead of 6).
-    resumed = run_ranks(_steps, 2, n, 4, ckpt, [], f"{ckpt}-5", "full", timeout=240)[0]
-    rest_steps = -(-(n - 5 * G) // 8)  # 18 samples left: batches of 8, 8 and 2
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
+def test_another_global_batch_reads_each_remaining_sample_once(every_resume):
+    # Saved after 5 steps of 2 ranks x 3 samples, resumed on 2 ranks with 4 samples each (global batch 8).
+    full = every_resume[2][("full", None)]
+    resumed = every_resume[2][("other batch", OTHER_BATCH_AT)]
+    rest_steps = -(-(N - OTHER_BATCH_AT * G) // 8)  # 18 samples left: batches of 8, 8 and 2
     first_epoch_rest = sum(resumed[:rest_steps], [])
-    assert sorted(sum(full[:5], []) + first_epoch_rest) == list(range(n))  # none twice, none skipped
-    assert sorted(sum(resumed[rest_steps:], [])) == list(range(n))  # the next epoch is whole
+    assert sorted(sum(full[:OTHER_BATCH_AT], []) + first_epoch_rest) == list(
+        range(N)
+    )  # none twice, none skipped
+    assert sorted(sum(resumed[rest_steps:], [])) == list(range(N))  # the next epoch is whole
 
 
 def test_the_global_order_and_ragged_ends_at_every_world_size():
@@ -134,39 +172,37 @@ class _Augmented(Dataset):
 def _augmented_steps(
     rank: int, world_size: int, ckpt: str, save_at: int | None, resume: str | None, workers: int
 ):
-    loom = Loom(accelerator="cpu", devices=world_size)
-    loom.launch()
-    loom.seed_everything(0)
-    loader = loom.setup_dataloaders(
-        DataLoader(_Augmented(), batch_size=6 // world_size, shuffle=True, num_workers=workers)
-    )
-    model = loom.setup_module(nn.Linear(1, 1))
-    steps, step, first_epoch = [], 0, 0
-    if resume:
-        rest = loom.load(resume, {"loader": loader, "model": model})
-        step, first_epoch = rest["step"], rest["epoch"]
-    for epoch in range(first_epoch, 2):
-        for batch in loader:
-            gathered = loom.all_gather(batch).reshape(-1, 2)
-            steps.append(sorted(map(tuple, gathered.tolist())))
-            step += 1
-            if step == save_at:
-                loom.save(ckpt, {"loader": loader, "model": model, "step": step, "epoch": epoch})
-    return steps
+    with Loom(accelerator="cpu", devices=world_size) as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        loader = loom.setup_dataloaders(
+            DataLoader(_Augmented(), batch_size=6 // world_size, shuffle=True, num_workers=workers)
+        )
+        model = loom.setup_module(nn.Linear(1, 1))
+        steps, step, first_epoch = [], 0, 0
+        if resume:
+            rest = loom.load(resume, {"loader": loader, "model": model})
+            step, first_epoch = rest["step"], rest["epoch"]
+        for epoch in range(first_epoch, 2):
+            for batch in loader:
+                gathered = loom.all_gather(batch).reshape(-1, 2)
+                steps.append(sorted(map(tuple, gathered.tolist())))
+                step += 1
+                if step == save_at:
+                    loom.save(ckpt, {"loader": loader, "model": model, "step": step, "epoch": epoch})
+        return steps
 
 
-@pytest.mark.timeout(600)
-def test_worker_augmentations_follow_the_sample_not_the_worker(tmp_path):
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
+def test_worker_augmentations_follow_the_sample_not_the_worker(every_resume):
     """With DataLoader workers, each sample's random numbers depend on the seed, the epoch and the sample, so
     a resumed run (another world size, another number of workers) draws what the uninterrupted one drew."""
-    ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(_augmented_steps, 2, ckpt, 3, None, 2, timeout=240)[0]
+    full = every_resume[2]["augmented"]  # 2 ranks, 2 workers each, saved after step 3
     assert (
         len({noise for step in full for _, noise in step}) == len(full) * 6
     )  # no repeats across workers, ranks
-    for world_size, workers in ((1, 1), (3, 2)):
-        resumed = run_ranks(_augmented_steps, world_size, ckpt, None, ckpt, workers, timeout=240)[0]
-        assert resumed == full[3:], (world_size, workers)
+    for world_size, workers in AUGMENTED_RESUMES.items():
+        assert every_resume[world_size]["augmented"] == full[3:], (world_size, workers)
 
 
 class _Noisy(nn.Module):
@@ -181,54 +217,71 @@ class _Noisy(nn.Module):
         return self.head(x)
 
 
-def _train(rank: int, world_size: int, strategy: str, ckpt: str, save_at: int | None, resume: bool):
+def _train(world_size: int, strategy: str, ckpt: str, save_at: int | None, resume: bool):
     from torch.distributed.fsdp import fully_shard
 
-    loom = Loom(accelerator="cpu", devices=world_size, strategy=strategy)
-    loom.launch()
-    loom.seed_everything(0)
-    model = _Noisy()
-    if strategy == "fsdp2":
-        for block in model.blocks:
-            fully_shard(block)
-    model, opt = loom.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(48, 8, generator=g)
-    loader = loom.setup_dataloaders(
-        DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
-    )
-    state = {"model": model, "optimizer": opt, "loader": loader, "step": 0, "epoch": 0}
-    if resume:
-        loom.load(ckpt, state)
-    losses = []
-    for epoch in range(state["epoch"], 2):
-        for xb, yb in loader:
-            loss = nn.functional.mse_loss(model(xb), yb)
-            loom.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            state["step"] += 1
-            state["epoch"] = epoch
-            if state["step"] == save_at:
-                loom.save(ckpt, state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    with Loom(accelerator="cpu", devices=world_size, strategy=strategy) as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        model = _Noisy()
+        if strategy == "fsdp2":
+            for block in model.blocks:
+                fully_shard(block)
+        model, opt = loom.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(48, 8, generator=g)
+        loader = loom.setup_dataloaders(
+            DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+        )
+        state = {"model": model, "optimizer": opt, "loader": loader, "step": 0, "epoch": 0}
+        if resume:
+            loom.load(ckpt, state)
+        losses = []
+        for epoch in range(state["epoch"], 2):
+            for xb, yb in loader:
+                loss = nn.functional.mse_loss(model(xb), yb)
+                loom.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                state["step"] += 1
+                state["epoch"] = epoch
+                if state["step"] == save_at:
+                    loom.save(ckpt, state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model.forward_module, options=StateDictOptions(full_state_dict=True))
-    return losses, {k: v.clone() for k, v in full.items()}
+        full = get_model_state_dict(model.forward_module, options=StateDictOptions(full_state_dict=True))
+        return losses, {k: v.clone() for k, v in full.items()}
+
+
+def _train_and_resume(rank: int, world_size: int, root: str) -> dict:
+    """Per strategy, in one rank group: the uninterrupted run (saving after step 5), then a fresh Loom resumed
+    from it. The resume runs after the uninterrupted run, so these processes' generators are at the end of
+    training, not at step 5: only the checkpoint's generators can give the same dropout."""
+    out = {}
+    for strategy in ("ddp", "fsdp2"):
+        ckpt = f"{root}/{strategy}"
+        out[strategy] = (
+            _train(world_size, strategy, ckpt, 5, False),
+            _train(world_size, strategy, ckpt, None, True),
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_and_resumed(tmp_path_factory) -> list[dict]:
+    return run_ranks(_train_and_resume, 2, str(tmp_path_factory.mktemp("bit_identical")), timeout=400)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_resume_at_the_same_world_size_is_bit_identical(tmp_path, strategy):
+def test_resume_at_the_same_world_size_is_bit_identical(trained_and_resumed, strategy):
     """Dropout on: without the random generators restored the resumed losses would differ."""
-    ckpt = str(tmp_path / "ckpt")
-    full = run_ranks(_train, 2, strategy, ckpt, 5, False, timeout=240)
-    resumed = run_ranks(_train, 2, strategy, ckpt, None, True, timeout=240)
     for rank in range(2):
-        assert resumed[rank][0] == full[rank][0][5:], rank
-        for name, value in full[rank][1].items():
-            assert torch.equal(resumed[rank][1][name], value), (rank, name)
+        full, resumed = trained_and_resumed[rank][strategy]
+        assert resumed[0] == full[0][5:], rank
+        for name, value in full[1].items():
+            assert torch.equal(resumed[1][name], value), (rank, name)
 
 
 def _other_world_size_warning(rank: int, world_size: int, ckpt: str) -> list[str]:
@@ -236,13 +289,16 @@ def _other_world_size_warning(rank: int, world_size: int, ckpt: str) -> list[str
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("torchloom").addHandler(handler)
-    loom = Loom(accelerator="cpu", devices=world_size)
-    loom.launch()
-    model = loom.setup_module(nn.Linear(1, 1))
-    if world_size == 2:
-        loom.save(ckpt, {"model": model})
-    else:
-        loom.load(ckpt, {"model": model}, restore_run_state=True)
+    try:
+        loom = Loom(accelerator="cpu", devices=world_size)
+        loom.launch()
+        model = loom.setup_module(nn.Linear(1, 1))
+        if world_size == 2:
+            loom.save(ckpt, {"model": model})
+        else:
+            loom.load(ckpt, {"model": model}, restore_run_state=True)
+    finally:
+        logging.getLogger("torchloom").removeHandler(handler)
     return records
 
 
@@ -300,11 +356,22 @@ def test_a_custom_sampler_resumes_at_every_world_size():
 
 
 def _rebuilt_every_epoch(rank: int, world_size: int, ckpt: str, save_after: int | None, resume: bool):
+    with Loom(accelerator="cpu", devices=world_size, strategy="ddp") as loom:
+        return _rebuilt_every_epoch_with(loom, ckpt, save_after, resume)
+
+
+def _rebuilt_then_resumed(rank: int, world_size: int, ckpt: str) -> tuple[list, list]:
+    """The uninterrupted run (saving after epoch 1), then a fresh Loom in the same processes resumed from it."""
+    return _rebuilt_every_epoch(rank, world_size, ckpt, 1, False), _rebuilt_every_epoch(
+        rank, world_size, ckpt, None, True
+    )
+
+
+def _rebuilt_every_epoch_with(loom: Loom, ckpt: str, save_after: int | None, resume: bool):
     """A loop that builds and sets up its loaders again every epoch (k-fold style: a shuffled loader and a
     `SubsetRandomSampler` one over the same dataset). Returns every epoch's global order of both."""
     from torch.utils.data import SubsetRandomSampler
 
-    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
     loom.launch()
     loom.seed_everything(3)
     data = TensorDataset(torch.arange(12))
@@ -344,10 +411,9 @@ def test_a_loader_set_up_again_every_epoch_follows_fabric_and_resumes(tmp_path):
     assert all(sorted(order) == list(range(6)) for order in subsets)
     assert len({tuple(o) for o in subsets}) == 4, subsets  # a new draw each time
 
-    two = run_ranks(_rebuilt_every_epoch, 2, ckpt, 1, False)
-    assert two[0] == two[1] == alone  # world-size independent
-    resumed = run_ranks(_rebuilt_every_epoch, 2, ckpt, None, True)
-    assert resumed[0] == alone[2:]
+    (two0, resumed), (two1, _) = run_ranks(_rebuilt_then_resumed, 2, ckpt)
+    assert two0 == two1 == alone  # world-size independent
+    assert resumed == alone[2:]
 
 
 def test_seeding_again_replays_the_same_loader_orders():
@@ -487,35 +553,39 @@ def _scenario(loom: Loom, name: str, world_size: int, path: str, resume: str | N
 SCENARIOS = ("ragged", "own_generator", "iterable", "break", "exception", "dropped", "live")
 
 
-def _scenarios(rank: int, world_size: int, directory: str, resume_from: str | None) -> dict[str, list | str]:
+def _scenarios(world_size: int, directory: str, resume_from: str | None) -> dict[str, list | str]:
     # DDP on one process too: Fabric's distributed order rule at every world size (a single device keeps the
     # loader's own sampler instead; see tests/test_fabric_data_order.py for resuming across the two).
-    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
-    loom.launch()
-    loom.seed_everything(0)
-    out = {}
-    for name in SCENARIOS:
-        resume = None if resume_from is None else f"{resume_from}/{name}.pt"
-        out[name] = _scenario(loom, name, world_size, f"{directory}/{name}.pt", resume)
-    return out
+    with Loom(accelerator="cpu", devices=world_size, strategy="ddp") as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        out = {}
+        for name in SCENARIOS:
+            resume = None if resume_from is None else f"{resume_from}/{name}.pt"
+            out[name] = _scenario(loom, name, world_size, f"{directory}/{name}.pt", resume)
+        return out
 
 
-@pytest.mark.timeout(900)
-def test_resumes_equal_the_uninterrupted_run_in_every_scenario(tmp_path):
+def _scenarios_then_resumed(
+    rank: int, world_size: int, live: str, again: str, resume_from: str
+) -> tuple[dict[str, list | str], dict[str, list | str]]:
+    """The uninterrupted run (saving into `live`), then, under a fresh Loom in the same processes, the run
+    resumed from the 2-rank run's checkpoints in `resume_from`."""
+    return _scenarios(world_size, live, None), _scenarios(world_size, again, resume_from)
+
+
+@pytest.mark.timeout(1500)  # whichever runs first waits for `every_resume`'s three groups
+def test_resumes_equal_the_uninterrupted_run_in_every_scenario(every_resume):
     """Saved on 2 ranks, resumed on 2 (and 1 and 3): the global batches after the save point equal the
     uninterrupted run's at that world size. Ragged end: the padding after a resume repeats the epoch's first
     samples, as the uninterrupted run's does. A sampler with its own generator: the resumed pass draws the saved
     epoch's permutation. An IterableDataset: every rank continues from its own position (refused on another world
     size). A pass left early (break, exception, dropped iterator): the resumed run starts the next epoch, as the
     live one does; one saved while live resumes inside the epoch."""
-    live = {ws: tmp_path / f"live{ws}" for ws in (1, 2, 3)}
-    for path in live.values():
-        path.mkdir()
-    uninterrupted = {ws: run_ranks(_scenarios, ws, str(live[ws]), None, timeout=300)[0] for ws in (2, 1, 3)}
-    resumed = {
-        ws: run_ranks(_scenarios, ws, str(tmp_path / f"again{ws}"), str(live[2]), timeout=300)[0]
-        for ws in (2, 1, 3)
-    }
+    # Run in `every_resume`'s groups, the 2-rank group first (it writes the checkpoints every world size resumes
+    # from).
+    uninterrupted = {ws: every_resume[ws]["scenarios"][0] for ws in (1, 2, 3)}
+    resumed = {ws: every_resume[ws]["scenarios"][1] for ws in (1, 2, 3)}
     for name in SCENARIOS:
         assert uninterrupted[2][name], name  # the scenario saw batches after its save point
         assert resumed[2][name] == uninterrupted[2][name], name
@@ -787,14 +857,19 @@ def _sampler_scenario(loom: Loom, name: str, path: str, resume: str | None) -> l
 
 
 def _samplers(rank: int, world_size: int, directory: str, resume_from: str | None) -> dict[str, list]:
-    loom = Loom(accelerator="cpu", devices=world_size)
-    loom.launch()
-    loom.seed_everything(0)
-    out = {}
-    for name in SAMPLERS:
-        resume = None if resume_from is None else f"{resume_from}/{name}.pt"
-        out[name] = _sampler_scenario(loom, name, f"{directory}/{name}.pt", resume)
-    return out
+    with Loom(accelerator="cpu", devices=world_size) as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        out = {}
+        for name in SAMPLERS:
+            resume = None if resume_from is None else f"{resume_from}/{name}.pt"
+            out[name] = _sampler_scenario(loom, name, f"{directory}/{name}.pt", resume)
+        return out
+
+
+def _samplers_then_resumed(rank: int, world_size: int, live: str, again: str) -> tuple[dict, dict]:
+    """The uninterrupted run (saving into `live`), then a fresh Loom in the same processes resumed from it."""
+    return _samplers(rank, world_size, live, None), _samplers(rank, world_size, again, live)
 
 
 def _batches(draw: list[int], size: int) -> list[list[int]]:
@@ -811,7 +886,7 @@ def test_the_users_sampler_is_split_not_replaced(tmp_path):
     live, again = tmp_path / "live", tmp_path / "again"
     live.mkdir()
     again.mkdir()
-    two = run_ranks(_samplers, 2, str(live), None, timeout=300)[0]
+    two, resumed = run_ranks(_samplers_then_resumed, 2, str(live), str(again), timeout=400)[0]
     for name in ("replacement", "num_samples", "subclass", "batch_sampler", "rank_rng"):
         sampler = _user_sampler(name, 0)
         if name == "batch_sampler":
@@ -825,7 +900,6 @@ def test_the_users_sampler_is_split_not_replaced(tmp_path):
     assert two["global_rngs"][0] != two["global_rngs"][1]
     one = _samplers(0, 1, str(tmp_path), None)
     assert [_batches(sum(epoch, []), 6) for epoch in one["global_rngs"]] == two["global_rngs"]
-    resumed = run_ranks(_samplers, 2, str(again), str(live), timeout=300)[0]
     for name in SAMPLERS:
         if name != "rank_rng":  # a private generator's state is not in the checkpoint
             assert resumed[name] == [two[name][1][2:]], name

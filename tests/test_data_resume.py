@@ -49,27 +49,32 @@ def _run(rank: int, world_size: int, directory: str, resume: bool, names: list[s
     handler = logging.Handler()
     handler.emit = lambda record: shown.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("torchloom").addHandler(handler)
-    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
-    loom.launch()
-    loom.seed_everything(0)
-    out = {}
-    for name, n in VARIANTS:
-        if name not in names:
-            continue
-        loader = _loader(loom, name, n, world_size)
-        model = loom.setup_module(nn.Linear(1, 1))  # the checkpoint in torchloom's own format
-        path = f"{directory}/{name}.pt"
-        if resume:
-            loom.load(path, {"loader": loader, "model": model})
-        steps = []
-        for epoch in range(EPOCHS):
-            for (idx,) in loader:
-                steps.append(sorted(loom.all_gather(idx).flatten().tolist()))
-                if not resume and epoch == 0 and len(steps) == SAVE_AT:
-                    loom.save(path, {"loader": loader, "model": model})
-        out[name] = steps
+    with Loom(accelerator="cpu", devices=world_size, strategy="ddp") as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        out = {}
+        for name, n in VARIANTS:
+            if name not in names:
+                continue
+            loader = _loader(loom, name, n, world_size)
+            model = loom.setup_module(nn.Linear(1, 1))  # the checkpoint in torchloom's own format
+            path = f"{directory}/{name}.pt"
+            if resume:
+                loom.load(path, {"loader": loader, "model": model})
+            steps = []
+            for epoch in range(EPOCHS):
+                for (idx,) in loader:
+                    steps.append(sorted(loom.all_gather(idx).flatten().tolist()))
+                    if not resume and epoch == 0 and len(steps) == SAVE_AT:
+                        loom.save(path, {"loader": loader, "model": model})
+            out[name] = steps
     logging.getLogger("torchloom").removeHandler(handler)
     return out, shown
+
+
+def _run_then_resumed(rank: int, world_size: int, directory: str, names: list[str]):
+    """The uninterrupted run, then a fresh Loom in the same processes resumed from its checkpoints."""
+    return _run(rank, world_size, directory, False, names), _run(rank, world_size, directory, True, names)
 
 
 def _torch_order(name: str, n: int, world_size: int) -> list[list[int]]:
@@ -97,10 +102,9 @@ def test_the_users_distributed_sampler_resumes_exactly(tmp_path):
     without use_distributed_sampler; a group of 3 ranks (each building its DistributedSampler for its
     world) too, where the dataset splits evenly. Before, the save succeeded and the load refused."""
     names = [name for name, _ in VARIANTS]
-    live, _ = run_ranks(_run, 2, str(tmp_path), False, names, timeout=240)[0]
+    (live, _), (resumed, _) = run_ranks(_run_then_resumed, 2, str(tmp_path), names, timeout=300)[0]
     for name, n in VARIANTS:
         assert live[name] == _torch_order(name, n, 2), name  # the user's sampler, kept as it is
-    resumed, _ = run_ranks(_run, 2, str(tmp_path), True, names, timeout=240)[0]
     for name in names:
         assert resumed[name] == live[name][SAVE_AT:], name
     # On 3 ranks (2 -> 1 takes the same path: the global order does not depend on the world size).
@@ -111,10 +115,13 @@ def test_the_users_distributed_sampler_resumes_exactly(tmp_path):
     assert lines == ["Resuming epoch 0 after 12 samples on 3 ranks (saved on 2): same global batches."], lines
 
 
-def _model_parallel_resume(rank: int, world_size: int, state: dict) -> tuple[list[list[int]], list[str]]:
-    """dp 1 x tp 2: both ranks read every sample (one data-parallel replica), continuing `state`."""
+def _model_parallel_resume(rank: int, world_size: int) -> tuple[list[list[int]], list[str], list[list[int]]]:
+    """Saved on 2 DDP ranks (`_ddp_state`), then, under a fresh Loom in the same processes, dp 1 x tp 2: both
+    ranks read every sample (one data-parallel replica), continuing that state. Returns what they read, the
+    log lines of the resume, and the uninterrupted DDP run's global batches after the save."""
     from torchloom.strategies import ModelParallelStrategy
 
+    state, rest = _ddp_state(rank, world_size)
     shown: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: shown.append(record.getMessage())  # type: ignore[method-assign]
@@ -133,21 +140,22 @@ def _model_parallel_resume(rank: int, world_size: int, state: dict) -> tuple[lis
     loader.load_state_dict(state)
     steps = [sorted(idx.tolist()) for (idx,) in loader]
     logging.getLogger("torchloom").removeHandler(handler)
-    return steps, shown
+    return steps, shown, rest
 
 
 def _ddp_state(rank: int, world_size: int) -> tuple[dict, list[list[int]]]:
-    loom = Loom(accelerator="cpu", devices=world_size, strategy="ddp")
-    loom.launch()
-    loom.seed_everything(0)
-    loader = loom.setup_dataloaders(
-        DataLoader(TensorDataset(torch.arange(24)), batch_size=G // world_size, shuffle=True)
-    )
-    batches = iter(loader)
-    next(batches)
-    state = loader.state_dict()
-    rest = [sorted(loom.all_gather(idx).flatten().tolist()) for (idx,) in batches]
-    return state, rest
+    with Loom(accelerator="cpu", devices=world_size, strategy="ddp") as loom:
+        loom.launch()
+        loom.seed_everything(0)
+        loader = loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(24)), batch_size=G // world_size, shuffle=True)
+        )
+        batches = iter(loader)
+        next(batches)
+        state = loader.state_dict()
+        rest = [sorted(loom.all_gather(idx).flatten().tolist()) for (idx,) in batches]
+        # Rank 0's state, as a checkpoint holds it (the ranks' states agree: one global position).
+        return loom.broadcast(state), rest
 
 
 @pytest.mark.timeout(300)
@@ -155,14 +163,14 @@ def test_the_resume_log_is_said_once_in_data_parallel_replicas():
     """Saved on 2 DDP ranks, resumed under dp 1 x tp 2: both ranks read the uninterrupted run's global batches
     (one replica reads all of each), and the log says so once, counting replicas, not ranks. Before, every rank
     said "on 1 rank"."""
-    state, rest = run_ranks(_ddp_state, 2, timeout=120)[0]
-    ranks = run_ranks(_model_parallel_resume, 2, state, timeout=120)
-    assert [steps for steps, _ in ranks] == [rest, rest]
-    lines = [line for _, shown in ranks for line in shown if line.startswith("Resuming epoch")]
+    ranks = run_ranks(_model_parallel_resume, 2, timeout=150)
+    rest = ranks[0][2]
+    assert [steps for steps, _, _ in ranks] == [rest, rest]
+    lines = [line for _, shown, _ in ranks for line in shown if line.startswith("Resuming epoch")]
     assert lines == [
         "Resuming epoch 0 after 6 samples on 1 data-parallel replica (saved on 2): same global batches."
     ]
-    for _, shown in ranks:
+    for _, shown, _ in ranks:
         assert any("DistributedSampler(dataset, num_replicas=1, rank=0)" in line for line in shown), shown
 
 

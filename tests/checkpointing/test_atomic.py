@@ -8,30 +8,31 @@ import json
 import os
 import shutil
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 from fsdp_models import D_IN, Block, Net, full_state
-from harness import PYTHON, REPO, run_job, run_ranks, wait_no_strays
+from harness import run_ranks
 
 from torchloom import CheckpointError, Loom
 from torchloom.checkpointing import atomic
 from torchloom.strategies import FSDP2Strategy
+from torchloom.testing import RanksFailed
 
-KILL_SCRIPT = textwrap.dedent(
-    """
-    import os, sys
-    sys.path.insert(0, {tests!r})
-    import torch
-    from fsdp_models import Net, Block, D_IN
-    from torchloom import Loom
-    from torchloom.strategies import FSDP2Strategy
+# The tests share two rank groups (module fixtures): whichever test runs first waits for them.
+pytestmark = pytest.mark.timeout(600)
 
-    fmt, point, path, expected = sys.argv[1:5]
-    loom = Loom(accelerator="cpu", devices=2, strategy=FSDP2Strategy(shard_policy={{Block}}, state_dict_type=fmt))
+
+def _killed_save(rank: int, world_size: int, fmt: str, point: str, path: str, expected: str) -> str:
+    """Save, train a step, then save again with `point` of that save made to SIGKILL its rank; rank 0 writes the
+    first save's full state to `expected`. Returns only if the second save finished (it must not)."""
+    loom = Loom(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=FSDP2Strategy(shard_policy={Block}, state_dict_type=fmt),
+    )
     loom.launch()
     torch.manual_seed(0)
     model = loom.setup_module(Net())
@@ -43,9 +44,8 @@ KILL_SCRIPT = textwrap.dedent(
         opt.zero_grad()
 
     step()
-    loom.save(path, {{"model": model, "optimizer": opt, "step": 1}})
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
-    full = get_model_state_dict(model.forward_module, options=StateDictOptions(full_state_dict=True))
+    loom.save(path, {"model": model, "optimizer": opt, "step": 1})
+    full = full_state(model)
     if loom.global_rank == 0:
         torch.save(full, expected)
     step()
@@ -53,28 +53,31 @@ KILL_SCRIPT = textwrap.dedent(
     def die(*args, **kwargs):
         os.kill(os.getpid(), 9)
 
+    # Patched in this rank's process only (a rank of `run_ranks` is a process of its own).
     victim = 1 if point == "write_data" else 0
     if loom.global_rank == victim:
         if point == "write_data":
             from torch.distributed.checkpoint import FileSystemWriter
+
             FileSystemWriter.write_data = die
         elif point == "finish":
             from torch.distributed.checkpoint import FileSystemWriter
+
             FileSystemWriter.finish = die
         elif point == "torch_save":
-            real = torch.save
+            import torchloom.checkpointing.full as full_format
+
             def partial(obj, f, *a, **k):
                 f.write(b"half a checkpoint" * 1000)
                 f.flush()
                 die()
-            torch.save = partial
+
+            full_format.torch.save = partial
         elif point == "replace":
-            import torchloom.checkpointing.atomic as atomic
             atomic.replace = die
-    loom.save(path, {{"model": model, "optimizer": opt, "step": 2}})
-    print("SAVE SHOULD NOT HAVE FINISHED", flush=True)
-    """
-)
+    loom.save(path, {"model": model, "optimizer": opt, "step": 2})
+    return "SAVE SHOULD NOT HAVE FINISHED"
+
 
 KILL_POINTS = [
     ("sharded", "write_data"),  # a rank dies while writing its shards
@@ -87,13 +90,18 @@ KILL_POINTS = [
 
 @pytest.mark.parametrize("fmt,point", KILL_POINTS)
 def test_killed_save_keeps_previous_checkpoint(fmt, point, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(KILL_SCRIPT.format(tests=str(REPO / "tests")))
+    # Ranks forked from run_ranks' server, not a launched job (a job start per kill point cost ~5x the CPU): the
+    # victim's SIGKILL ends the group as a launcher ends the job. That a launched job whose rank is SIGKILLed
+    # ends with no process left is tests/test_launcher.py's (test_failing_rank_ends_the_job[kill]).
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
-    result, token = run_job([PYTHON, str(script), fmt, point, str(path), str(expected)], timeout=120)
-    assert result.returncode != 0, result.stdout
-    assert "SAVE SHOULD NOT HAVE FINISHED" not in result.stdout
-    assert wait_no_strays(token) == []
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_killed_save, 2, fmt, point, str(path), str(expected), timeout=120)
+    # Whichever the harness saw first: the victim's death, or its peer's save failing on the lost connection.
+    victim = 1 if point == "write_data" else 0
+    message = str(failed.value)
+    assert f"rank {victim} died with exit code -9" in message or (
+        f"rank {1 - victim} failed" in message and "loom.save(path" in message
+    ), message
     # The previous checkpoint is at `path`, whole: it loads bit-exact into a plain single-process model.
     loom = Loom(accelerator="cpu")
     model = loom.setup_module(Net())
@@ -122,11 +130,40 @@ def _write_sharded(rank: int, world_size: int, root: str) -> None:
     full.save(f"{root}/full.pt", {"model": model, "step": 1})
 
 
+def _two_ranks(rank: int, world_size: int, root: str) -> dict:
+    """Every 2-rank check of this file in one rank group (starting ranks dominates their cost), each in a folder
+    of its own: the good checkpoints, a damaged copy loaded on both ranks, async saves, fsync=False, saves
+    onto a user's folder, failed sharded saves. Keys name the check."""
+    import torch.distributed as dist
+
+    _write_sharded(rank, world_size, f"{root}/good")
+    if rank == 0:
+        _damage(Path(root) / "good", Path(root) / "damaged", "missing shard")
+    dist.barrier()
+    return {
+        "damaged": _load_damaged(rank, world_size, f"{root}/damaged/ckpt"),
+        "async": _async_body(rank, world_size, f"{root}/async"),
+        "fsync": _fsync_body(rank, world_size, f"{root}/fsync"),
+        "refused": _refused_on_ranks(rank, world_size, f"{root}/refused"),
+        "failed": _failed_sharded_saves(rank, world_size, f"{root}/failed"),
+    }
+
+
 @pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    root = tmp_path_factory.mktemp("good")
-    run_ranks(_write_sharded, 2, str(root), timeout=120)
-    return root
+def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("two_ranks")
+    for name in ("good", "damaged", "async", "fsync", "refused", "failed"):
+        (root / name).mkdir()
+    _user_folder(root / "refused")
+    before = _tree(root / "refused" / "checkpoints")
+    per_rank = run_ranks(_two_ranks, 2, str(root), timeout=300)
+    assert _tree(root / "refused" / "checkpoints") == before  # refused saves deleted nothing
+    return root, per_rank
+
+
+@pytest.fixture(scope="module")
+def good(two_ranks) -> Path:
+    return two_ranks[0] / "good"
 
 
 def _damage(good, tmp_path, how: str):
@@ -189,9 +226,12 @@ def _load_damaged(rank: int, world_size: int, target: str) -> str:
     return "loaded"
 
 
-def test_damaged_checkpoint_on_two_ranks_fails_fast_everywhere(good, tmp_path):
-    target, name = _damage(good, tmp_path, "missing shard")
-    messages = run_ranks(_load_damaged, 2, str(target), timeout=60)
+def test_damaged_checkpoint_on_two_ranks_fails_fast_everywhere(two_ranks):
+    root, per_rank = two_ranks
+    (name,) = {p.name for p in (root / "good" / "sharded").iterdir()} - {
+        p.name for p in (root / "damaged" / "ckpt").iterdir()
+    }  # the missing shard
+    messages = [result["damaged"] for result in per_rank]
     assert all(name in m for m in messages), messages
 
 
@@ -262,9 +302,9 @@ def _async_body(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def test_async_save(tmp_path):
-    for result in run_ranks(_async_body, 2, str(tmp_path), timeout=120):
-        for fmt, r in result.items():
+def test_async_save(two_ranks):
+    for result in two_ranks[1]:
+        for fmt, r in result["async"].items():
             assert r["snapshot"] and r["step"] == 1, fmt
             assert (
                 r["error"] and "previous asynchronous save failed" in r["error"] and "disk full" in r["error"]
@@ -344,6 +384,13 @@ def _fsync_body(rank: int, world_size: int, root: str) -> dict:
         real_sync()
 
     os.fsync, os.sync = counting_fsync, counting_sync  # every caller (torchloom, DCP) looks them up on `os`
+    try:  # the rank group runs other checks after this one
+        return _fsync_cases(root, calls)
+    finally:
+        os.fsync, os.sync = real_fsync, real_sync
+
+
+def _fsync_cases(root: str, calls: dict) -> dict:
     strategy = FSDP2Strategy(shard_policy={Block})
     loom = Loom(accelerator="cpu", devices=2, strategy=strategy)
     loom.launch()
@@ -368,8 +415,8 @@ def _fsync_body(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def test_fsync_false_skips_every_flush_and_saves_the_same_checkpoint(tmp_path):
-    per_rank = run_ranks(_fsync_body, 2, str(tmp_path), timeout=180)
+def test_fsync_false_skips_every_flush_and_saves_the_same_checkpoint(two_ranks):
+    per_rank = [result["fsync"] for result in two_ranks[1]]
     for fmt in ("full", "sharded"):
         for async_save in (False, True):
             # Durable by default: rank 0 flushes (and, sharded, DCP flushes each rank's shard file).
@@ -426,8 +473,29 @@ def _refused_in_one_process(rank: int, world_size: int, root: str) -> None:
             assert _tree(folder).items() >= before.items()
 
 
-def test_save_onto_a_folder_is_refused_and_deletes_nothing(tmp_path):
-    run_ranks(_refused_in_one_process, 1, str(tmp_path), timeout=120)
+def _one_process(rank: int, world_size: int, root: str) -> dict[str, str | None]:
+    """The checks in one process, each in a folder of its own (one launch for both): check -> its failure
+    (the traceback) or None."""
+    import traceback
+
+    out: dict[str, str | None] = {}
+    for name, check in (("refused", _refused_in_one_process), ("replaceable", _replaceable_in_one_process)):
+        (Path(root) / name).mkdir()
+        try:
+            check(rank, world_size, f"{root}/{name}")
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported by the test that makes this claim
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, str | None]:
+    return run_ranks(_one_process, 1, str(tmp_path_factory.mktemp("one_process")), timeout=150)[0]
+
+
+def test_save_onto_a_folder_is_refused_and_deletes_nothing(one_process):
+    assert one_process["refused"] is None, one_process["refused"]
 
 
 def _replaceable_in_one_process(rank: int, world_size: int, root: str) -> None:
@@ -475,8 +543,8 @@ def _replaceable_in_one_process(rank: int, world_size: int, root: str) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_what_a_save_may_replace(tmp_path):
-    run_ranks(_replaceable_in_one_process, 1, str(tmp_path), timeout=120)
+def test_what_a_save_may_replace(one_process):
+    assert one_process["replaceable"] is None, one_process["replaceable"]
 
 
 def test_replace_checks_again_at_the_swap(tmp_path):
@@ -524,17 +592,15 @@ def _refused_on_ranks(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def test_save_onto_a_folder_is_refused_on_every_rank(tmp_path):
-    folder = _user_folder(tmp_path)
-    before = _tree(folder)
-    for result in run_ranks(_refused_on_ranks, 2, str(tmp_path), timeout=120):
+def test_save_onto_a_folder_is_refused_on_every_rank(two_ranks):
+    # The folder deleted nothing: checked by the `two_ranks` fixture against its tree before the rank group.
+    for result in (per_rank["refused"] for per_rank in two_ranks[1]):
         for fmt in ("sharded", "full"):
             for async_save in (False, True):
                 message = result[(fmt, async_save)]
                 assert message and "checkpoints" in message and "notes.txt" in message, (fmt, async_save)
                 assert result[(fmt, async_save, "ok")] == 1
             assert "no access" in (result[(fmt, "check failed")] or ""), result
-    assert _tree(folder) == before
 
 
 def _failed_sharded_saves(rank: int, world_size: int, root: str) -> dict:
@@ -575,10 +641,10 @@ def _failed_sharded_saves(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def test_a_failed_sharded_save_leaves_nothing_beside_the_checkpoint(tmp_path):
+def test_a_failed_sharded_save_leaves_nothing_beside_the_checkpoint(two_ranks):
     # The hidden temporary folder (a whole checkpoint's worth of shards) used to stay until the next save to the
     # same path.
-    for result in run_ranks(_failed_sharded_saves, 2, str(tmp_path), timeout=150):
+    for result in (per_rank["failed"] for per_rank in two_ranks[1]):
         for where, cause in (("write", "No space left on device"), ("swap", "swap refused")):
             for async_save in (False, True):
                 assert cause in (result[(where, async_save)] or ""), (where, async_save, result)
