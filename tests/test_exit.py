@@ -8,6 +8,7 @@ import re
 import subprocess
 import textwrap
 import time
+from typing import Any
 
 import pytest
 from harness import PYTHON, REPO, free_port, run_ranks
@@ -15,18 +16,18 @@ from harness import PYTHON, REPO, free_port, run_ranks
 from torchloom import Loom
 
 # Before the ranks agreed on the end of the job, about 1 run in 5 of this died of SIGABRT at exit. The suite runs
-# one job per (launch mode, strategy) pair below, so a path that fails at exit every time fails here, and a race
-# as frequent as the old one shows with 74% probability; the repetitions that bound a rarer race live in
-# benchmarks/exit_stress.py (`--runs 200`, every mode, the count docs/launching.md quotes). The other two modes,
-# `launch(fn)` and `torchloom run`, finish jobs with exit code 0 in tests/test_launcher.py and tests/test_run.py.
-# One test per pair, so that parallel workers can take them (a job is its own processes).
-MODES = ("torchrun", "script")
-STRATEGIES = ("ddp", "fsdp", "fsdp2")
+# one job per strategy, each launch mode taking at least one of them (a job costs ~8 CPU-s on 2 cores, and the
+# exit path's strategy-specific part, the group's teardown, does not depend on the launcher: both modes give the
+# ranks the agent's store). So a path that fails at exit every time fails here, and a race as frequent as the
+# old one shows with 49% probability; the repetitions that bound a rarer race, and every (mode, strategy) pair,
+# live in benchmarks/exit_stress.py (`--runs 200`, every mode, the count docs/launching.md quotes). The other
+# two modes, `launch(fn)` and `torchloom run`, finish jobs with exit code 0 in tests/test_launcher.py and
+# tests/test_run.py.
+EXIT_JOBS = [("torchrun", "ddp"), ("script", "fsdp"), ("script", "fsdp2")]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "strategy"), EXIT_JOBS, ids=[f"{m}-{s}" for m, s in EXIT_JOBS])
 def test_finished_jobs_exit_zero_on_every_path(mode, strategy):
     proc = subprocess.run(
         [PYTHON, str(REPO / "benchmarks" / "exit_stress.py"), "--runs", "1", "--modes", mode]
@@ -117,9 +118,9 @@ def _close_body(rank: int, world_size: int) -> list:
     return seen
 
 
-@pytest.mark.timeout(120)
-def test_close_ends_the_job_together_and_only_once():
-    assert run_ranks(_close_body, 2, timeout=90) == [[True, False, True], [True, False, True]]
+@pytest.mark.timeout(300)
+def test_close_ends_the_job_together_and_only_once(sequences):
+    assert sequences["close"] == [[True, False, True], [True, False, True]]
 
 
 TWO_TRAININGS = """
@@ -149,8 +150,8 @@ def _two_trainings(rank: int, world_size: int) -> list[float]:
     return sums
 
 
-@pytest.mark.timeout(200)
-def test_a_job_can_close_a_loom_and_train_again(tmp_path):
+@pytest.mark.timeout(400)
+def test_a_job_can_close_a_loom_and_train_again(tmp_path, sequences):
     """Trainings one after another in one script: each Loom after a closed one makes a new process group. Under a
     launcher the job's store outlives the groups, and the first group's keys in it made the second hang."""
     from harness import run_job
@@ -163,7 +164,7 @@ def test_a_job_can_close_a_loom_and_train_again(tmp_path):
     lines = sorted(re.findall(r"training \d rank \d sum [\d.]+", result.stdout))
     assert lines == [f"training {i} rank {r} sum 3.0" for i in range(3) for r in range(2)], result.stdout
     # Ranks started without a launcher (rank 0 serves the store) too.
-    assert run_ranks(_two_trainings, 2, timeout=120) == [[3.0] * 3] * 2
+    assert sequences["two_trainings"] == [[3.0] * 3] * 2
 
 
 def _relaunch_while_rank_zero_is_slow_to_end(rank: int, world_size: int) -> list[float]:
@@ -188,8 +189,39 @@ def _relaunch_while_rank_zero_is_slow_to_end(rank: int, world_size: int) -> list
     return sums
 
 
-@pytest.mark.timeout(200)
-def test_a_peer_that_launches_again_at_once_joins_the_next_group():
+@pytest.mark.timeout(300)
+def test_a_peer_that_launches_again_at_once_joins_the_next_group(sequences):
     # It failed in its first store call with "Connection was likely closed": the store it had connected to
     # was rank 0's old one, destroyed with the old group (about 1 launch in 10 at random before; every time here).
-    assert run_ranks(_relaunch_while_rank_zero_is_slow_to_end, 2, timeout=150) == [[3.0] * 3] * 2
+    assert sequences["relaunch"] == [[3.0] * 3] * 2
+
+
+_SEQUENCES = {
+    "close": _close_body,
+    "two_trainings": _two_trainings,
+    "relaunch": _relaunch_while_rank_zero_is_slow_to_end,
+}
+
+
+def _sequences(rank: int, world_size: int) -> dict[str, Any]:
+    """The Loom-after-Loom cases above, one after another on the same two ranks (7 groups in all): starting
+    ranks costs more than all of them. A case that fails stops every rank at once (run_ranks), naming itself."""
+    import torch.distributed as dist
+
+    found = {}
+    for name, body in _SEQUENCES.items():
+        destroy = dist.destroy_process_group  # "relaunch" slows down rank 0's
+        try:
+            found[name] = body(rank, world_size)
+        except BaseException as error:
+            raise AssertionError(f"case {name!r} failed on rank {rank}") from error
+        finally:
+            dist.destroy_process_group = destroy
+    return found
+
+
+@pytest.fixture(scope="module")
+def sequences() -> dict[str, list[Any]]:
+    """Each case's per-rank results, in rank order."""
+    per_rank = run_ranks(_sequences, 2, timeout=240)
+    return {name: [found[name] for found in per_rank] for name in _SEQUENCES}

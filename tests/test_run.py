@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import textwrap
 
+import pytest
 from harness import PYTHON, free_port, run_job, wait_no_strays
 
 SCRIPT = textwrap.dedent(
@@ -42,38 +44,6 @@ def _lines(output: str) -> list[dict]:
     )
 
 
-def test_run_passes_options_to_loom(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    cmd = [
-        PYTHON,
-        "-m",
-        "torchloom",
-        "run",
-        "--accelerator",
-        "cpu",
-        "--devices",
-        "2",
-        "--strategy",
-        "fsdp2",
-        "--precision",
-        "32-true",
-        str(script),
-        "--lr",
-        "3",
-        "agree",
-    ]
-    result, token = run_job(cmd, timeout=120)
-    assert result.returncode == 0, result.stdout
-    ranks = _lines(result.stdout)
-    assert [r["rank"] for r in ranks] == [0, 1]
-    for r in ranks:
-        assert r["world"] == 2 and r["strategy"] == "fsdp2" and r["sum"] == 3.0
-        assert r["args"] == ["--lr", "3", "agree"]
-        assert r["precision"] == "32-true" and r["warnings"] == []  # '32' and '32-true' agree
-    assert wait_no_strays(token) == []
-
-
 def test_a_script_that_disagrees_with_the_command_line_is_refused_naming_both(tmp_path):
     # The example scripts take --devices themselves: given after the script, it is still torchloom run's, so 1
     # process ran while the script's Loom asked for 2. It used to warn that the script won (it could not).
@@ -91,7 +61,9 @@ def test_a_script_that_disagrees_with_the_command_line_is_refused_naming_both(tm
     assert wait_no_strays(token) == []
 
 
-def test_two_nodes_on_loopback_form_one_job(tmp_path):
+def test_two_nodes_on_loopback_form_one_job_and_pass_options_to_loom(tmp_path):
+    # One job for both claims (a job's start dominates the cost): two `torchloom run` agents form one world, and
+    # each passes its --strategy and --precision to the script's Loom() and the script's own arguments to it.
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     port = free_port()
@@ -114,7 +86,14 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path):
             "127.0.0.1",
             "--main-port",
             str(port),
+            "--strategy",
+            "fsdp2",
+            "--precision",
+            "32-true",
             str(script),
+            "--lr",
+            "3",
+            "agree",
         ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -127,7 +106,10 @@ def test_two_nodes_on_loopback_form_one_job(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outputs
     ranks = _lines("\n".join(outputs))
     assert [(r["rank"], r["node"], r["local"], r["world"]) for r in ranks] == [(0, 0, 0, 2), (1, 1, 0, 2)]
-    assert all(r["strategy"] == "ddp" and r["sum"] == 3.0 for r in ranks)
+    for r in ranks:
+        assert r["strategy"] == "fsdp2" and r["sum"] == 3.0
+        assert r["args"] == ["--lr", "3", "agree"]
+        assert r["precision"] == "32-true" and r["warnings"] == []  # '32' and '32-true' agree
 
 
 def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
@@ -142,31 +124,31 @@ def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
     assert wait_no_strays(token) == []
 
 
-def test_bad_invocations_fail_before_starting(tmp_path):
-    missing = subprocess.run(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(tmp_path / "nope.py")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`torchloom ...` in this process (no interpreter to start: each costs a torch import): its exit status and
+    stderr. `torchloom run` writes its options into the environment before it checks them; they are undone."""
+    from torchloom.cli import main
+
+    saved = dict(os.environ)
+    try:
+        code = main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_bad_invocations_fail_before_starting(tmp_path, capsys):
+    code, err = _cli(["run", "--devices", "2", str(tmp_path / "nope.py")], capsys)
+    assert code == 2 and "does not exist" in err
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        taken = subprocess.run(
-            [PYTHON, "-m", "torchloom", "run", "--devices", "2", "--main-port", str(port), str(script)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert taken.returncode == 2 and f"--main-port {port} is not free" in taken.stderr
-    nodes = subprocess.run(
-        [PYTHON, "-m", "torchloom", "run", "--num-nodes", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert nodes.returncode == 2 and "--main-address" in nodes.stderr
+        code, err = _cli(["run", "--devices", "2", "--main-port", str(port), str(script)], capsys)
+    assert code == 2 and f"--main-port {port} is not free" in err
+    code, err = _cli(["run", "--num-nodes", "2", str(script)], capsys)
+    assert code == 2 and "--main-address" in err
