@@ -50,7 +50,7 @@ def test_a_script_that_disagrees_with_the_command_line_is_refused_naming_both(tm
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cmd = [PYTHON, "-m", "torchloom", "run", "--accelerator", "cpu", str(script), "two", "--devices", "1"]
-    result, token = run_job(cmd, timeout=90)
+    result, token = run_job(cmd, timeout=180)
     assert result.returncode != 0
     assert (
         "Loom(devices=2) in the script disagrees with `torchloom run --devices 1`, which started 1 process per "
@@ -99,7 +99,7 @@ def test_two_nodes_on_loopback_form_one_job_and_pass_options_to_loom(tmp_path):
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=120)[0])
+            outputs.append(proc.communicate(timeout=180)[0])
     finally:
         for proc in procs:
             proc.kill()
@@ -115,8 +115,11 @@ def test_two_nodes_on_loopback_form_one_job_and_pass_options_to_loom(tmp_path):
 def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
+    # 180 s, not 90: the job takes ~26 s at make test's usual load and printed nothing within 90 s once in CI
+    # (2026-12-03). At a load average of 50 a 2-rank job took 81 s to reach its first collective; nothing in
+    # the launch path was found to wait without bound. run_job dumps every process's stacks on a timeout.
     result, token = run_job(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(script), "fail"], timeout=90
+        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(script), "fail"], timeout=180
     )
     assert result.returncode != 0
     assert "torchloom: rank 1 failed" in result.stdout
