@@ -7,13 +7,15 @@ import os
 import socket
 import subprocess
 import textwrap
+import time
 
 import pytest
 from harness import PYTHON, free_port, run_job, wait_no_strays
+from launch_helpers import failing_at
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, warnings
+    import json, sys, time, warnings
     import torch
     from torchloom import Loom
 
@@ -32,6 +34,8 @@ SCRIPT = textwrap.dedent(
     }) + "\\n")
     sys.stdout.flush()
     if "fail" in sys.argv and loom.global_rank == 1:
+        sys.stdout.write(f"TORCHLOOM_FAILING_AT {time.time()}\\n")
+        sys.stdout.flush()
         raise ValueError("rank 1 cannot go on")
     loom.barrier()
     """
@@ -121,9 +125,17 @@ def test_failing_rank_ends_the_job_with_its_traceback(tmp_path):
     result, token = run_job(
         [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(script), "fail"], timeout=180
     )
+    ended = time.time()
     assert result.returncode != 0
-    assert "torchloom: rank 1 failed" in result.stdout
-    assert "ValueError: rank 1 cannot go on" in result.stdout
+    assert "torchloom: rank 1 failed" in result.stdout, result.stdout
+    # The summary names the error and points at the rank's own traceback, which is printed once.
+    assert "ValueError: rank 1 cannot go on\n(its traceback is in rank 1's output above)" in result.stdout, (
+        result.stdout
+    )
+    assert result.stdout.count('raise ValueError("rank 1 cannot go on")') == 1, result.stdout
+    # From the failure, not the start: rank 0 alone would wait in its barrier for the process group's 30 minutes
+    # (30 s as in tests/test_launcher.py's failing ranks, for make test's load).
+    assert ended - failing_at(result.stdout) < 30, result.stdout
     assert wait_no_strays(token) == []
 
 
