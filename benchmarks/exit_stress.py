@@ -14,8 +14,8 @@ through every strategy and every way of starting a job:
     python benchmarks/exit_stress.py --runs 12 --modes torchrun
 
 Runs take the (mode, strategy) pairs in turn, so `--runs` a multiple of their number runs each pair equally
-often. The test suite (tests/test_exit.py) runs each pair of its modes once (`--runs 6 --modes torchrun
-script`): a path that fails at every exit fails there; the repetitions that catch a rare race are this
+often. The test suite finishes a job on every strategy and mode at least once (tests/test_exit.py runs
+`--runs 1 --modes torchrun --strategies fsdp2`): a path that fails at every exit fails there; the repetitions that catch a rare race are this
 script's job.
 
 Prints one line per failed run (its mode, strategy, exit code and the tail of its output) and a summary line
