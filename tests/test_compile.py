@@ -88,12 +88,16 @@ def test_compiled_models_train_like_one_uncompiled_process(tmp_path):
 def test_inductor_in_one_process(tmp_path):
     """The default backend, on the single-device strategy: same numbers as the uncompiled reference."""
     import torch._dynamo
+    import torch._inductor.config
 
     torch._dynamo.reset()
     expected, expected_norms = reference(Net)
     loom = Loom(accelerator="cpu", devices=1)
     torch.manual_seed(0)
-    run = _compiled_run(loom, Net(), str(tmp_path / "ckpt.pt"), "inductor")
+    # Its C++ kernels compiled in this process: a pool of compile workers (one per core by default) would start
+    # interpreters that import torch, for the few kernels of this model.
+    with torch._inductor.config.patch(compile_threads=1):
+        run = _compiled_run(loom, Net(), str(tmp_path / "ckpt.pt"), "inductor")
     assert run["graphs"] >= 1 and run["module"] == "Net"
     torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(expected_norms), atol=1e-5, rtol=1e-5)
     loaded = _loaded(str(tmp_path / "ckpt.pt"))

@@ -3,11 +3,14 @@ the peak measured with the change applied for real), their costs and order, and 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
-from harness import PYTHON, REPO, run_job
+from harness import REPO, run_ranks
 
+from torchloom import cli
 from torchloom.planning.fit import fit_budget, format_fits
 from torchloom.planning.plan import PlanError
 
@@ -20,20 +23,25 @@ CHANGES = "checkpointing,micro-batch,offload"
 
 @pytest.fixture(scope="module")
 def impossible(tmp_path_factory):
-    """One plan over a budget nothing can meet (1 MiB): the base plan, the planned change, the floor."""
+    """One plan over a budget nothing can meet (1 MiB): the base plan, the planned change, the floor. The command
+    runs in this process (`torchloom.cli.main`, what `python -m torchloom` calls): its simulated ranks are the
+    processes that matter, and one interpreter fewer to start is a few CPU seconds."""
     out = tmp_path_factory.mktemp("fit") / "plan.json"
     command = ["plan", "--devices", "2", "--budget", "1MiB", "--fit-changes", CHANGES, "--json", str(out)]
-    result, _ = run_job([PYTHON, "-m", "torchloom", *command, str(SCRIPT), *ARGS], timeout=600)
-    return result, json.loads(out.read_text())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main([*command, str(SCRIPT), *ARGS])
+    return status, printed.getvalue(), json.loads(out.read_text())
 
 
 def _checkpointing(entries):
     return next(e for e in entries if e["change"].startswith("activation checkpointing (full) of every"))
 
 
+@pytest.mark.timeout(420)  # the fixture: two rounds of simulated ranks (the base plan, then checkpointing)
 def test_floor_when_nothing_fits(impossible):
-    result, plan = impossible
-    assert result.returncode == 1, result.stdout  # over the budget: the plan as given does not fit
+    status, text, plan = impossible
+    assert status == 1, text  # over the budget: the plan as given does not fit
     floor = plan["fitting"]["floor"]
     assert plan["fits"] == [] and floor["peak_bytes"] > 2**20, plan["fitting"]
     # The floor took every change that lowers the peak: checkpointing (planned) and the smallest micro-batch
@@ -43,7 +51,6 @@ def test_floor_when_nothing_fits(impossible):
     assert not any("offload" in c for c in floor["changes"]), floor
     checkpointed = _checkpointing(plan["fitting"]["tried"])
     assert floor["peak_bytes"] < checkpointed["peak_bytes"] < plan["peak_bytes"], (floor, checkpointed)
-    text = result.stdout
     assert "no change the planner knows fits the budget of 1.00 MiB per rank: the floor is" in text, text
     assert "activation checkpointing (full) of every Block (4 blocks)" in text, text
 
@@ -62,8 +69,9 @@ def _fitted(plan):
     return budget, fit_budget(plan, budget, replan, changes=tuple(CHANGES.split(",")))
 
 
+@pytest.mark.timeout(420)  # the fixture, when this test is the first to ask for it
 def test_fits_ordered_with_costs(impossible):
-    _, plan = impossible
+    plan = impossible[2]
     tried = [e for e in plan["fitting"]["tried"] if e["how"] == "planned"]
     assert tried, plan["fitting"]
     budget, fit = _fitted(plan)
@@ -93,26 +101,29 @@ def test_fits_ordered_with_costs(impossible):
     json.dumps(fit)  # what --json writes
 
 
-def _measured(tmp_path, extra):
-    out = tmp_path / "measured.json"
-    result, _ = run_job(
-        [PYTHON, "-m", "torchloom", "run", "--devices", "2", str(SCRIPT), *ARGS, *extra, "--out", str(out)],
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    return [rank["peak_bytes"] for rank in json.loads(out.read_text())["ranks"]]
+def _run_script(rank: int, world_size: int, argv: list[str]) -> None:
+    """One rank of `torchloom run --devices 2 _plan_script.py ARGV`: the script as its own `__main__`, in a rank
+    the harness starts (the process group's environment set, as the launcher sets it)."""
+    import runpy
+    import sys
+
+    sys.argv = [str(SCRIPT), *argv]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
 
 
+@pytest.mark.timeout(600)  # the fixture (when first), then the group of 2 ranks (240 s at most)
 def test_applied_changes_measured_within_10_percent(impossible, tmp_path):
-    """The fits applied for real on 2 gloo ranks and measured: the planned checkpointing (the script's `--ac`
-    checkpoints every block) and the derived micro-batch (`--micro-batch b --accumulate B/b`)."""
-    _, plan = impossible
+    """The fits applied for real on 2 gloo ranks and measured, both in ONE group of ranks (the script's `--more`):
+    the planned checkpointing (the script's `--ac` checkpoints every block) and the derived micro-batch
+    (`--micro-batch b --accumulate B/b`)."""
+    plan = impossible[2]
     smaller = next(e for e in _fitted(plan)[1]["fits"] if e["change"].startswith("micro-batch"))
     size = int(smaller["change"].split()[1])
-    for entry, extra in (
-        (_checkpointing(plan["fitting"]["tried"]), ["--ac"]),
-        (smaller, ["--micro-batch", str(size), "--accumulate", str(BATCH // size)]),
-    ):
+    out = tmp_path / "measured.json"
+    applied = " ".join([*ARGS, "--micro-batch", str(size), "--accumulate", str(BATCH // size)])
+    run_ranks(_run_script, 2, [*ARGS, "--ac", "--more", applied, "--out", str(out)], timeout=240)
+    configs = json.loads(out.read_text())["configs"]
+    for entry, measured in zip((_checkpointing(plan["fitting"]["tried"]), smaller), configs, strict=True):
         predicted = {r: p["peak_bytes"] for p in entry["ranks"] for r in p["ranks"]}
-        for rank, peak in enumerate(_measured(tmp_path, extra)):
+        for rank, peak in enumerate(rank["peak_bytes"] for rank in measured["ranks"]):
             assert abs(predicted[rank] / peak - 1) <= 0.10, (entry["change"], rank, predicted[rank], peak)

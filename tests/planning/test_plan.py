@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import sys
 import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
-from harness import PYTHON, REPO, run_job
+from harness import REPO, run_ranks
+
+from torchloom import cli
 
 SCRIPT = REPO / "benchmarks" / "_plan_script.py"
 
@@ -26,54 +34,68 @@ CONFIGS = {
 PIPELINE = ["--layout", "pp", "--micro-batch", "4"]
 
 
+class _StdoutPerThread(io.TextIOBase):
+    """sys.stdout while plans run side by side in threads of this process: each plan's thread prints into its own
+    buffer."""
+
+    def __init__(self, fallback):
+        self.fallback = fallback
+        self.buffers: dict[int, io.StringIO] = {}
+
+    def write(self, text: str) -> int:
+        return self.buffers.get(threading.get_ident(), self.fallback).write(text)
+
+
 def _planned(folder, name):
+    """`torchloom plan` run in this process (`torchloom.cli.main`, what `python -m torchloom` calls): its simulated
+    ranks are the processes that matter, and an interpreter fewer to start is a few CPU seconds a plan."""
     out, page = folder / f"{name}.json", folder / f"{name}.html"
     args = CONFIGS.get(name, PIPELINE)
     command = ["plan", "--devices", "2", "--json", str(out), "--plot", str(page), str(SCRIPT), *args]
-    result, _ = run_job([PYTHON, "-m", "torchloom", *command], timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:]
+    printed = sys.stdout.buffers[threading.get_ident()] = io.StringIO()
+    status = cli.main(command)
+    assert status == 0, (name, printed.getvalue()[-3000:])
     plan = json.loads(out.read_text())
     # --plot: one chart per simulated rank, the kinds stacked, the peak marked.
     assert page.read_text().count("<svg") == len(plan["ranks"]) and "<polygon" in page.read_text()
-    return plan, result.stdout
+    return plan, printed.getvalue()
+
+
+def _run_script(rank: int, world_size: int, argv: list[str]) -> str:
+    """One rank of `torchloom run --devices 2 _plan_script.py ARGV` (the script as its own `__main__`, in a rank
+    the harness starts with the process group's environment set, as the launcher sets it); what it printed."""
+    import runpy
+    import sys
+
+    sys.argv = [str(SCRIPT), *argv]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    return printed.getvalue()
 
 
 @pytest.fixture(scope="module")
 def planned_and_measured(tmp_path_factory):
-    """Every configuration planned (side by side), then all of them measured in ONE launched group of 2 real
-    ranks (`--more`: starting ranks dominates the time), with the opt-in memory report of the first steps on and
-    the ddp plan beside it."""
+    """Every configuration planned (side by side), then all of them measured in ONE group of 2 real ranks
+    (`--more`: starting ranks dominates the time), with the opt-in memory report of the first steps on and the
+    ddp plan beside it."""
     folder = tmp_path_factory.mktemp("plans")
     names = [*CONFIGS, "pp2"]
-    with ThreadPoolExecutor(len(names)) as pool:
+    with contextlib.redirect_stdout(_StdoutPerThread(sys.stdout)), ThreadPoolExecutor(len(names)) as pool:
         plans = dict(zip(names, pool.map(lambda name: _planned(folder, name), names), strict=True))
     out = folder / "measured.json"
     more = [arg for name in list(CONFIGS)[1:] for arg in ("--more", " ".join(CONFIGS[name]))]
-    run, _ = run_job(
-        [
-            PYTHON,
-            "-m",
-            "torchloom",
-            "run",
-            "--devices",
-            "2",
-            str(SCRIPT),
-            *CONFIGS["ddp"],
-            *more,
-            "--out",
-            str(out),
-        ],
-        timeout=300,
-        env={"TORCHLOOM_MEMORY_REPORT": "2", "TORCHLOOM_MEMORY_PLAN": str(folder / "ddp.json")},
-    )
-    assert run.returncode == 0, run.stdout[-3000:]
+    report = {"TORCHLOOM_MEMORY_REPORT": "2", "TORCHLOOM_MEMORY_PLAN": str(folder / "ddp.json")}
+    with mock.patch.dict(os.environ, report):  # the ranks take the caller's environment
+        printed = run_ranks(_run_script, 2, [*CONFIGS["ddp"], *more, "--out", str(out)], timeout=240)
     configs = json.loads(out.read_text())["configs"]
     measured = {
         name: [rank["peak_bytes"] for rank in c["ranks"]] for name, c in zip(CONFIGS, configs, strict=True)
     }
-    return plans, measured, run.stdout
+    return plans, measured, "".join(printed)
 
 
+@pytest.mark.timeout(600)  # the fixture, when first: the plans side by side, then the ranks (240 s at most)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_plan_within_10_percent_of_measured(planned_and_measured, name):
     plans, measured, _ = planned_and_measured
@@ -86,6 +108,7 @@ def test_plan_within_10_percent_of_measured(planned_and_measured, name):
     assert plan["ranks"][0]["breakdown"]["parameters"] > 0 and "parameters" in text
 
 
+@pytest.mark.timeout(600)  # the fixture, when first
 def test_pipeline_stages_planned_apart(planned_and_measured):
     """A PipelineStrategy script (pp 2, 1F1B) runs to the end of its planned steps on fake tensors: the stages
     tell each other their shapes through the simulated ranks, and each is reported with its stage."""
@@ -99,6 +122,7 @@ def test_pipeline_stages_planned_apart(planned_and_measured):
     assert plan["ranks"][0]["module"].startswith("blocks.0") or "blocks.1" in plan["ranks"][0]["module"], text
 
 
+@pytest.mark.timeout(600)  # the fixture, when first
 def test_memory_report_after_the_first_steps(planned_and_measured):
     """TORCHLOOM_MEMORY_REPORT=2 (with TORCHLOOM_MEMORY_PLAN): after the first 2 steps rank 0 prints every rank's
     measured peak beside the plan's prediction, once, with the numbers `loom.memory_summary()` gives."""
@@ -114,31 +138,34 @@ def test_memory_report_after_the_first_steps(planned_and_measured):
         assert float(line[5]) == pytest.approx(by_rank[rank] / measured["ddp"][rank], abs=0.001), report
 
 
-def _plan_raw(tmp_path, body):
+def _plan_raw(tmp_path, body, capsys, monkeypatch):
+    """`torchloom plan script.py` in this process; its status, what it printed (stdout and stderr), its plan."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     out = tmp_path / "plan.json"
-    result, _ = run_job(
-        [PYTHON, "-m", "torchloom", "plan", "--json", str(out), str(script)], timeout=300, cwd=tmp_path
-    )
-    return result, (json.loads(out.read_text()) if out.exists() else None)
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["plan", "--json", str(out), str(script)])
+    printed = capsys.readouterr()
+    return status, printed.out + printed.err, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def test_script_that_never_trains(tmp_path):
-    result, _ = _plan_raw(
+def test_script_that_never_trains(tmp_path, capsys, monkeypatch):
+    status, text, _ = _plan_raw(
         tmp_path,
         """
         import torch
         model = torch.nn.Linear(64, 64)
         print(model(torch.randn(2, 64)).sum())
         """,
+        capsys,
+        monkeypatch,
     )
-    assert result.returncode == 2, result.stdout
-    assert "without reaching a training step" in result.stdout, result.stdout
+    assert status == 2, text
+    assert "without reaching a training step" in text, text
 
 
-def test_operation_fake_tensors_cannot_run(tmp_path):
-    result, plan = _plan_raw(
+def test_operation_fake_tensors_cannot_run(tmp_path, capsys, monkeypatch):
+    status, text, plan = _plan_raw(
         tmp_path,
         """
         import torch
@@ -149,9 +176,11 @@ def test_operation_fake_tensors_cannot_run(tmp_path):
         optimizer.step()
         keep = torch.nonzero(model.weight > 0)  # its shape depends on the values: no fake tensor has them
         """,
+        capsys,
+        monkeypatch,
     )
-    assert result.returncode == 2, result.stdout
-    assert "aten.nonzero" in result.stdout and "cannot run on fake tensors" in result.stdout, result.stdout
-    assert "what was planned until then" in result.stdout, result.stdout
+    assert status == 2, text
+    assert "aten.nonzero" in text and "cannot run on fake tensors" in text, text
+    assert "what was planned until then" in text, text
     # The weight, its gradient and the batch's activations were planned before the failure.
     assert plan is not None and plan["ranks"][0]["peak_bytes"] >= 2 * 256 * 256 * 4, plan
