@@ -67,6 +67,15 @@ def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) ->
     Keys: (fmt, None) for the uninterrupted run, (fmt, at) for the resume from `ckpt`-`at`, ("other batch",
     OTHER_BATCH_AT) for the 2-rank resume with 4 samples per rank, and "scenarios" for `_scenarios_then_resumed`."""
     out: dict = {}
+    # test_worker_augmentations_follow_the_sample_not_the_worker's run at this world size (2 ranks: saved after
+    # step 3; 1 and 3: resumed from there with AUGMENTED_RESUMES' workers). First: its DataLoader workers are
+    # forked from the rank, and a worker forked after several Looms had come and gone in the same process
+    # once died of a segfault in libc (one full-suite run; not reproduced alone).
+    ckpt = f"{root}/augmented"
+    if world_size == 2:
+        out["augmented"] = _augmented_steps(rank, 2, ckpt, 3, None, 2)
+    else:
+        out["augmented"] = _augmented_steps(rank, world_size, ckpt, None, ckpt, AUGMENTED_RESUMES[world_size])
     for fmt in ("full", "sharded"):
         ckpt = f"{root}/{fmt}/ckpt"
         if uninterrupted:
@@ -77,13 +86,6 @@ def _every_resume(rank: int, world_size: int, root: str, uninterrupted: bool) ->
     if world_size == 2:
         ckpt = f"{root}/full/ckpt-{OTHER_BATCH_AT}"
         out[("other batch", OTHER_BATCH_AT)] = _steps(2, N, 4, ckpt, [], ckpt, "full")
-    # test_worker_augmentations_follow_the_sample_not_the_worker's run at this world size (2 ranks: saved after
-    # step 3; 1 and 3: resumed from there with AUGMENTED_RESUMES' workers).
-    ckpt = f"{root}/augmented"
-    if world_size == 2:
-        out["augmented"] = _augmented_steps(rank, 2, ckpt, 3, None, 2)
-    else:
-        out["augmented"] = _augmented_steps(rank, world_size, ckpt, None, ckpt, AUGMENTED_RESUMES[world_size])
     # test_resumes_equal_the_uninterrupted_run_in_every_scenario's runs at this world size, in this group too.
     out["scenarios"] = _scenarios_then_resumed(
         rank, world_size, f"{root}/live{world_size}", f"{root}/again{world_size}", f"{root}/live2"
