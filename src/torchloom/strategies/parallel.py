@@ -426,12 +426,6 @@ def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
     SIGABRT after finishing its work (pytorch/pytorch#190489)."""
     if not dist.is_initialized():
         return
-    # What the program dropped but a reference cycle still holds (a script's module globals run by runpy, a
-    # model that refers to itself) goes now, while the group is whole. Collected later, in a GC pass that starts
-    # right after the group is destroyed, it can drop the group's last reference while gloo's workers still
-    # release the last collective's tensors: the group's destructor then waits for a worker that waits for the
-    # GIL (a rank hung so in a test; tests/test_docs.py runs the docs' scripts on forked ranks).
-    gc.collect()
     arrived = agree_to_exit(world_size, timeout)
     if len(arrived) < world_size:
         missing = sorted(set(range(world_size)) - set(arrived))
@@ -442,12 +436,22 @@ def shutdown_process_group(world_size: int, timeout: timedelta) -> None:
             flush=True,
         )
     global _NAMESPACE
-    dist.destroy_process_group()
-    _NAMESPACE = None
-    _let_gloo_workers_settle()
-    # Cached DTensor decisions name the destroyed groups: a later process group (another Loom) must not get them.
-    # After the workers settled: the first call imports modules, and an import may start a GC pass.
-    _torch_compat.clear_dtensor_caches()
+    # No GC pass until gloo's workers have settled: one could free what the program dropped in a reference cycle
+    # (a model, a script's globals run by runpy) and with it the destroyed group's last reference, whose
+    # destructor then waits for a worker that waits for the GIL (a rank hung so in a GC pass started by the
+    # cache clear's imports, running a docs script on a forked rank in tests/test_docs.py).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        dist.destroy_process_group()
+        _NAMESPACE = None
+        _let_gloo_workers_settle()
+        # Cached DTensor decisions name the destroyed groups: a later process group (another Loom) must not get
+        # them.
+        _torch_compat.clear_dtensor_caches()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 # gloo's worker threads (named so by PyTorch) and how long to wait for them at most.
