@@ -1,6 +1,6 @@
 """The smoke run: every benchmark at its `--tiny` size, one after another, in this one process.
 
-    python benchmarks/_smoke.py OUT_DIR [NAME ...]      # default: every script tests/test_benchmarks.py names
+    python benchmarks/_smoke.py OUT_DIR [NAME ...]      # default: SCRIPTS below (tests/test_benchmarks.py tests each)
 
 Each script's `main(["--tiny"])` runs in turn; its output (and that of the ranks it forks) goes to OUT_DIR/NAME.txt
 and its exit code to OUT_DIR/NAME.rc (1 with the traceback at the end of NAME.txt when it raised). One process
