@@ -52,10 +52,12 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
-def sequence_parallel(model: Net, device_mesh, sequence: bool = True) -> Net:
+def sequence_parallel(model: nn.Module, device_mesh, sequence: bool = True) -> nn.Module:
     """torchtitan's layout: activations between the layers are split along the sequence (dim 1); the norms run
     on sequence shards (`SequenceParallel`), the linear layers gather them (Colwise) and scatter back (Rowwise).
-    `sequence=False`: plain tensor parallel, whole sequences everywhere, the norms left plain (replicated)."""
+    `sequence=False`: plain tensor parallel, whole sequences everywhere, the norms left plain (replicated).
+    `model` is a `Net`, or a pipeline stage holding some of its modules (`blocks` a ModuleDict, the others None
+    where another stage holds them)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -65,37 +67,29 @@ def sequence_parallel(model: Net, device_mesh, sequence: bool = True) -> Net:
     )
 
     tp = device_mesh["tensor_parallel"]
-    if not sequence:
-        parallelize_module(
-            model,
-            tp,
-            {
-                "embed": RowwiseParallel(input_layouts=Replicate()),
-                "head": ColwiseParallel(output_layouts=Replicate()),
-            },
-        )
-        for block in model.blocks:
-            parallelize_module(block, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        return model
-    parallelize_module(
-        model,
-        tp,
-        {
+    if sequence:
+        top = {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for block in model.blocks:
-        parallelize_module(
-            block,
-            tp,
-            {
-                "norm": SequenceParallel(),
-                "up": ColwiseParallel(input_layouts=Shard(1)),
-                "down": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+        }
+        inner = {
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    else:
+        top = {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        inner = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
+    if top:
+        parallelize_module(model, tp, top)
+    blocks = model.blocks
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+        parallelize_module(block, tp, inner)
     return model
 
 

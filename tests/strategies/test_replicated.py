@@ -246,7 +246,7 @@ def _python_work_body(rank: int, world_size: int, n: int) -> dict:
 
     from torch.distributed.fsdp import fully_shard
 
-    from torchloom.strategies import _agreement, _norms, _sharded, _unit_watch
+    from torchloom.strategies import _agreement, _clipping, _sharded, _unit_watch
 
     launches = []
     launch = _replicated.ReplicatedGradSync._launch
@@ -259,7 +259,7 @@ def _python_work_body(rank: int, world_size: int, n: int) -> dict:
     loom = Loom(accelerator="cpu", devices=world_size, strategy="fsdp2")
     loom.launch()
     lines = []
-    strategy_files = {m.__file__ for m in (_agreement, _norms, _sharded, _unit_watch)}
+    strategy_files = {m.__file__ for m in (_agreement, _clipping, _sharded, _unit_watch)}
 
     def tracer(frame, event, arg):
         code = frame.f_code

@@ -1,53 +1,13 @@
-"""Gradients across a pipeline: the norm over every stage and shard, plain gradients averaged over the
-data-parallel ranks, and the check that those are the same on every tensor-parallel rank."""
+"""Gradients across a pipeline: plain gradients averaged over the data-parallel ranks, and the check that those
+are the same on every tensor-parallel rank. (Their norm is `strategies._clipping`'s, as under every strategy.)"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
-
-
-def total_norm(
-    optimizer: Optimizer, norm_type: float, device: torch.device, pp_group: dist.ProcessGroup
-) -> torch.Tensor:
-    """The norm over every stage and shard: each gradient's local piece combined over the mesh dims it is split
-    on, plain (replicated) gradients once per stage, then the stages summed over the pipeline ranks."""
-    inf = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    by_groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            if hasattr(g, "to_local"):
-                dims = [i for i, pl in enumerate(g.placements) if not pl.is_replicate()]
-                key = tuple(g.device_mesh.get_group(i) for i in dims)
-                by_groups.setdefault(key, []).append(g.to_local().detach())
-            else:
-                by_groups.setdefault((), []).append(g.detach())
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    # Every rank of a stage holds the same kinds of gradients, so the all-reduces pair up; sorted by the groups'
-    # ranks for the same order on each rank.
-    for key in sorted(by_groups, key=lambda k: [dist.get_process_group_ranks(g) for g in k]):
-        tensors = [t for t in by_groups[key] if t.numel()]
-        value = (
-            torch.nn.utils.get_total_norm(tensors, norm_type).to(device, torch.float64)
-            if tensors
-            else torch.zeros((), dtype=torch.float64, device=device)
-        )
-        value = value if inf else value**norm_type
-        for g in key:
-            dist.all_reduce(value, op=op, group=g)
-        total = torch.maximum(total, value) if inf else total + value
-    dist.all_reduce(total, op=op, group=pp_group)
-    return (total if inf else total ** (1.0 / norm_type)).to(torch.float32)
 
 
 def average(params: Sequence[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:

@@ -6,7 +6,8 @@ clipping and full-state-dict loads, for every layout.
 becomes a unit, how a unit stops syncing, and how sharded parameters are initialised. The concerns the flow calls
 into live in modules of their own: option and policy parsing (`_policies`), the mesh (`_mesh`), meta-device
 initialisation (`_meta_init`), layout refusals (`_unit_checks`), the hooks on a set-up model (`_unit_watch`), the
-cross-rank agreement checks (`_agreement`), norms and clipping (`_norms`) and device moves (`_placement`).
+cross-rank agreement checks (`_agreement`), gradient norms and clipping (`_clipping`, given the shard groups) and
+device moves (`_placement`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.optim import Optimizer
 
 from torchloom._layout import Layout, Unit, analyze, describe_layout
 from torchloom.errors import ConfigurationError, MisuseError, warn_user
-from torchloom.strategies import _agreement, _norms
+from torchloom.strategies import _agreement, _clipping
 from torchloom.strategies import _mesh as mesh_rules
 from torchloom.strategies._meta_init import PendingModules, materialize, meta_modules
 from torchloom.strategies._placement import on_one_device_for_full_load, place_outside_units
@@ -156,7 +157,7 @@ class ShardedStrategy(ParallelStrategy):
         self._layouts: dict[int, Layout] = {}
         self._unit_runs: dict[int, UnitRuns] = {}
         self._grad_syncs: dict[int, ReplicatedGradSync] = {}
-        self._groups: dict[int, _norms.ShardGroups] = {}
+        self._groups: dict[int, _clipping.NormGroups] = {}
         self._replica_group: dist.ProcessGroup | None = None
         self._flags_group: dist.ProcessGroup | None = None
         self._warned_policy = False
@@ -480,37 +481,14 @@ class ShardedStrategy(ParallelStrategy):
                 stack.callback(setattr, sync, "enabled", True)
             yield
 
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> torch.Tensor:
-        self.precision.unscale_gradients(optimizer)
-        _norms.reduce_pending_grads(optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = self._total_norm(module, optimizer, float(norm_type))
-        _norms.clip_to_norm(self.precision, optimizer, grads, total, max_norm, norm_type, error_if_nonfinite)
-        return total
-
-    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
-        """Clamp every gradient element to [-clip_val, clip_val]: elementwise, so each rank clamps its own local
-        pieces. torch's `clip_grad_value_` hands sharded (DTensor) and replicated (plain) gradients to one
-        foreach kernel, which refuses the mix (found by the scenario engine: FSDP2 units plus replicated
-        leftovers in one optimizer). A gradient whose pieces are pending partial sums is reduced first: clamping
-        each addend is not clamping their sum."""
-        self.precision.unscale_gradients(optimizer)
-        _norms.reduce_pending_grads(optimizer)
-        _norms.clamp_grads(optimizer, clip_val)
-
-    def _total_norm(self, module: nn.Module, optimizer: Optimizer, norm_type: float) -> torch.Tensor:
-        """The norm of all gradients as if the model were not sharded (see `_norms.total_norm`)."""
+    def _norm_groups(self, module: nn.Module) -> _clipping.NormGroups:
+        """The groups each parameter's gradient is sharded over (the flavour's `_shard_groups`), once per model."""
         groups = self._groups.get(id(module))
         if groups is None:
-            groups = self._groups[id(module)] = _norms.as_shard_groups(self._shard_groups(module))
-        return _norms.total_norm(groups, optimizer, norm_type, self.root_device)
+            groups = self._groups[id(module)] = _clipping.NormGroups(
+                _clipping.as_shard_groups(self._shard_groups(module))
+            )
+        return groups
 
     # ---- state dicts (checkpointing) -------------------------------------------------------------------------
     @property

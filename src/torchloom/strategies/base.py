@@ -26,7 +26,7 @@ from torchloom.accelerators import Accelerator
 from torchloom.environments import ClusterEnvironment
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.precision import Precision
-from torchloom.strategies import _norms
+from torchloom.strategies import _clipping
 from torchloom.wrappers import steps_kinds_apart
 
 if TYPE_CHECKING:
@@ -254,17 +254,25 @@ class Strategy:
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type)
-        _norms.clip_to_norm(self.precision, optimizer, grads, total, max_norm, norm_type, error_if_nonfinite)
-        return total
+        """Scale the gradients to a global norm of at most `max_norm`; return the norm before (`_clipping`)."""
+        return _clipping.clip_by_norm(
+            self.precision,
+            optimizer,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            self.root_device,
+            self._norm_groups(module),
+        )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
-        self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grad_value_(params, clip_val)
+        """Clamp every gradient element to [-clip_val, clip_val] (`_clipping`)."""
+        _clipping.clip_by_value(self.precision, optimizer, clip_val)
+
+    def _norm_groups(self, module: nn.Module) -> _clipping.NormGroups:
+        """Where the pieces of `module`'s gradient norm meet beyond their own placements (see
+        `_clipping.NormGroups`): nowhere for one process and DDP, whose gradients are the same on every rank."""
+        return _clipping.NormGroups()
 
     def _check_not_meta(self, module: nn.Module) -> None:
         meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]

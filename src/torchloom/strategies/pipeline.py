@@ -20,7 +20,7 @@ from torchloom._layout import clean_name
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.pipelining import _grads, _schedule, _split, _state
-from torchloom.strategies import _norms
+from torchloom.strategies import _clipping
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy
 
@@ -446,24 +446,10 @@ class PipelineStrategy(ParallelStrategy):
         finally:
             self._syncing = True
 
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> torch.Tensor:
-        self.precision.unscale_gradients(optimizer)
-        pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
-        total = _grads.total_norm(optimizer, float(norm_type), self.root_device, pp_group)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        _norms.clip_to_norm(self.precision, optimizer, grads, total, max_norm, norm_type, error_if_nonfinite)
-        return total
-
-    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
-        self.precision.unscale_gradients(optimizer)
-        _norms.clamp_grads(optimizer, clip_val)
+    def _norm_groups(self, module: nn.Module) -> _clipping.NormGroups:
+        """Each rank's stages' norm, combined over the pipeline ranks (the stages' own shards and tensor-parallel
+        pieces combine by their placements)."""
+        return _clipping.NormGroups(across=(self.device_mesh[PIPELINE_PARALLEL].get_group(),))
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]:
