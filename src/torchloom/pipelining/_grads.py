@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from torchloom.pipelining._ties import COUNTED_ELSEWHERE
+
 
 def total_norm(
     optimizer: Optimizer, norm_type: float, device: torch.device, pp_group: dist.ProcessGroup
@@ -24,7 +26,8 @@ def total_norm(
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
-            if g is None:
+            # A tied weight's copy on a later stage: its (summed) gradient is the lowest stage copy's, counted there.
+            if g is None or getattr(p, COUNTED_ELSEWHERE, False):
                 continue
             if hasattr(g, "to_local"):
                 dims = [i for i, pl in enumerate(g.placements) if not pl.is_replicate()]
