@@ -104,7 +104,7 @@ def user_stages(
 ) -> dict[int, nn.Module]:
     """The user's stage modules; each must be a module (not the model itself) holding parameters named as in the
     model."""
-    # A tied weight's second name is the model's too (the tie itself is judged by `tie_problems`).
+    # A tied weight's second name is the model's too (each stage using it holds a copy: `_ties`).
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     stages = {}
     fn_name = getattr(split_fn, "__name__", repr(split_fn))
@@ -142,11 +142,19 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
+def tie_trainable(model: nn.Module, groups: list[list[str]]) -> list[bool]:
+    """Whether each tied weight trains (a frozen one's copies need no gradient sum)."""
+    from torchloom._layout import clean_name
+
+    grad = {clean_name(n): p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    return [grad[names[0]] for names in groups]
+
+
 def tie_holdings(
     stages: dict[int, nn.Module], groups: list[list[str]]
 ) -> dict[int, list[tuple[int, list[str], bool]]]:
     """For each stage of this rank and each tie group it touches: (the group's index, the group's names it
-    holds, whether they are still one tensor there). Gathered from every rank for `tie_problems`."""
+    holds, whether they are still one tensor there). Gathered from every rank for `_ties.plan`."""
     from torchloom._layout import clean_name
 
     out: dict[int, list[tuple[int, list[str], bool]]] = {}
@@ -159,49 +167,6 @@ def tie_holdings(
                     (g, sorted({n for n, _ in mine}), len({id(p) for _, p in mine}) == 1)
                 )
     return out
-
-
-def tie_problems(
-    groups: list[list[str]], holdings: list[dict[int, list[tuple[int, list[str], bool]]]]
-) -> list[str]:
-    """A tied weight whose names land on two stages (or that the cut split into two tensors inside one stage):
-    each copy would be trained apart from the other, silently, so it is refused on every rank together."""
-    where: dict[int, dict[int, list[str]]] = {}
-    split_inside: dict[int, int] = {}
-    for rank_holdings in holdings:
-        for stage, touched in rank_holdings.items():
-            for g, names, one_tensor in touched:
-                where.setdefault(g, {})[stage] = names
-                if not one_tensor:
-                    split_inside[g] = stage
-    problems = []
-    for g, stages in sorted(where.items()):
-        if len(stages) < 2 and g not in split_inside:
-            continue
-        tied = " and ".join(repr(n) for n in groups[g])
-        untie = (
-            "or untie it before setup_module (e.g. `model.head.weight = nn.Parameter(model.embed.weight.detach()"
-            ".clone())`: a model with separate weights), or train this model without pipeline parallelism "
-            "('fsdp2', ModelParallelStrategy)"
-        )
-        if len(stages) > 1:
-            placed = ", ".join(f"{names} on stage {stage}" for stage, names in sorted(stages.items()))
-            cause = f"the pipeline cut puts them on different stages ({placed})"
-            fix = f"keep every user of the tied weight in one stage (split points or a split_fn that do), {untie}"
-        else:
-            cause = (
-                f"cutting the model made them two separate tensors inside stage {split_inside[g]} (torch's "
-                "tracer does, for split_points)"
-            )
-            fix = (
-                f"pass a split_fn whose stage holds the tied modules themselves (not copies of each), {untie}"
-            )
-        problems.append(
-            f"the model ties {tied} (one parameter under {len(groups[g])} names, e.g. an input embedding tied to "
-            f"the output head), and {cause}. PipelineStrategy does not support a weight tied across pipeline "
-            f"stages: each copy would be trained apart from the other, silently. Fix: {fix}"
-        )
-    return problems
 
 
 def stage_problems(stages: dict[int, nn.Module]) -> list[str]:

@@ -40,7 +40,10 @@ def merge_optimizers(pieces: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for i, group in enumerate(piece["param_groups"]):
             if i == len(merged["param_groups"]):
                 merged["param_groups"].append({**group, "params": []})
-            merged["param_groups"][i]["params"].extend(group["params"])
+            names = merged["param_groups"][i]["params"]
+            # A tied weight's copies on several stages are saved under one name (`_ties`): listed once.
+            listed = set(names)
+            names.extend(n for n in group["params"] if n not in listed)
     return merged
 
 

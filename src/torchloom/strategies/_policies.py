@@ -166,3 +166,60 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
         apply_activation_checkpointing(module, auto_wrap_policy=policy)
     else:
         apply_activation_checkpointing(module, check_fn=policy)
+
+
+# ---- tied weights under a wrapping policy ----------------------------------------------------------------------
+def tie_splitters(model: nn.Module) -> dict[int, str]:
+    """id(module) -> its path, for every module that a unit must not be made of because it holds some but not all
+    users of a tied weight (an input embedding tied to the output head under a policy of `nn.Linear`): each unit
+    would shard its own copy (the copies train apart under fully_shard; FullyShardedDataParallel crashes). Left
+    out of the policy, its parameters join the unit above it, and the tied weight lands in the lowest unit that
+    holds every user (the root at the latest), where torch shards a shared parameter once."""
+    users: dict[int, set[str]] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            users.setdefault(id(p), set()).add(path)
+    ties = [paths for paths in users.values() if len(paths) > 1]
+    splitters: dict[int, str] = {}
+    for path, mod in model.named_modules():
+        if not path:
+            continue
+        inside = [[u for u in paths if u == path or u.startswith(path + ".")] for paths in ties]
+        if any(0 < len(held) < len(paths) for held, paths in zip(inside, ties, strict=True)):
+            splitters[id(mod)] = path
+    return splitters
+
+
+class _Skipping:
+    """A policy that picks what the given one picks, except the modules in `skip` (by id): as a predicate
+    `(module) -> bool | dict` for `CustomPolicy`, or in FSDP1's legacy auto-wrap form."""
+
+    def __init__(self, policy: Any, skip: dict[int, str], legacy: bool) -> None:
+        self.policy, self.skip, self.legacy = policy, skip, legacy
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        recurse = args[0] if args else kwargs.get("recurse", False)
+        if id(module) in self.skip and not (self.legacy and recurse):
+            return False
+        return self.policy(module, *args, **kwargs)
+
+
+def skipping(policy: Any, skip: dict[int, str]) -> Any:
+    """FSDP1's `auto_wrap_policy` (a set of classes, a predicate, `ModuleWrapPolicy`, `CustomPolicy`, or a legacy
+    `(module, recurse, nonwrapped_numel)` callable) with the modules in `skip` left out."""
+    if not skip:
+        return policy
+    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        policy = ModuleWrapPolicy(set(policy))
+    elif isinstance(policy, type) and issubclass(policy, nn.Module):
+        policy = ModuleWrapPolicy({policy})
+    if isinstance(policy, ModuleWrapPolicy):
+        return CustomPolicy(_Skipping(_InWrapPolicy(policy), skip, legacy=False))
+    if isinstance(policy, CustomPolicy):
+        # CustomPolicy keeps its predicate (which may answer with a unit's keyword arguments) in `_lambda_fn`.
+        return CustomPolicy(_Skipping(policy._lambda_fn, skip, legacy=False))
+    if is_wrap_policy(policy):
+        return _Skipping(policy, skip, legacy=True)
+    return CustomPolicy(_Skipping(policy, skip, legacy=False))

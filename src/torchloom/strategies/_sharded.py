@@ -24,7 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from torchloom._layout import Layout, Unit, analyze, describe_layout
+from torchloom._describe import summary
+from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError, MisuseError, warn_user
 from torchloom.strategies import _agreement, _clipping
 from torchloom.strategies import _mesh as mesh_rules
@@ -161,6 +162,8 @@ class ShardedStrategy(ParallelStrategy):
         self._replica_group: dist.ProcessGroup | None = None
         self._flags_group: dist.ProcessGroup | None = None
         self._warned_policy = False
+        #: Modules the wrapping policy picked but that were made no unit: each holds part of a tied weight's users.
+        self._tie_skipped: list[str] = []
 
     def validate(self) -> None:
         if self.cpu_offload and self.root_device.type == "cpu":
@@ -326,7 +329,7 @@ class ShardedStrategy(ParallelStrategy):
         broadcast_tensors([b for b in forward_module.buffers() if b is not None], device=self.root_device)
         self._sync_leftover_buffers(forward_module, layout)
         if self.global_rank == 0:
-            log.info("%s", describe_layout(forward_module, self.world_size))
+            log.info("%s", summary(forward_module, self.world_size, self._tie_skipped))
         return forward_module
 
     def _check_flavours(self, layout: Layout) -> None:

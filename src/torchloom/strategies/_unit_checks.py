@@ -28,7 +28,8 @@ def check_split_ties(layout: Layout, made_by: str = "") -> None:
     """Refuse a tied parameter that a unit boundary splits (`tests/test_hf_models.py` found it with GPT-2's
     tied embeddings and head): FSDP2 silently trains two copies, FSDP1 crashes with a shape error. Also
     one held by two units (the scenario engine found it): FSDP2 trains two copies, FSDP1 aborts the ranks.
-    Runs on the user's units before sharding and again on those the policy made (`made_by`)."""
+    Runs on the user's units before sharding and again on those the policy made (`made_by`): a policy leaves out
+    the modules that would split a tie (`_policies.tie_splitters`), so there it is only a safety net."""
     if layout.ties_across_units:
         first, second = layout.ties_across_units[0]
         users = " and ".join(
@@ -40,7 +41,8 @@ def check_split_ties(layout: Layout, made_by: str = "") -> None:
             "tied weight once"
             if made_by
             else "wrap neither, so that the unit of their common parent shards the tied weight once (the "
-            "root: unsharded_params='shard'), or make no unit of either (they stay replicated)"
+            "root: unsharded_params='shard'), or make no unit of either (they stay replicated), or let the "
+            "strategy's wrapping policy make the units (it places a tied weight in the unit of all its users)"
         )
         raise MisuseError(
             f"Parameters '{first}' and '{second}' are tied (the same tensor) but sit in two different FSDP "

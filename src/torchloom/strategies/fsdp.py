@@ -19,7 +19,7 @@ from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit, analyze
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._meta_init import init_fn, materialize_meta
-from torchloom.strategies._policies import as_module_policy, is_wrap_policy
+from torchloom.strategies._policies import as_module_policy, is_wrap_policy, skipping, tie_splitters
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies._sharded import ShardedStrategy
 from torchloom.strategies.base import real_parameters
@@ -204,6 +204,11 @@ class FSDPStrategy(ShardedStrategy):
         from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
         policy = self.auto_wrap_policy
+        # A module holding part of a tied weight's users is no unit: the weight goes to the unit above.
+        skip = tie_splitters(module) if policy is not None else {}
+        if skip:
+            self._tie_skipped.extend(skip.values())
+            return FSDP(module, auto_wrap_policy=skipping(policy, skip), **self.unit_kwargs())
         if isinstance(policy, (set, frozenset, list, tuple)):
             policy = ModuleWrapPolicy(set(policy))
         elif isinstance(policy, type) and issubclass(policy, nn.Module):

@@ -16,7 +16,7 @@ from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._meta_init import materialize_meta, run_init
-from torchloom.strategies._policies import as_module_policy
+from torchloom.strategies._policies import as_module_policy, tie_splitters
 from torchloom.strategies._sharded import ShardedStrategy
 
 if TYPE_CHECKING:
@@ -119,9 +119,14 @@ class FSDP2Strategy(ShardedStrategy):
 
         kwargs = self.unit_kwargs()
         if self.shard_policy is not None:
+            # A module holding part of a tied weight's users is no unit: the weight goes to the unit above.
+            skip = tie_splitters(module)
             # named_modules() lists parents before children; reversed, every block is sharded before what holds it.
             for name, sub in reversed(list(module.named_modules())):
                 if name and self.shard_policy(sub):
+                    if id(sub) in skip:
+                        self._tie_skipped.append(name)
+                        continue
                     fully_shard(sub, **kwargs)
         fully_shard(module, **kwargs)
         return module

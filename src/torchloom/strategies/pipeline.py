@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torchloom._layout import clean_name
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.pipelining import _grads, _schedule, _split, _state
+from torchloom.pipelining import _grads, _schedule, _split, _state, _ties
 from torchloom.strategies import _clipping
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies.parallel import ParallelStrategy
@@ -144,6 +144,8 @@ class PipelineStrategy(ParallelStrategy):
         self._checked_tp = False
         self._stage_group: dist.ProcessGroup | None = None
         self._syncing = True
+        self._tie_groups: list[list[str]] = []
+        self._ties: list[_ties.Tie] = []
 
     @property
     def num_stages(self) -> int:
@@ -232,6 +234,7 @@ class PipelineStrategy(ParallelStrategy):
         problems: list[str] = []
         stages: dict[int, nn.Module] = {}
         ties = _split.tie_groups(module)
+        trainable = _split.tie_trainable(module, ties)
         try:
             if self.split_points is not None:
                 _split.check_split_points(module, self.split_points, self.num_stages)
@@ -245,15 +248,27 @@ class PipelineStrategy(ParallelStrategy):
             problems = _split.stage_problems(stages)
         except MisuseError as error:
             problems = [str(error)]
+        _ties.drop_unused(stages, ties)
         # Every rank learns every rank's problems, so all raise together instead of some waiting in a collective.
         everyone = self.all_gather_object((problems, _split.tie_holdings(stages, ties)))
         found = sorted({p for rank_problems, _ in everyone for p in rank_problems})
-        found += _split.tie_problems(ties, [holdings for _, holdings in everyone])
         if found:
             raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
         _split.materialize(stages, module, self.root_device)
         for stage in stages.values():
             stage.to(self.root_device)
+        # A weight tied across stages: a copy on each stage that uses it, kept equal by summing their gradients.
+        _ties.retie(stages, ties)
+        self._tie_groups = ties
+        pp_rank_of = {
+            i: r
+            for r in range(self.pipeline_parallel_size)
+            for i in _schedule.stage_ids_of(
+                r, self.pipeline_parallel_size, self.stages_per_rank, self.schedule
+            )
+        }
+        self._ties = _ties.plan(ties, trainable, [holdings for _, holdings in everyone], pp_rank_of)
+        _ties.make_groups(self._ties, mesh, self.backend)
         # The stage's data- and tensor-parallel ranks start from one set of values (their first rank's).
         self._stage_group = self._make_stage_groups(mesh)
         for stage in stages.values() if self._stage_group is not None else ():
@@ -262,6 +277,8 @@ class PipelineStrategy(ParallelStrategy):
                 device=self.root_device,
                 group=self._stage_group,
             )
+        _ties.collect(self._ties, stages)
+        _ties.sync_values(self._ties)
         if self.parallelize_fn is not None:
             for i in sorted(stages):
                 result = self.parallelize_fn(stages[i], mesh)
@@ -302,6 +319,7 @@ class PipelineStrategy(ParallelStrategy):
         from torchloom.strategies._unit_checks import check_split_ties
 
         problems: list[str] = []
+        _ties.collect(self._ties, stages)  # parallelize_fn may have replaced the copies
         try:
             for stage in stages.values():
                 check_split_ties(analyze(stage))
@@ -329,7 +347,9 @@ class PipelineStrategy(ParallelStrategy):
                 "stage fails there while its pipeline peers wait. Use schedule='interleaved_1f1b' (or '1f1b', "
                 "'gpipe') with fully_shard units, or the zero-bubble schedule without fully_shard in parallelize_fn."
             )
-        found = sorted({p for rank_problems in self.all_gather_object(problems) for p in rank_problems})
+        everyone = self.all_gather_object((problems, _ties.layout_problems(self._ties)))
+        found = sorted({p for rank_problems, _ in everyone for p in rank_problems})
+        found += _ties.mismatches(self._ties, [layouts for _, layouts in everyone])
         if found:
             raise MisuseError("; ".join(found))
 
@@ -351,6 +371,8 @@ class PipelineStrategy(ParallelStrategy):
             if not self._checked_tp:
                 self._check_plain_grads_agree_over_tp()
             self._average_plain_grads()
+            # Before clipping and the step: every copy of a tied weight takes the sum of their gradients.
+            _ties.sum_grads(self._ties)
         return loss
 
     def evaluate(
@@ -458,7 +480,10 @@ class PipelineStrategy(ParallelStrategy):
         if not full:
             return get_model_state_dict(module)
         own = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        return _state.merge_modules(self._gather_pieces({k: _state.to_cpu(v) for k, v in own.items()}) or [])
+        pieces = self._gather_pieces({k: _state.to_cpu(v) for k, v in own.items()})
+        if pieces is None:
+            return {}
+        return _ties.alias_names(_state.merge_modules(pieces), self._tie_groups)
 
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
@@ -468,6 +493,8 @@ class PipelineStrategy(ParallelStrategy):
         if not full:
             return set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
         own = {k for k in module.state_dict()}
+        # A checkpoint that holds a tied weight under one of its names (Hugging Face's) serves every copy.
+        state = _ties.alias_names(dict(state), self._tie_groups)
         missing = sorted(own - set(state))
         if strict and missing:
             raise MisuseError(f"The checkpoint lacks this stage's keys {missing[:5]}.")
@@ -483,6 +510,8 @@ class PipelineStrategy(ParallelStrategy):
 
         if not full:
             state = super().optimizer_state_dict(module, optimizer, full=False, template=template)
+            # Every copy of a tied weight under its first name: written once, read by every copy.
+            state = _ties.optimizer_to_model_names(state, self._tie_groups)
             # DCP stores the param groups as one object that every rank writes under the same key (and keeps
             # one rank's): each rank's must be the whole model's, not its stage's.
             pp_group = self.device_mesh[PIPELINE_PARALLEL].get_group()
@@ -497,6 +526,7 @@ class PipelineStrategy(ParallelStrategy):
         if not had_state:
             optimizer.state.clear()
             own["state"] = {}
+        own = _ties.optimizer_to_model_names(own, self._tie_groups)
         pieces = self._gather_pieces(_state.optimizer_to_cpu(own))
         return _state.merge_optimizers(pieces) if pieces is not None else {}
 
@@ -505,7 +535,8 @@ class PipelineStrategy(ParallelStrategy):
     ) -> None:
         # Saved for the whole model (both formats): this stage's part.
         # The saved names are torch's (state-dict names: no `_checkpoint_wrapped_module.`, `_orig_mod.`).
-        state = _state.optimizer_of_stage(state, {clean_name(n) for n, _ in module.named_parameters()})
+        own = {clean_name(n) for n, _ in module.named_parameters()}
+        state = _state.optimizer_of_stage(_ties.optimizer_to_stage_names(state, self._tie_groups, own), own)
         super().load_optimizer_state_dict(module, optimizer, state, full=full)
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
