@@ -77,9 +77,9 @@ def verify(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
     if path.is_dir():
-        meta = sharded.read_meta(path)
         failures = []
         try:
+            meta = sharded.read_meta(path)
             sharded.check_complete(path, meta)
             files, failures = sharded.verify_all(path, meta)
         except CheckpointError as error:
@@ -105,7 +105,7 @@ def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = Fa
         return {"format": "sharded" if path.is_dir() else "full", "verify": checked}
     tensors: list[dict[str, Any]] = []
     if path.is_dir():
-        meta = sharded.read_meta(path)
+        meta = sharded.read_meta(path, record_missing_ok=True)
         md = sharded.read_dcp_metadata(path, weights_only)
         for entry, items in sharded.tensor_entries(md).items():
             for name, (shape, dtype) in items.items():
@@ -121,10 +121,16 @@ def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = Fa
         kinds = sharded.entry_kinds(meta, md)
         extra = [k for k, kind in kinds.items() if kind not in ("module", "optimizer")]
         info = {"format": "sharded", **{k: meta.get(k) for k in _DESCRIBED}}
+        if meta.get("record_missing"):
+            info["incomplete"] = sharded.missing_record_message(path)
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
         # The plain entries live in extra.pt (plain data only with weights_only), memory-mapped like full files.
-        values = _small_values(sharded.read_extra(path, weights_only, mmap=True), extra)
-        if meta.get("kinds") is None and extra:  # a plain DCP checkpoint keeps its values in DCP
+        stored_apart = sharded.read_extra(path, weights_only, mmap=True)
+        if meta.get("record_missing"):  # what extra.pt holds is all there is to know of the other entries
+            extra = [k for k in stored_apart if k != META_KEY]
+        values = _small_values(stored_apart, extra)
+        if meta.get("kinds") is None and extra and not meta.get("record_missing"):
+            # a plain DCP checkpoint keeps its values in DCP
             values = _small_values(sharded.read_entries(path, extra, weights_only), extra)
     else:
         checkpoint = full.read(path, weights_only=weights_only)
@@ -175,6 +181,8 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"precision {info.get('precision')!r}",
         f"mesh: {_mesh(info.get('mesh'))}",
     ]
+    if "incomplete" in info:
+        lines.append(f"INCOMPLETE: {info['incomplete']}")
     if "verify" in info:
         lines += format_verification(info["verify"])
     if info.get("shard_files"):
