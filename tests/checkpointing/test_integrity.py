@@ -251,4 +251,3 @@ def test_a_full_file_saved_again_by_torch_save_loads_unchecked_and_a_damaged_tra
     for name in ("marker.pt", "cut.pt"):
         with pytest.raises(CheckpointError, match=name):
             loom.load(tmp_path / name, {"model": model})
-
