@@ -283,7 +283,7 @@ class Checkpointer:
             if not is_module:
                 raise MisuseError("A safetensors checkpoint holds model weights: pass the model to load_raw.")
             with torch_internal_warnings_filtered():
-                return hf.load(self._io, obj, path, strict)
+                return hf.load(self._io, obj, path, strict, verify=verify)
         if verify and path.is_file():
             # A file torchloom wrote carries its checksum (a plain torch.save file has none: nothing to check).
             from torchloom.checkpointing import integrity

@@ -285,21 +285,13 @@ def verify(io: StateAccess, path: Path, meta: dict[str, Any]) -> None:
     files = _checksums(path, meta)
     if not files:
         return
-    world = io.world_size if io.is_distributed else 1
-    load, mine = [0] * world, []
-    for name in sorted(files, key=lambda n: (-int(files[n].get("size", 0)), n)):
-        rank = load.index(min(load))
-        load[rank] += int(files[name].get("size", 0))
-        if rank == (io.global_rank if io.is_distributed else 0):
-            mine.append(name)
 
-    def check() -> None:
-        for name in mine:
-            error = integrity.check_file(path / name, files[name])
-            if error is not None:
-                raise error
+    def check(file: Path) -> None:
+        error = integrity.check_file(file, files[file.name])
+        if error is not None:
+            raise error
 
-    integrity.agree(io, check)
+    integrity.check_shared(io, {path / name: int(files[name].get("size", 0)) for name in files}, check)
 
 
 def verify_all(

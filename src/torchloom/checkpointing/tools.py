@@ -76,6 +76,8 @@ def verify(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+    if hf.is_checkpoint(path):
+        return hf.verify_all(path)
     if path.is_dir():
         failures = []
         try:
@@ -100,11 +102,19 @@ def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = Fa
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
     checked = verify(path) if verify_files else None
+    safetensors = hf.is_checkpoint(path)
     if checked is not None and checked["failures"]:
         # A damaged file may not even unpickle: report what is wrong without reading the rest.
-        return {"format": "sharded" if path.is_dir() else "full", "verify": checked}
+        fmt = "safetensors" if safetensors else "sharded" if path.is_dir() else "full"
+        return {"format": fmt, "verify": checked}
     tensors: list[dict[str, Any]] = []
-    if path.is_dir():
+    if (
+        safetensors
+    ):  # weights only (save_raw, consolidate --format hf/safetensors): no record, no other entries
+        tensors = hf.tensor_list(path)
+        info: dict[str, Any] = {"format": "safetensors"}
+        kinds, extra, values = {}, [], {}
+    elif path.is_dir():
         meta = sharded.read_meta(path, record_missing_ok=True)
         md = sharded.read_dcp_metadata(path, weights_only)
         for entry, items in sharded.tensor_entries(md).items():
@@ -293,7 +303,7 @@ def consolidate(
         hf.write_dir(tensors, out, max_shard_size=max_shard_size)
     elif fmt == "safetensors":
         try:
-            from safetensors.torch import save_file
+            import safetensors.torch  # noqa: F401 - hf.write_file writes with it
         except ImportError as exc:
             raise CheckpointError(
                 "--format safetensors needs the safetensors package: pip install safetensors"
@@ -302,7 +312,7 @@ def consolidate(
             raise CheckpointError("--format safetensors stores weights only: add --model-only.")
         tensors: dict[str, torch.Tensor] = {}
         _flatten(result, "", tensors)
-        _write_safetensors(save_file, {k: v.contiguous() for k, v in tensors.items()}, out)
+        _write_safetensors({k: v.contiguous() for k, v in tensors.items()}, out)
     else:
         full.write_file(result, out)
     return result
@@ -324,14 +334,14 @@ def _check_output(checkpoint: Path, out: Path, fmt: str) -> None:
         atomic.check_replaceable(out, directory=False)
 
 
-def _write_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], out: Path) -> None:
-    """`save_file` into a temporary file beside `out`, flushed to disk, then swapped into place; on any failure
-    the temporary file is removed."""
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """One safetensors file (with its checksum) into a temporary file beside `out`, flushed to disk, then swapped
+    into place; on any failure the temporary file is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temporaries(out)
     tmp = atomic.temporary_sibling(out)
     try:
-        save_file(tensors, str(tmp))
+        hf.write_file(tmp, tensors)
         atomic.fsync_file(tmp)
         atomic.replace(tmp, out)
     except BaseException:
