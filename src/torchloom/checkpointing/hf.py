@@ -9,7 +9,7 @@
 
 Names are the module's own state-dict names; weights tied to another (`tie_word_embeddings`) are stored once.
 Each file carries its checksum in its own header metadata (`integrity`: `"torchloom_checksum"` beside
-`"format": "pt"`, which transformers ignores), checked before loading; files written elsewhere have none.
+`"format": "pt"`, which transformers ignores), checked by `load_raw` first; files written elsewhere have none.
 
 Loading: every rank reads only what it holds, memory-mapped. A sharded parameter (a DTensor: FSDP2, or FSDP1's
 sharded state dict) gets the slice DTensor says this rank owns; a replicated or unsharded one is read whole. So
@@ -190,11 +190,8 @@ def _ignored(module: nn.Module, attribute: str) -> list[re.Pattern[str]]:
     return [re.compile(p) for p in patterns]
 
 
-def load(
-    io: StateAccess, module: nn.Module, path: Path, strict: bool = True, verify: bool = True
-) -> LoadResult:
-    """Load a safetensors checkpoint into `module` as it is set up (any layout); see the module docstring.
-    With `verify`, every file that carries a checksum is checked first, the files split over the ranks."""
+def load(io: StateAccess, module: nn.Module, path: Path, strict: bool = True) -> LoadResult:
+    """Load a safetensors checkpoint into `module` as it is set up (any layout); see the module docstring."""
     _check_buffers(module)
     # The sharded state dict: DTensors for sharded parameters, plain tensors for the rest. For FSDP2 and unsharded
     # modules its values share storage with the parameters, so loading into them loads the model; FSDP1 builds
@@ -204,9 +201,6 @@ def load(
     groups = _names_by_tensor(module, set(template))
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, stack)
-        if verify:
-            files = sorted(set(reader.files.values()))
-            integrity.check_shared(io, {f: f.stat().st_size for f in files}, integrity.check_safetensors)
         sources, missing, unexpected = _match(module, reader, template, groups, path)
         if missing and strict:
             raise CheckpointError(
@@ -585,75 +579,16 @@ def _write(
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor], fsync: bool) -> None:
-    write_file(path, tensors)
+    integrity.write_safetensors(path, tensors, _safetensors().torch.save_file)
     if fsync:
         atomic.fsync_file(path)
 
 
-def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """One safetensors file, with its checksum in its header metadata (`integrity.seal_safetensors`)."""
-    # transformers refuses safetensors files whose metadata does not say they hold PyTorch tensors.
-    metadata = {"format": "pt", integrity.SAFETENSORS_KEY: integrity.SAFETENSORS_PLACEHOLDER}
-    _safetensors().torch.save_file(tensors, str(path), metadata=metadata)
-    # Read back while the file is in the page cache, to fill in the placeholder.
-    integrity.seal_safetensors(path)
-
-
-# safetensors' dtype names -> (torch's name, bytes per element)
-_DTYPES = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-}
-
-
-def tensor_list(path: Path) -> list[dict[str, Any]]:
-    """Every tensor of a safetensors checkpoint (name, shape, dtype, bytes), from the files' headers alone."""
-    out = []
+def shard_files(path: Path) -> list[Path]:
+    """The files of a safetensors checkpoint (the shards its index names, or the one file), each checked to be
+    there."""
     with contextlib.ExitStack() as stack:
-        reader = _Reader(path, stack)
-        for name in sorted(reader.files):
-            dtype = reader._handle(reader.files[name]).get_slice(name).get_dtype()
-            torch_name, size = _DTYPES.get(dtype, (dtype.lower(), 0))
-            shape = list(reader.shape(name))
-            out.append(
-                {
-                    "name": name,
-                    "shape": shape,
-                    "dtype": torch_name,
-                    "bytes": int(torch.Size(shape).numel()) * size,
-                }
-            )
-    return out
-
-
-def verify_all(path: Path) -> dict[str, Any]:
-    """`torchloom inspect --verify` of a safetensors checkpoint (a file, or a folder with its index), in this
-    process: {"checked": the files with a checksum (None if none has one: written elsewhere), "failures": one
-    message per file that fails}."""
-    failures, checked = [], []
-    with contextlib.ExitStack() as stack:
-        try:
-            files = sorted(set(_Reader(path, stack).files.values()))
-        except CheckpointError as error:
-            return {"checked": [], "failures": [str(error)]}
-    for file in files:
-        try:
-            if integrity.check_safetensors(file):
-                checked.append(file.name)
-        except CheckpointError as error:
-            checked.append(file.name)
-            failures.append(str(error))
-    return {"checked": checked or None, "failures": failures}
+        return sorted(set(_Reader(path, stack).files.values()))
 
 
 def _finish(

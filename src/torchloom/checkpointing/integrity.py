@@ -447,6 +447,14 @@ def _digest_zeroed(path: Path, at: int) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], save_file: Any) -> None:
+    """One safetensors file written with safetensors' `save_file`, its checksum in its header metadata."""
+    # transformers refuses safetensors files whose metadata does not say they hold PyTorch tensors.
+    save_file(tensors, str(path), metadata={"format": "pt", SAFETENSORS_KEY: SAFETENSORS_PLACEHOLDER})
+    # Read back while the file is in the page cache, to fill in the placeholder.
+    seal_safetensors(path)
+
+
 def seal_safetensors(path: Path) -> None:
     """Put the file's checksum into the placeholder it was written with (`SAFETENSORS_PLACEHOLDER`): the same
     number of bytes, so nothing else moves."""

@@ -69,6 +69,56 @@ def _small_values(entries: dict[str, Any], names: list[str]) -> dict[str, Any]:
 _DESCRIBED = ("version", "world_size", "strategy", "precision", "mesh")
 
 
+# safetensors' dtype names -> (torch's name, bytes per element)
+_DTYPES = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+def _safetensors_tensors(path: Path) -> list[dict[str, Any]]:
+    """Every tensor of a safetensors checkpoint (name, shape, dtype, bytes), from the files' headers alone."""
+    out = []
+    for file in hf.shard_files(path):
+        with hf._safetensors().safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                torch_name, size = _DTYPES.get(piece.get_dtype(), (piece.get_dtype().lower(), 0))
+                shape = list(piece.get_shape())
+                numel = int(torch.Size(shape).numel())
+                out.append({"name": name, "shape": shape, "dtype": torch_name, "bytes": numel * size})
+    return sorted(out, key=lambda t: t["name"])
+
+
+def _verify_safetensors(path: Path) -> dict[str, Any]:
+    """`torchloom inspect --verify` of a safetensors checkpoint (a file, or a folder with its index), in this
+    process: {"checked": the files with a checksum (None if none has one: written elsewhere), "failures": one
+    message per file that fails}."""
+    failures, checked = [], []
+    try:
+        files = hf.shard_files(path)
+    except CheckpointError as error:
+        return {"checked": [], "failures": [str(error)]}
+    for file in files:
+        try:
+            if integrity.check_safetensors(file):
+                checked.append(file.name)
+        except CheckpointError as error:
+            checked.append(file.name)
+            failures.append(str(error))
+    return {"checked": checked or None, "failures": failures}
+
+
 def verify(path: str | Path) -> dict[str, Any]:
     """Check every file of a checkpoint against its recorded size and checksum, in this process: {"checked":
     [file names] or None where the checkpoint records no checksums (written before they existed, or not by
@@ -77,7 +127,7 @@ def verify(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
     if hf.is_checkpoint(path):
-        return hf.verify_all(path)
+        return _verify_safetensors(path)
     if path.is_dir():
         failures = []
         try:
@@ -111,7 +161,7 @@ def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = Fa
     if (
         safetensors
     ):  # weights only (save_raw, consolidate --format hf/safetensors): no record, no other entries
-        tensors = hf.tensor_list(path)
+        tensors = _safetensors_tensors(path)
         info: dict[str, Any] = {"format": "safetensors"}
         kinds, extra, values = {}, [], {}
     elif path.is_dir():
@@ -341,7 +391,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
     atomic.remove_stale_temporaries(out)
     tmp = atomic.temporary_sibling(out)
     try:
-        hf.write_file(tmp, tensors)
+        integrity.write_safetensors(tmp, tensors, hf._safetensors().torch.save_file)
         atomic.fsync_file(tmp)
         atomic.replace(tmp, out)
     except BaseException:

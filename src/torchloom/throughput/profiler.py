@@ -115,9 +115,9 @@ def profile_steps(
 ) -> StepProfiler:
     """Profile steps `start` .. `start + steps - 1` (counted from 0 by `optimizer.step()` calls) on every rank.
 
-    `folder` defaults to `<first logger's log_dir>/profile`, else `./profile`. `options` go to
-    `torch.profiler.profile` (`record_shapes=True`, `profile_memory=True`, `with_stack=False` by default);
-    `memory_snapshot=False` skips the CUDA memory snapshot."""
+    `folder` defaults to `<first logger's log_dir>/profile` (rank 0's logger's, for every rank), else `./profile`.
+    `options` go to `torch.profiler.profile` (`record_shapes=True`, `profile_memory=True`, `with_stack=False` by
+    default); `memory_snapshot=False` skips the CUDA memory snapshot."""
     if folder is None:
         # Each rank's logger finds its version on the disk by itself (CSVLogger: one past the highest
         # version_N), so ranks asking at different moments get different folders: rank 0's logger decides.
@@ -125,4 +125,5 @@ def profile_steps(
             log_dir = getattr(loom.logger, "log_dir", None) if getattr(loom, "loggers", None) else None
             folder = os.path.join(log_dir or ".", "profile")
         folder = loom.broadcast(folder) if loom.world_size > 1 else folder
+    assert folder is not None
     return StepProfiler(loom, optimizer, folder, start, steps, **options)
