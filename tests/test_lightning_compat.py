@@ -223,3 +223,43 @@ def test_one_device_loom_inside_a_running_job():
     results = run_ranks(_lone_loom_in_job, 2)
     assert results[0] == ((1, 0, 0, True), 3.0)
     assert results[1] == ((), 3.0)
+
+
+def test_positional_arguments_are_bound_as_lightning_binds_them():
+    """Lightning's strategies take accelerator, parallel_devices, ... first: a positional argument gets the name
+    Lightning gives its position (the table is checked against the installed Lightning's signatures), so a
+    Loom decision given positionally is refused by name and the rest reaches torchloom's parameter of that name."""
+    import inspect
+    from datetime import timedelta
+
+    import lightning.fabric.strategies as lightning_strategies
+
+    from torchloom import _fabric_strategies
+    from torchloom.lightning_compat import _stand_in
+    from torchloom.strategies import ModelParallelStrategy, SingleDeviceStrategy
+
+    ddp = _stand_in("DDPStrategy")(None, None, None, None, None, "gloo", timedelta(minutes=5), "fork")
+    assert type(ddp) is DDPStrategy and ddp.process_group_backend == "gloo" and ddp.start_method == "fork"
+    assert ddp._timeout == timedelta(minutes=5)
+    with pytest.raises(ConfigurationError, match=r"DDPStrategy\(parallel_devices=...\).*Loom\(devices=...\)"):
+        _stand_in("DDPStrategy")(None, [torch.device("cpu")] * 2)
+    with pytest.raises(ConfigurationError, match="at most 8 positional"):
+        _stand_in("DDPStrategy")(*[None] * 9)
+    with pytest.raises(ConfigurationError, match="two values for 'accelerator'"):
+        _stand_in("DDPStrategy")(None, accelerator=None)
+    fsdp = _stand_in("FSDPStrategy")(None, None, None, None, None, None, False, None, {nn.Linear})
+    assert type(fsdp) is FSDPStrategy and fsdp.auto_wrap_policy is not None
+    with pytest.raises(ConfigurationError, match=r"FSDPStrategy\(precision=...\)"):
+        _stand_in("FSDPStrategy")(None, None, None, "bf16-mixed")
+    with pytest.raises(ConfigurationError, match=r"SingleDeviceStrategy\(accelerator=...\)"):
+        _stand_in("SingleDeviceStrategy")("cpu", object())
+    assert type(_stand_in("SingleDeviceStrategy")("cpu")) is SingleDeviceStrategy
+    model_parallel = _stand_in("ModelParallelStrategy")(lambda model, mesh: model, 1, 1, False, "gloo")
+    assert type(model_parallel) is ModelParallelStrategy and not model_parallel.save_distributed_checkpoint
+    assert model_parallel.process_group_backend == "gloo"
+
+    # the table is Lightning's own order
+    for name, order in _fabric_strategies.POSITIONAL.items():
+        parameters = inspect.signature(getattr(lightning_strategies, name).__init__).parameters.values()
+        positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"]
+        assert tuple(positional) == order, name

@@ -226,3 +226,16 @@ def test_no_bar_when_not_a_terminal(capsys):
     assert not bar.enabled and list(bar) == [0, 1]
     bar.write("hello")
     assert "hello" in capsys.readouterr().out
+
+
+def test_csv_logger_warns_only_when_it_replaces_a_metrics_file(tmp_path):
+    """`profile_steps` writes into `log_dir/profile` before the first metrics: nothing is replaced, so no warning."""
+    logger = CSVLogger(tmp_path)
+    os.makedirs(os.path.join(logger.log_dir, "profile"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert os.path.isdir(os.path.join(logger.log_dir, "profile"))
+    with pytest.warns(UserWarning, match="metrics.csv is replaced"):
+        CSVLogger(tmp_path, version=0).log_metrics({"loss": 2.0}, step=0)

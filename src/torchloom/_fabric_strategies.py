@@ -34,6 +34,48 @@ _LOOM_DECIDES = {
     "device": "Loom(accelerator=..., devices=...)",
 }
 
+#: Lightning's constructors' parameters in their positional order (Lightning 2.x,
+#: `lightning/fabric/strategies/{ddp,fsdp,model_parallel,single_device}.py`; tests/test_lightning_compat.py checks
+#: them against the installed Lightning). A positional argument is bound to its name here, as Lightning binds it,
+#: before anything is translated: torchloom's own constructors order their parameters otherwise.
+POSITIONAL = {
+    "DDPStrategy": (
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision",
+        "process_group_backend",
+        "timeout",
+        "start_method",
+    ),
+    "FSDPStrategy": (
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "precision",
+        "process_group_backend",
+        "timeout",
+        "cpu_offload",
+        "mixed_precision",
+        "auto_wrap_policy",
+        "activation_checkpointing",
+        "activation_checkpointing_policy",
+        "sharding_strategy",
+        "state_dict_type",
+        "device_mesh",
+    ),
+    "ModelParallelStrategy": (
+        "parallelize_fn",
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "save_distributed_checkpoint",
+        "process_group_backend",
+        "timeout",
+    ),
+    "SingleDeviceStrategy": ("device", "accelerator", "checkpoint_io", "precision"),
+}
+
 #: FSDP1 keywords that FSDP2 (`fully_shard`) does by itself: the value FSDP2 always has.
 _FSDP2_BUILT_IN = {"use_orig_params": True, "limit_all_gathers": True}
 
@@ -83,13 +125,8 @@ def build(lightning_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], fs
         raise ConfigurationError(
             f"Lightning's {lightning_name} has no torchloom counterpart: {REFUSED[lightning_name]}."
         )
-    kwargs = dict(kwargs)
+    kwargs = _by_name(lightning_name, args, kwargs)
     if lightning_name == "FSDPStrategy":
-        if args:
-            raise ConfigurationError(
-                "Lightning's FSDPStrategy takes keyword arguments only in torchloom's translation (its positional "
-                f"ones are accelerator, parallel_devices, ... which Loom(...) decides); got {len(args)} positional."
-            )
         _refuse_loom_options(lightning_name, kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in _LOOM_DECIDES}
         if fsdp == "fsdp2":
@@ -106,9 +143,9 @@ def build(lightning_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], fs
             )
         if start == "fork":
             kwargs["start_method"] = "fork"
-        return strategies.DDPStrategy(*args, **kwargs)
+        return strategies.DDPStrategy(**kwargs)
     if lightning_name == "SingleDeviceStrategy":
-        device = args[0] if args else kwargs.pop("device", None)
+        device = kwargs.pop("device", None)
         _refuse_loom_options(lightning_name, kwargs)
         if device is not None and str(device) != "cpu":
             raise ConfigurationError(
@@ -117,8 +154,31 @@ def build(lightning_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], fs
             )
         return strategies.SingleDeviceStrategy()
     if lightning_name == "ModelParallelStrategy":
-        return strategies.ModelParallelStrategy(*args, **kwargs)
+        return strategies.ModelParallelStrategy(**kwargs)
     raise ConfigurationError(f"Lightning's {lightning_name} has no torchloom counterpart.")
+
+
+def _by_name(lightning_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's arguments all by name: each positional one takes the name Lightning's constructor gives its
+    position (`POSITIONAL`), so that `DDPStrategy(accelerator)` is refused as an accelerator instead of landing
+    in torchloom's first parameter. Too many, or one given twice, is refused as Python refuses it."""
+    kwargs = dict(kwargs)
+    if not args:
+        return kwargs
+    names = POSITIONAL.get(lightning_name, ())
+    if len(args) > len(names):
+        raise ConfigurationError(
+            f"Lightning's {lightning_name} takes at most {len(names)} positional arguments ({', '.join(names)}); "
+            f"got {len(args)}. Pass the others by keyword."
+        )
+    for name, value in zip(names, args, strict=False):
+        if name in kwargs:
+            raise ConfigurationError(
+                f"Lightning's {lightning_name} got two values for {name!r}: the positional argument {value!r} "
+                f"(Lightning's position {names.index(name) + 1} is {name}) and {name}={kwargs[name]!r}."
+            )
+        kwargs[name] = value
+    return kwargs
 
 
 def _as_fsdp2(kwargs: dict[str, Any]) -> Strategy:

@@ -235,7 +235,9 @@ class _CSVWriter:
                 reader = csv.DictReader(f)
                 self.metrics_keys = list(reader.fieldnames or [])
                 self.rows_logged = sum(1 for _ in reader)
-        elif path.parent.is_dir() and any(path.parent.iterdir()):
+        elif path.is_file():
+            # Only a metrics file is replaced: the folder may already hold other files of this run (the traces
+            # `profile_steps` writes into `log_dir/profile` before the first metrics).
             warnings.warn(
                 f"Experiment logs directory {log_dir} exists and is not empty; its {self.METRICS_FILE} is "
                 "replaced by this run's (pass append=True to continue it, or another version=).",

@@ -68,9 +68,17 @@ def _strategy(name: str):
 
 
 def load_and_save(
-    rank: int, world_size: int, layout: str, tied: bool, src: str, out: str, precision: str = "32-true"
+    rank: int,
+    world_size: int,
+    layout: str,
+    tied: bool,
+    src: str,
+    out: str,
+    precision: str = "32-true",
+    damage: bool = False,
 ) -> dict:
-    """Build a model in `layout`, load `src` into it, run it, and save it to `out`."""
+    """Build a model in `layout`, load `src` into it, run it, and save it to `out`; with `damage`, also load a
+    copy of `out` with one byte flipped (`_load_damaged`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FSDP's own and the "no policy" advice are not under test here
         loom = Loom(
@@ -99,7 +107,36 @@ def load_and_save(
         loom.save(f"{out}-sharded", {"model": model})  # for `torchloom consolidate --format hf`
         dtypes = {type(p).__name__ + ":" + str(p.dtype) for p in inner.parameters()}
         inv_freq = inner.model.rotary_emb.inv_freq.clone()
-    return {"logits": logits, "result": result, "tied": tied_now, "dtypes": dtypes, "inv_freq": inv_freq}
+        refused = _load_damaged(loom, model, Path(out)) if damage else None
+    return {
+        "logits": logits,
+        "result": result,
+        "tied": tied_now,
+        "dtypes": dtypes,
+        "inv_freq": inv_freq,
+        "refused": refused,
+    }
+
+
+def _load_damaged(loom, model, out: Path) -> str | None:
+    """load_raw of a copy of what save_raw wrote, one byte of its weights flipped: refused on every rank, naming
+    the file (None if it loaded); with verify=False it loads; the good copy loads again."""
+    bad = out.with_name(out.name + "-damaged")
+    if loom.is_global_zero:
+        shutil.copytree(out, bad)
+        file = max(bad.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        file.write_bytes(bytes(data))
+    loom.barrier()
+    try:
+        loom.load_raw(bad, model)
+        refused = None
+    except CheckpointError as error:
+        refused = str(error)
+    loom.load_raw(bad, model, verify=False)
+    loom.load_raw(out, model)
+    return refused
 
 
 def check(results: list[dict], expected: torch.Tensor, out: Path, tied: bool) -> None:
@@ -116,11 +153,18 @@ def check(results: list[dict], expected: torch.Tensor, out: Path, tied: bool) ->
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fsdp2_hand_made_units_meta_init(tmp_path, tied):
+def test_fsdp2_hand_made_units_meta_init(tmp_path, tied, capsys):
     src, expected = pretrained(tmp_path, tied)
     out = tmp_path / "out"
-    results = run_ranks(load_and_save, 2, "fsdp2-meta", tied, str(src), str(out), timeout=200)
+    results = run_ranks(
+        load_and_save, 2, "fsdp2-meta", tied, str(src), str(out), "32-true", not tied, timeout=200
+    )
     check(results, expected, out, tied)
+    if not tied:  # save_raw's files carry checksums, checked by load_raw on every rank
+        damaged = tmp_path / "out-damaged" / hf.SINGLE_FILE
+        for result in results:
+            assert "changed after it was written" in result["refused"] and str(damaged) in result["refused"]
+            assert "verify=False" in result["refused"]
     # The same weights through torchloom's own sharded checkpoint and `torchloom consolidate --format hf`.
     published = tmp_path / "consolidated"
     argv = ["consolidate", f"{out}-sharded", str(published), "--model-only", "--format", "hf"]
@@ -128,6 +172,14 @@ def test_fsdp2_hand_made_units_meta_init(tmp_path, tied):
     assert len(json.loads((published / hf.INDEX_FILE).read_text())["weight_map"]) >= 20
     shutil.copy(out / "config.json", published / "config.json")
     torch.testing.assert_close(reference_logits(published), expected, atol=1e-5, rtol=0)
+    # torchloom inspect --verify: every file torchloom wrote checked; transformers' own files carry no checksum
+    assert cli.main(["inspect", str(published), "--verify", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["verify"]["checked"]) >= 2
+    assert cli.main(["inspect", str(src), "--verify"]) == 0
+    assert "no checksums recorded" in capsys.readouterr().out
+    if not tied:
+        assert cli.main(["inspect", str(tmp_path / "out-damaged"), "--verify"]) == 1
+        assert "verify: FAILED" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(240)

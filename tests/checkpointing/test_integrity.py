@@ -16,7 +16,7 @@ import torch
 from fsdp_models import D_IN, Block, Net
 from harness import run_ranks
 
-from torchloom import CheckpointError, Loom, cli
+from torchloom import CheckpointError, Loom, cli, latest_checkpoint
 from torchloom.checkpointing import integrity
 from torchloom.checkpointing.state import META_KEY
 from torchloom.strategies import FSDP2Strategy
@@ -47,6 +47,10 @@ def _damage(root: Path) -> dict[str, tuple[Path, str]]:
     out["extra"] = (root / "extra", "extra.pt")
     (root / "missing" / "extra.pt").unlink()
     out["missing"] = (root / "missing", "extra.pt")
+    # torchloom's files without their record: not a plain DCP checkpoint (whose extra.pt would be no one's)
+    shutil.copytree(root / "sharded", root / "norecord")
+    (root / "norecord" / "torchloom.json").unlink()
+    out["norecord"] = (root / "norecord", "torchloom.json")
     shard = _largest_shard(root / "async_bad")
     _flip(shard)
     out["async"] = (root / "async_bad", shard.name)
@@ -140,6 +144,8 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, capsys) -> No
     for name in ("missing", "missing verify=False"):
         assert "incomplete" in out[name] and "'extra.pt'" in out[name], out[name]
         assert "latest_checkpoint" in out[name]
+    assert "incomplete" in out["norecord"] and "not torchloom.json" in out["norecord"], out["norecord"]
+    assert "previous checkpoint" in out["norecord"] and "torchloom inspect" in out["norecord"]
     assert out["shard verify=False"] == "step 3"
     assert out["full verify=False"] == "step 3"
     for name in ("sharded", "full.pt", "old", "old.pt"):
@@ -156,6 +162,11 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, capsys) -> No
         assert cli.main(["inspect", str(tmp_path / name), "--verify"]) == 1, name
         text = capsys.readouterr().out
         assert "verify: FAILED" in text, text
+    assert cli.main(["inspect", str(tmp_path / "norecord"), "--verify"]) == 1
+    assert "not torchloom.json" in capsys.readouterr().out
+    assert cli.main(["inspect", str(tmp_path / "norecord")]) == 0
+    text = capsys.readouterr().out
+    assert "INCOMPLETE" in text and "step = 3" in text and "model." in text, text
     for name in ("old", "old.pt"):
         assert cli.main(["inspect", str(tmp_path / name), "--verify"]) == 0
         assert "no checksums recorded" in capsys.readouterr().out
@@ -172,6 +183,13 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, capsys) -> No
     assert cli.main(["consolidate", str(tmp_path / "sharded"), str(tmp_path / "c4.pt")]) == 0
     assert cli.main(["inspect", str(tmp_path / "c4.pt"), "--verify"]) == 0
     assert "verify: ok" in capsys.readouterr().out
+
+    # latest_checkpoint agrees: the folder without its record is not a complete checkpoint, however new
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copytree(tmp_path / "sharded", runs / "step-1")
+    shutil.copytree(tmp_path / "norecord", runs / "step-2", copy_function=shutil.copy)
+    assert latest_checkpoint(runs) == runs / "step-1"
 
 
 def test_the_record_names_the_mesh() -> None:

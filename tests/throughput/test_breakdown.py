@@ -91,7 +91,7 @@ def _check(results: list[dict], world_size: int) -> None:
     assert len(per_rank) == world_size and all(len(steps) == STEPS for steps in per_rank)
     for other in results[1:]:
         assert other["per_rank"] == per_rank and other["rows"] == []  # gathered everywhere, logged on rank 0
-    assert [step for step, _ in zero["rows"]] == list(range(STEPS))
+    assert [step for step, _ in zero["rows"]] == list(range(1, STEPS + 1))  # step k at k, as the monitor
     assert set(zero["rows"][0][1]) == {f"time/{p}" for p in PARTS} | {"time/step"}
     assert zero["rows"][-1][1]["time/step"] == per_rank[0][-1]["step"]
     for steps in per_rank:

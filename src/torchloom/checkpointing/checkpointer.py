@@ -282,6 +282,11 @@ class Checkpointer:
         if hf.is_checkpoint(path):
             if not is_module:
                 raise MisuseError("A safetensors checkpoint holds model weights: pass the model to load_raw.")
+            if verify:  # every file that carries a checksum (torchloom wrote it), split over the ranks
+                from torchloom.checkpointing import integrity
+
+                files = {file: file.stat().st_size for file in hf.shard_files(path)}
+                integrity.check_shared(self._io, files, integrity.check_safetensors)
             with torch_internal_warnings_filtered():
                 return hf.load(self._io, obj, path, strict)
         if verify and path.is_file():

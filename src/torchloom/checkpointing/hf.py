@@ -8,6 +8,8 @@
       config.json                                   when `config=` is given
 
 Names are the module's own state-dict names; weights tied to another (`tie_word_embeddings`) are stored once.
+Each file carries its checksum in its own header metadata (`integrity`: `"torchloom_checksum"` beside
+`"format": "pt"`, which transformers ignores), checked by `load_raw` first; files written elsewhere have none.
 
 Loading: every rank reads only what it holds, memory-mapped. A sharded parameter (a DTensor: FSDP2, or FSDP1's
 sharded state dict) gets the slice DTensor says this rank owns; a replicated or unsharded one is read whole. So
@@ -39,7 +41,7 @@ from torch import nn
 
 from torchloom import _torch_compat
 from torchloom._layout import analyze, clean_name
-from torchloom.checkpointing import atomic
+from torchloom.checkpointing import atomic, integrity
 from torchloom.errors import CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
@@ -577,10 +579,16 @@ def _write(
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor], fsync: bool) -> None:
-    # transformers refuses safetensors files whose metadata does not say they hold PyTorch tensors.
-    _safetensors().torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    integrity.write_safetensors(path, tensors, _safetensors().torch.save_file)
     if fsync:
         atomic.fsync_file(path)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The files of a safetensors checkpoint (the shards its index names, or the one file), each checked to be
+    there."""
+    with contextlib.ExitStack() as stack:
+        return sorted(set(_Reader(path, stack).files.values()))
 
 
 def _finish(

@@ -13,6 +13,12 @@ Where the checksums live:
     full      the file's own zip comment (the one part of a zip archive outside its records, which torch.load
               and every zip reader ignore): `torchloom-checksum:<algorithm>:<hex>` over the archive as torch.save
               wrote it (comment length 0); the `__torchloom__` record says that the file has one.
+    safetensors  (`save_raw`, `consolidate --format hf`) each file's own header metadata, the string map
+              safetensors keeps for its writer (`"torchloom_checksum": "<algorithm>:<hex>"`, beside transformers'
+              `"format": "pt"`), over the whole file with those hex digits as zeros. In the file itself, not in
+              the index: it holds for a single `model.safetensors` too, goes with a file that is copied alone,
+              and cannot go stale when another tool rewrites the folder. A file without it (written elsewhere)
+              is not checked.
 
 The algorithm (`ALGORITHM`) is chosen for speed, measured in benchmarks/checkpoint_io.py: the file read as
 little-endian 64-bit words, the wrapping sum of each 8 KiB row (numpy: about 10-20 GiB/s on one core, against
@@ -210,6 +216,26 @@ def check_file(path: Path, expected: dict[str, Any]) -> CheckpointError | None:
     return None if found[1] == expected.get("digest") else mismatch_error(path, expected, found)
 
 
+def check_shared(io: Any, sizes: dict[Path, int], check: Any) -> None:
+    """`check(file)` (raises `CheckpointError` for a bad file) for every file of `sizes`, the work split over the
+    ranks: the largest files first, each to the rank with the least to read so far. Every rank raises if any
+    file fails (`agree`)."""
+    world = io.world_size if io.is_distributed else 1
+    rank = io.global_rank if io.is_distributed else 0
+    load, mine = [0] * world, []
+    for file in sorted(sizes, key=lambda f: (-int(sizes[f]), str(f))):
+        least = load.index(min(load))
+        load[least] += int(sizes[file])
+        if least == rank:
+            mine.append(file)
+
+    def check_mine() -> None:
+        for file in mine:
+            check(file)
+
+    agree(io, check_mine)
+
+
 def check_algorithm(where: Path, algorithm: Any) -> None:
     if algorithm != ALGORITHM:
         raise CheckpointError(
@@ -377,3 +403,78 @@ def agree(io: Any, check: Any) -> None:
         rank, failure = next((r, f) for r, f in enumerate(failures) if f)
         own = own if rank == dist.get_rank(group) else None
     raise_shared_failure(failure, rank, own, CheckpointError)
+
+
+# ---- a safetensors file's checksum, in its own header metadata ---------------------------------------------
+SAFETENSORS_KEY = "torchloom_checksum"
+_HEX = 32  # digits of the BLAKE2b-128 digest
+#: The metadata value a safetensors file is written with; `seal_safetensors` puts the digest in place.
+SAFETENSORS_PLACEHOLDER = f"{ALGORITHM}:{'0' * _HEX}"
+
+
+def _safetensors_field(path: Path) -> tuple[int, str, str] | None:
+    """(where the hex digits start in the file, algorithm, recorded hex) of a safetensors file's checksum, None
+    for a file without one. The header is 8 bytes of its JSON length, then the JSON."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = f.read(min(length, 100 << 20))
+    key = f'"{SAFETENSORS_KEY}"'.encode()
+    at = header.find(key)
+    if at < 0:
+        return None
+    start = header.find(b'"', at + len(key)) + 1  # past the colon (and any blank) to the value
+    end = header.find(b'"', start)
+    fields = header[start:end].decode("ascii", "replace").split(":")
+    if start <= 0 or end < 0 or len(fields) != 2 or len(fields[1]) != _HEX:
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} has a damaged checksum record in its header: the file changed after "
+            f"it was written. Load another checkpoint, or restore this one from a good copy. {OPT_OUT}."
+        )
+    return 8 + start + len(fields[0]) + 1, fields[0], fields[1]
+
+
+def _digest_zeroed(path: Path, at: int) -> tuple[int, str]:
+    """(size, checksum) of the file with its `_HEX` digits at `at` read as zeros. Read in pieces, not mapped: a
+    rank loading a model holds one piece of a file at a time, never a whole shard (`load_raw`'s promise)."""
+    digest = Digest()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(f.read(at))
+        digest.update(b"0" * _HEX)
+        f.seek(at + _HEX)
+        while piece := f.read(_PIECE):
+            digest.update(piece)
+    return size, digest.hexdigest()
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], save_file: Any) -> None:
+    """One safetensors file written with safetensors' `save_file`, its checksum in its header metadata."""
+    # transformers refuses safetensors files whose metadata does not say they hold PyTorch tensors.
+    save_file(tensors, str(path), metadata={"format": "pt", SAFETENSORS_KEY: SAFETENSORS_PLACEHOLDER})
+    # Read back while the file is in the page cache, to fill in the placeholder.
+    seal_safetensors(path)
+
+
+def seal_safetensors(path: Path) -> None:
+    """Put the file's checksum into the placeholder it was written with (`SAFETENSORS_PLACEHOLDER`): the same
+    number of bytes, so nothing else moves."""
+    field = _safetensors_field(path)
+    assert field is not None and field[2] == "0" * _HEX, "written without the checksum placeholder"
+    _, hexdigest = _digest_zeroed(path, field[0])
+    with open(path, "r+b") as f:
+        f.seek(field[0])
+        f.write(hexdigest.encode())
+
+
+def check_safetensors(path: Path) -> bool:
+    """Raise `CheckpointError` if a safetensors file's bytes changed since torchloom wrote it; whether it carries
+    a checksum (one written elsewhere does not: nothing to check)."""
+    field = _safetensors_field(path)
+    if field is None:
+        return False
+    at, algorithm, expected = field
+    check_algorithm(path, algorithm)
+    size, found = _digest_zeroed(path, at)
+    if found != expected:
+        raise mismatch_error(path, {"size": size, "digest": expected}, (size, found))
+    return True

@@ -285,21 +285,13 @@ def verify(io: StateAccess, path: Path, meta: dict[str, Any]) -> None:
     files = _checksums(path, meta)
     if not files:
         return
-    world = io.world_size if io.is_distributed else 1
-    load, mine = [0] * world, []
-    for name in sorted(files, key=lambda n: (-int(files[n].get("size", 0)), n)):
-        rank = load.index(min(load))
-        load[rank] += int(files[name].get("size", 0))
-        if rank == (io.global_rank if io.is_distributed else 0):
-            mine.append(name)
 
-    def check() -> None:
-        for name in mine:
-            error = integrity.check_file(path / name, files[name])
-            if error is not None:
-                raise error
+    def check(file: Path) -> None:
+        error = integrity.check_file(file, files[file.name])
+        if error is not None:
+            raise error
 
-    integrity.agree(io, check)
+    integrity.check_shared(io, {path / name: int(files[name].get("size", 0)) for name in files}, check)
 
 
 def verify_all(
@@ -318,12 +310,20 @@ def verify_all(
     return files, failures
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """torchloom.json of a sharded checkpoint, checked."""
+def read_meta(path: Path, record_missing_ok: bool = False) -> dict[str, Any]:
+    """torchloom.json of a sharded checkpoint, checked. A folder of DCP's files alone is a plain DCP checkpoint
+    (another tool's). One that also holds torchloom's extra.pt but not torchloom.json lost its record: refused,
+    as loading it as plain DCP would skip the checksums and the run's state in silence. `record_missing_ok`
+    (for `torchloom inspect`): read it as plain DCP instead, marked `"record_missing": True`."""
     meta_file = path / META_FILE
     if not meta_file.exists():
         if (path / ".metadata").exists():
-            return {"version": FORMAT_VERSION, "format": "sharded", "kinds": None}  # a plain DCP checkpoint
+            plain = {"version": FORMAT_VERSION, "format": "sharded", "kinds": None}  # a plain DCP checkpoint
+            if (path / EXTRA_FILE).exists():
+                if not record_missing_ok:
+                    raise CheckpointError(missing_record_message(path))
+                plain["record_missing"] = True
+            return plain
         raise CheckpointError(
             f"{str(path)!r} is a directory but not a checkpoint (no {META_FILE} or .metadata inside). "
             "Pass the path that loom.save wrote."
@@ -342,6 +342,16 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"{FORMAT_VERSION}). Upgrade torchloom to load it."
         )
     return meta
+
+
+def missing_record_message(path: Path) -> str:
+    return (
+        f"The sharded checkpoint {str(path)!r} is incomplete: it holds torchloom's {EXTRA_FILE} but not {META_FILE}, "
+        "its record (format, what kind each entry is, every file's checksum). Without it the files cannot be "
+        "checked, nor the run's state restored as saved. Load the previous checkpoint "
+        "(torchloom.latest_checkpoint skips this one), or restore the file from a copy of the checkpoint; "
+        f"`torchloom inspect {str(path)}` lists what the folder still holds."
+    )
 
 
 def reader(path: Path, weights_only: bool = True) -> FileSystemReader:

@@ -69,6 +69,56 @@ def _small_values(entries: dict[str, Any], names: list[str]) -> dict[str, Any]:
 _DESCRIBED = ("version", "world_size", "strategy", "precision", "mesh")
 
 
+# safetensors' dtype names -> (torch's name, bytes per element)
+_DTYPES = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+def _safetensors_tensors(path: Path) -> list[dict[str, Any]]:
+    """Every tensor of a safetensors checkpoint (name, shape, dtype, bytes), from the files' headers alone."""
+    out = []
+    for file in hf.shard_files(path):
+        with hf._safetensors().safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                torch_name, size = _DTYPES.get(piece.get_dtype(), (piece.get_dtype().lower(), 0))
+                shape = list(piece.get_shape())
+                numel = int(torch.Size(shape).numel())
+                out.append({"name": name, "shape": shape, "dtype": torch_name, "bytes": numel * size})
+    return sorted(out, key=lambda t: t["name"])
+
+
+def _verify_safetensors(path: Path) -> dict[str, Any]:
+    """`torchloom inspect --verify` of a safetensors checkpoint (a file, or a folder with its index), in this
+    process: {"checked": the files with a checksum (None if none has one: written elsewhere), "failures": one
+    message per file that fails}."""
+    failures, checked = [], []
+    try:
+        files = hf.shard_files(path)
+    except CheckpointError as error:
+        return {"checked": [], "failures": [str(error)]}
+    for file in files:
+        try:
+            if integrity.check_safetensors(file):
+                checked.append(file.name)
+        except CheckpointError as error:
+            checked.append(file.name)
+            failures.append(str(error))
+    return {"checked": checked or None, "failures": failures}
+
+
 def verify(path: str | Path) -> dict[str, Any]:
     """Check every file of a checkpoint against its recorded size and checksum, in this process: {"checked":
     [file names] or None where the checkpoint records no checksums (written before they existed, or not by
@@ -76,10 +126,12 @@ def verify(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+    if hf.is_checkpoint(path):
+        return _verify_safetensors(path)
     if path.is_dir():
-        meta = sharded.read_meta(path)
         failures = []
         try:
+            meta = sharded.read_meta(path)
             sharded.check_complete(path, meta)
             files, failures = sharded.verify_all(path, meta)
         except CheckpointError as error:
@@ -100,12 +152,20 @@ def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = Fa
     if not path.exists():
         raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
     checked = verify(path) if verify_files else None
+    safetensors = hf.is_checkpoint(path)
     if checked is not None and checked["failures"]:
         # A damaged file may not even unpickle: report what is wrong without reading the rest.
-        return {"format": "sharded" if path.is_dir() else "full", "verify": checked}
+        fmt = "safetensors" if safetensors else "sharded" if path.is_dir() else "full"
+        return {"format": fmt, "verify": checked}
     tensors: list[dict[str, Any]] = []
-    if path.is_dir():
-        meta = sharded.read_meta(path)
+    if (
+        safetensors
+    ):  # weights only (save_raw, consolidate --format hf/safetensors): no record, no other entries
+        tensors = _safetensors_tensors(path)
+        info: dict[str, Any] = {"format": "safetensors"}
+        kinds, extra, values = {}, [], {}
+    elif path.is_dir():
+        meta = sharded.read_meta(path, record_missing_ok=True)
         md = sharded.read_dcp_metadata(path, weights_only)
         for entry, items in sharded.tensor_entries(md).items():
             for name, (shape, dtype) in items.items():
@@ -121,10 +181,16 @@ def inspect(path: str | Path, weights_only: bool = True, verify_files: bool = Fa
         kinds = sharded.entry_kinds(meta, md)
         extra = [k for k, kind in kinds.items() if kind not in ("module", "optimizer")]
         info = {"format": "sharded", **{k: meta.get(k) for k in _DESCRIBED}}
+        if meta.get("record_missing"):
+            info["incomplete"] = sharded.missing_record_message(path)
         info["shard_files"] = sorted(p.name for p in path.glob("*.distcp"))
         # The plain entries live in extra.pt (plain data only with weights_only), memory-mapped like full files.
-        values = _small_values(sharded.read_extra(path, weights_only, mmap=True), extra)
-        if meta.get("kinds") is None and extra:  # a plain DCP checkpoint keeps its values in DCP
+        stored_apart = sharded.read_extra(path, weights_only, mmap=True)
+        if meta.get("record_missing"):  # what extra.pt holds is all there is to know of the other entries
+            extra = [k for k in stored_apart if k != META_KEY]
+        values = _small_values(stored_apart, extra)
+        if meta.get("kinds") is None and extra and not meta.get("record_missing"):
+            # a plain DCP checkpoint keeps its values in DCP
             values = _small_values(sharded.read_entries(path, extra, weights_only), extra)
     else:
         checkpoint = full.read(path, weights_only=weights_only)
@@ -175,6 +241,8 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"precision {info.get('precision')!r}",
         f"mesh: {_mesh(info.get('mesh'))}",
     ]
+    if "incomplete" in info:
+        lines.append(f"INCOMPLETE: {info['incomplete']}")
     if "verify" in info:
         lines += format_verification(info["verify"])
     if info.get("shard_files"):
@@ -285,7 +353,7 @@ def consolidate(
         hf.write_dir(tensors, out, max_shard_size=max_shard_size)
     elif fmt == "safetensors":
         try:
-            from safetensors.torch import save_file
+            import safetensors.torch  # noqa: F401 - hf.write_file writes with it
         except ImportError as exc:
             raise CheckpointError(
                 "--format safetensors needs the safetensors package: pip install safetensors"
@@ -294,7 +362,7 @@ def consolidate(
             raise CheckpointError("--format safetensors stores weights only: add --model-only.")
         tensors: dict[str, torch.Tensor] = {}
         _flatten(result, "", tensors)
-        _write_safetensors(save_file, {k: v.contiguous() for k, v in tensors.items()}, out)
+        _write_safetensors({k: v.contiguous() for k, v in tensors.items()}, out)
     else:
         full.write_file(result, out)
     return result
@@ -316,14 +384,14 @@ def _check_output(checkpoint: Path, out: Path, fmt: str) -> None:
         atomic.check_replaceable(out, directory=False)
 
 
-def _write_safetensors(save_file: Any, tensors: dict[str, torch.Tensor], out: Path) -> None:
-    """`save_file` into a temporary file beside `out`, flushed to disk, then swapped into place; on any failure
-    the temporary file is removed."""
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """One safetensors file (with its checksum) into a temporary file beside `out`, flushed to disk, then swapped
+    into place; on any failure the temporary file is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temporaries(out)
     tmp = atomic.temporary_sibling(out)
     try:
-        save_file(tensors, str(tmp))
+        integrity.write_safetensors(tmp, tensors, hf._safetensors().torch.save_file)
         atomic.fsync_file(tmp)
         atomic.replace(tmp, out)
     except BaseException:

@@ -29,12 +29,20 @@ end of the compute: the reduction counts in `backward` there. Collectives inside
 forward or the backward (FSDP's all-gathers and reduce-scatters, tensor-parallel all-reduces) count in `forward`
 and `backward`: on CPU/gloo a collective blocks the thread that computes, so its time cannot be told apart from
 compute from outside; the profiler (`torchloom.throughput.profile_steps`) shows each collective.
+
+Time that a tool observing the run spends inside a step (`profile_steps` recording and writing its trace) is the
+tool's, not the step's: it counts in no part, is left out of `step`, and is reported apart as `profiler`
+(`set_aside`).
+
+Step k (counted from 1, as `optimizer.step()` calls) is logged at `step=k`: the count Fabric's loop gives
+`ThroughputMonitor.compute_and_log(step=i)` after its i-th update, so both land in the same row.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +51,26 @@ import torch
 from torchloom.errors import MisuseError
 
 PARTS = ("data", "forward", "backward", "communication", "optimizer", "torchloom", "other")
-_COLUMNS = (*PARTS, "step")
+#: Seconds set aside inside a step (`set_aside`): in no part and not in `step`.
+APART = "profiler"
+_COLUMNS = (*PARTS, "step", APART)
+
+#: id(loom) -> the TimeBreakdown timing it (one at a time: see TimeBreakdown's check).
+_TIMING: dict[int, TimeBreakdown] = {}
+
+
+@contextmanager
+def set_aside(loom: Any) -> Iterator[None]:
+    """The time of the block is not the step's: a `TimeBreakdown` timing `loom` leaves it out of every part and of
+    `step`, and reports it as `profiler`. What `profile_steps` wraps its work inside a step in (recording,
+    writing its trace: 250 ms on a step of 16 ms counted as torchloom's own time before)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        breakdown = _TIMING.get(id(loom))
+        if breakdown is not None:
+            breakdown._step.aside.append((start, time.perf_counter()))
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -77,9 +104,14 @@ class _Step:
     intervals: dict[str, list[tuple[_Mark, _Mark]]] = field(default_factory=dict)
     host: float = 0.0  # torchloom's own host seconds
     end: _Mark | None = None
+    aside: list[tuple[float, float]] = field(default_factory=list)  # wall spans of `set_aside`
 
     def add(self, part: str, start: _Mark, end: _Mark) -> None:
         self.intervals.setdefault(part, []).append((start, end))
+
+    def aside_within(self, start: float, end: float) -> float:
+        """Seconds set aside between the wall times `start` and `end`."""
+        return sum(max(min(end, b) - max(start, a), 0.0) for a, b in self.aside)
 
     def seconds(self) -> dict[str, float]:
         assert self.end is not None
@@ -87,11 +119,13 @@ class _Step:
             self.end.event.synchronize()
         out = {part: 0.0 for part in _COLUMNS}
         for part, spans in self.intervals.items():
-            out[part] = sum(a.until(b) for a, b in spans)
+            # a span the set-aside time fell in (the profiler's post-step hook inside `optimizer`) loses it
+            out[part] = sum(max(a.until(b) - self.aside_within(a.wall, b.wall), 0.0) for a, b in spans)
         # the backward's exposed communication is inside its span: count it once
         out["backward"] = max(out["backward"] - out["communication"], 0.0)
         out["torchloom"] = self.host
-        out["step"] = self.start.until(self.end)
+        out[APART] = self.aside_within(self.start.wall, self.end.wall)
+        out["step"] = max(self.start.until(self.end) - out[APART], 0.0)
         out["other"] = max(out["step"] - sum(out[p] for p in PARTS if p != "other"), 0.0)
         return out
 
@@ -128,6 +162,7 @@ class TimeBreakdown:
         self._hook_model(model)
         self._hook_optimizer(optimizer)
         self._hook_backward(loom)
+        _TIMING[id(loom)] = self
 
     # ---- the hooks --------------------------------------------------------------------------------------------
     def _mark(self) -> _Mark:
@@ -184,7 +219,7 @@ class TimeBreakdown:
 
         def post(*_: Any) -> None:
             end = self._mark()
-            self._inner_step_wall = end.wall - started[-1].wall
+            self._inner_step_span = (started[-1].wall, end.wall)
             self._step.add("optimizer", started.pop(), end)
 
         self._handles += [inner.register_step_pre_hook(pre), inner.register_step_post_hook(post)]
@@ -192,9 +227,12 @@ class TimeBreakdown:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             wall = time.perf_counter()
-            self._inner_step_wall = 0.0
+            self._inner_step_span = (wall, wall)
             output = original(*args, **kwargs)
-            self._step.host += max(time.perf_counter() - wall - self._inner_step_wall, 0.0)
+            now, (inner_start, inner_end) = time.perf_counter(), self._inner_step_span
+            # what was set aside around the optimizer's own step (a later post-step hook) is not torchloom's
+            aside = self._step.aside_within(wall, now) - self._step.aside_within(inner_start, inner_end)
+            self._step.host += max(now - wall - (inner_end - inner_start) - aside, 0.0)
             self._end_step()
             return output
 
@@ -260,8 +298,9 @@ class TimeBreakdown:
         done = len(self.steps) + len(self._pending)
         if done == 1 or done % self._log_every == 0:
             self._resolve()
-            latest = {f"{self._prefix}{k}": v for k, v in self.steps[-1].items()}
-            self._loom.log_dict(latest, step=len(self.steps) - 1)
+            latest = {f"{self._prefix}{k}": v for k, v in self.steps[-1].items() if k != APART or v}
+            # step k at k (counted from 1): the row ThroughputMonitor.compute_and_log(step=k) logs to
+            self._loom.log_dict(latest, step=len(self.steps))
             # the logging is the breakdown's own time, in the next step: torchloom's
             self._step.host += time.perf_counter() - step.end.wall
 
@@ -278,6 +317,8 @@ class TimeBreakdown:
         for obj, name in self._patched:
             obj.__dict__.pop(name, None)
         self._patched.clear()
+        if _TIMING.get(id(self._loom)) is self:
+            del _TIMING[id(self._loom)]
         self._resolve()
 
     def summary(self) -> BreakdownSummary:
@@ -312,7 +353,8 @@ class TimeBreakdown:
 
 @dataclass
 class BreakdownSummary:
-    """Every rank's step times: `per_rank[rank][step][part]` in seconds (parts of `PARTS` and `step`)."""
+    """Every rank's step times: `per_rank[rank][step][part]` in seconds (parts of `PARTS`, `step`, and
+    `profiler`: the time set aside, in no part and not in `step`)."""
 
     per_rank: list[list[dict[str, float]]]
     device: str = "cpu"
@@ -337,6 +379,11 @@ class BreakdownSummary:
             share = mean[part] / mean["step"] if mean["step"] else 0.0
             lines.append(f"  {part:<14} {mean[part] * 1e3:10.3f} ms  {share:6.1%}")
         lines.append(f"  {'step':<14} {mean['step'] * 1e3:10.3f} ms")
+        apart = sum(row.get(APART, 0.0) for rank in self.per_rank for row in rank)
+        if apart:
+            lines.append(
+                f"  (the profiler took {apart * 1e3:.3f} ms over all steps and ranks, left out of the steps)"
+            )
         return "\n".join(lines)
 
     def write_html(self, path: str) -> str:

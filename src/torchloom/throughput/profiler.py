@@ -5,7 +5,11 @@
 `torch.profiler` starts at once, skips the steps before `start` (the last of them as warm-up), records `steps`
 steps (a step ends when `optimizer.step()` returns, as in `TimeBreakdown`), then writes one Chrome/Perfetto trace
 per rank (`rank<r>.trace.json`) and, on CUDA, a memory snapshot per rank (`rank<r>.memory.pickle`, every
-allocation of the window with its stack) into the folder, and prints on rank 0 how to open them.
+allocation of the window with its stack) into the folder, and prints on rank 0 how to open them. Every rank
+writes into the same folder: without `folder`, rank 0's logger decides it and tells the others.
+
+What the profiler does inside a step (advancing its schedule, writing the trace) is its own time: a
+`TimeBreakdown` of the same Loom leaves it out of the step and reports it apart (`breakdown.set_aside`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from torchloom._torch_compat import cuda_memory_history, cuda_memory_snapshot
 from torchloom.errors import MisuseError
+from torchloom.throughput.breakdown import set_aside
 
 
 class StepProfiler:
@@ -57,12 +62,13 @@ class StepProfiler:
         self._handle = inner.register_step_post_hook(self._after_step)
 
     def _after_step(self, *_: Any) -> None:
-        self._seen += 1
-        self._profiler.step()
-        if self._memory and self._seen == self._start:
-            cuda_memory_history(True)
-        if self._seen >= self._left:
-            self.stop()
+        with set_aside(self._loom):
+            self._seen += 1
+            self._profiler.step()
+            if self._memory and self._seen == self._start:
+                cuda_memory_history(True)
+            if self._seen >= self._left:
+                self._stop()
 
     def _write_trace(self, profiler: Any) -> None:
         path = os.path.join(self.folder, f"rank{self._rank}.trace.json")
@@ -71,6 +77,10 @@ class StepProfiler:
 
     def stop(self) -> list[str]:
         """End the profile now (writing what the window recorded so far) and return this rank's files."""
+        with set_aside(self._loom):
+            return self._stop()
+
+    def _stop(self) -> list[str]:
         if self.done:
             return self.files
         self.done = True
@@ -105,10 +115,15 @@ def profile_steps(
 ) -> StepProfiler:
     """Profile steps `start` .. `start + steps - 1` (counted from 0 by `optimizer.step()` calls) on every rank.
 
-    `folder` defaults to `<first logger's log_dir>/profile`, else `./profile`. `options` go to
-    `torch.profiler.profile` (`record_shapes=True`, `profile_memory=True`, `with_stack=False` by default);
-    `memory_snapshot=False` skips the CUDA memory snapshot."""
+    `folder` defaults to `<first logger's log_dir>/profile` (rank 0's logger's, for every rank), else `./profile`.
+    `options` go to `torch.profiler.profile` (`record_shapes=True`, `profile_memory=True`, `with_stack=False` by
+    default); `memory_snapshot=False` skips the CUDA memory snapshot."""
     if folder is None:
-        log_dir = getattr(loom.logger, "log_dir", None) if getattr(loom, "loggers", None) else None
-        folder = os.path.join(log_dir or ".", "profile")
+        # Each rank's logger finds its version on the disk by itself (CSVLogger: one past the highest
+        # version_N), so ranks asking at different moments get different folders: rank 0's logger decides.
+        if loom.is_global_zero:
+            log_dir = getattr(loom.logger, "log_dir", None) if getattr(loom, "loggers", None) else None
+            folder = os.path.join(log_dir or ".", "profile")
+        folder = loom.broadcast(folder) if loom.world_size > 1 else folder
+    assert folder is not None
     return StepProfiler(loom, optimizer, folder, start, steps, **options)
