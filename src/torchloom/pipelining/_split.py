@@ -221,7 +221,7 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
     does elsewhere), so the random numbers are drawn in the order a real initialisation draws them; the
     values of this rank's stages are kept, the others freed at once. Each rank thus allocates its stages plus
     one module of another stage at a time, and spends the whole model's initialisation time."""
-    from torchloom.strategies import _meta_init
+    from torchloom import _meta_init
 
     # Listed before this rank's stages are allocated: a split_fn may hand the model's own modules to a stage.
     pending = _meta_init.meta_modules(model)
