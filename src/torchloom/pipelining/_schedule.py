@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchloom.errors import ConfigurationError, MisuseError, MisuseValueError
+from torchloom.errors import ConfigurationError, MisuseError, MisuseValueError, TorchloomError
 
 # name -> (torch class name, stages per rank it needs: 1, or None for several, placement style)
 SCHEDULES: dict[str, tuple[str, bool, str]] = {
@@ -227,7 +227,7 @@ class Runner:
         updates were undone above: refused loudly instead of training on wrong statistics."""
         expected = self.n_microbatches + 1
         if any(count != expected for count in self._forwards.values()):
-            raise MisuseError(
+            raise TorchloomError(
                 f"torch {torch.__version__} ran {sorted(set(self._forwards.values()))} forward(s) per stage at the "
                 f"batch that infers the stages' metadata, not {expected} ({self.n_microbatches} micro-batches and "
                 "its inference): torchloom cannot tell its metadata inference apart from a micro-batch and would "
