@@ -12,8 +12,12 @@ from torch import nn
 
 def average(params: Sequence[nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
     """Average the gradients of `params` over `group` (a missing gradient counts as zeros, so every rank issues
-    the same all-reduces)."""
+    the same all-reduces). A frozen parameter (`requires_grad=False`) is left without a gradient, as DDP and one
+    process leave it: a zero gradient would let the optimizer create state for it and weight decay move it. Every
+    rank of the group holds the same model, so all skip the same ones."""
     for p in params:
+        if not p.requires_grad:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=group)

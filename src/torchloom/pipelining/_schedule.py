@@ -3,6 +3,7 @@ backward through them."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchloom.errors import ConfigurationError, MisuseError, MisuseValueError
+from torchloom.errors import ConfigurationError, MisuseError, MisuseValueError, TorchloomError
 
 # name -> (torch class name, stages per rank it needs: 1, or None for several, placement style)
 SCHEDULES: dict[str, tuple[str, bool, str]] = {
@@ -86,6 +87,10 @@ class Runner:
         self._losses: dict[int, torch.Tensor] = {}
         self._last_train: bool | None = None  # what the last batch did: train, evaluate (None: none yet)
         self._torch_schedule: Any = None
+        # Stages whose next forward is torch's metadata inference, and the buffers kept aside around it.
+        self._inferring: set[int] = set()
+        self._kept_buffers: dict[int, list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]] = {}
+        self._forwards: dict[int, int] = {}
         last_pp_rank = num_stages - 1 if SCHEDULES[schedule][2] == "loop" else 0
         self.last_rank = self.pp_ranks[last_pp_rank % len(self.pp_ranks)]
 
@@ -101,6 +106,8 @@ class Runner:
         from torch.distributed import pipelining
 
         cls = getattr(pipelining, SCHEDULES[self.schedule][0])
+        for i, module in self.stages.items():
+            module.register_forward_pre_hook(functools.partial(self._before_forward, i))
         stages = [
             pipelining.PipelineStage(module, i, self.num_stages, self.device, group=self.pp_group)
             for i, module in sorted(self.stages.items())
@@ -155,7 +162,12 @@ class Runner:
         # metadata with a real forward (and backward), then clears the gradients of FSDP units: those a loop has
         # accumulated so far (gradient accumulation, an evaluation between micro-batches) are kept aside and
         # added back after.
-        kept = self._take_grads() if self._last_train is not train else {}
+        # Its forward runs on the first micro-batch (stage 0 would count it twice) and on uninitialised tensors
+        # (later stages): every stage's buffers (BatchNorm's running statistics) are kept aside around it too.
+        inferring = self._last_train is not train
+        kept = self._take_grads() if inferring else {}
+        self._inferring = set(self.stages) if inferring else set()
+        self._forwards = dict.fromkeys(self.stages, 0)
         self._last_train = train
         self._loss_fn = loss_fn
         self._scale = scale if scale is not None else _identity
@@ -174,6 +186,9 @@ class Runner:
         finally:
             self._loss_fn = None
             self._give_back(kept)
+            self._restore_buffers()
+        if inferring:
+            self._check_inference_seen()
         if self.holds_last:
             loss = torch.stack([self._losses[id(t)] for t in reported]).sum().to(self.device)
         else:
@@ -181,6 +196,43 @@ class Runner:
         self._losses = {}
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
+
+    def _before_forward(self, stage: int, module: nn.Module, args: Any) -> None:
+        """Kept aside before the inference's forward; put back before the stage's first real forward (not at the
+        end of the inference's forward: its backward follows, and autograd refuses a buffer written after the
+        forward that saved it)."""
+        self._forwards[stage] = self._forwards.get(stage, 0) + 1
+        if stage in self._inferring:
+            self._inferring.discard(stage)
+            self._kept_buffers[stage] = [
+                (owner, name, b, b.detach().clone())
+                for owner in module.modules()
+                for name, b in owner._buffers.items()
+                if b is not None
+            ]
+        elif stage in self._kept_buffers:
+            self._restore_buffers(stage)
+
+    def _restore_buffers(self, stage: int | None = None) -> None:
+        """Put the buffers kept before the metadata inference's forward back (the same tensors, their values)."""
+        for i in [stage] if stage is not None else list(self._kept_buffers):
+            with torch.no_grad():
+                for owner, name, buffer, value in self._kept_buffers.pop(i, []):
+                    owner._buffers[name] = buffer
+                    buffer.copy_(value)
+
+    def _check_inference_seen(self) -> None:
+        """At a batch that re-infers the metadata, each stage ran one forward more than its micro-batches: torch's
+        inference. Where it did not (a torch that infers without a forward), the first micro-batch's buffer
+        updates were undone above: refused loudly instead of training on wrong statistics."""
+        expected = self.n_microbatches + 1
+        if any(count != expected for count in self._forwards.values()):
+            raise TorchloomError(
+                f"torch {torch.__version__} ran {sorted(set(self._forwards.values()))} forward(s) per stage at the "
+                f"batch that infers the stages' metadata, not {expected} ({self.n_microbatches} micro-batches and "
+                "its inference): torchloom cannot tell its metadata inference apart from a micro-batch and would "
+                "undo a real buffer update. Use a torch version the README lists as tested, or report it."
+            )
 
     def _take_grads(self) -> dict[nn.Parameter, torch.Tensor]:
         kept = {}

@@ -69,6 +69,18 @@ def trace_stages(
             "pass split_fn."
         )
     stages = {i: pipe.get_stage_module(i) for i in stage_ids}
+    names = {n for n, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    lost = sorted(
+        {f"{name} (stage {i})" for i, stage in stages.items() for name in _meta_constants(stage, names)}
+    )
+    if lost:
+        raise MisuseError(
+            f"The forward of {type(model).__name__} builds tensor constant(s) from data on the meta device "
+            f"({', '.join(lost[:3])}; e.g. `torch.tensor([...], device=x.device)`): the traced stage keeps them "
+            "without values, and would train on uninitialised memory. Build such a constant where it has values "
+            "(`torch.tensor([...]).to(x.device)`, or a buffer the module's reset_parameters fills), build the model "
+            "without init_module(empty_init=True), or pass split_fn."
+        )
     if any(not p.is_meta for p in model.parameters()):
         # The tracer works on copies; a model built for real gives its own values to the stage.
         named = dict(model.named_parameters())
@@ -84,6 +96,95 @@ def trace_stages(
                 if name in named_buffers and not named_buffers[name].is_meta:
                     _replace(stage, name, named_buffers[name], buffer=True)
     return stages
+
+
+def _constants(stage: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """The tensors the traced graphs of `stage` read that are neither its parameters nor its buffers (constants
+    the tracer keeps as plain attributes; others it registers as buffers): name -> (owner, attribute, tensor)."""
+    own = {id(t) for _, t in _tensors(stage)}
+    found = {}
+    for prefix, gm, graph in _graphs(stage):
+        for node in graph.nodes:
+            if node.op != "get_attr":
+                continue
+            owner_name, _, leaf = str(node.target).rpartition(".")
+            owner = gm.get_submodule(owner_name)
+            value = getattr(owner, leaf, None)
+            if isinstance(value, torch.Tensor) and id(value) not in own:
+                found[f"{prefix}.{node.target}" if prefix else str(node.target)] = (owner, leaf, value)
+    return found
+
+
+def _meta_constants(stage: nn.Module, model_names: set[str]) -> list[str]:
+    """The meta tensors of a traced stage that are not the model's: the tracer's lifted constants (buffers of the
+    stage, or plain attributes of its graphs), whose values a meta trace never had."""
+    plain = [(name, t) for name, (_, _, t) in _constants(stage).items()]
+    return [name for name, t in [*_tensors(stage), *plain] if t.is_meta and name not in model_names]
+
+
+def place_graphs(stages: dict[int, nn.Module], device: torch.device) -> None:
+    """Make the traced stages compute on `device` what the forward computes there. The tracer records a tensor
+    the forward builds (`torch.arange(n, device=x.device)`, a position embedding's indices) with the device of
+    the trace: traced on the meta device (`init_module(empty_init=True)`), a real stage would build it on meta
+    and compute garbage from it. That device becomes `device`, and the lifted constants move there."""
+    from torch import fx
+
+    def placed(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    for stage in stages.values():
+        for _, gm, graph in _graphs(stage):
+            changed = False
+            for node in graph.nodes:
+                args, kwargs = (
+                    fx.node.map_aggregate(node.args, placed),
+                    fx.node.map_aggregate(node.kwargs, placed),
+                )
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs, changed = args, kwargs, True
+            # A GraphModule runs code generated from its graph, and so may an InterpreterModule (its
+            # `graph_module`): generated again.
+            code = gm if isinstance(gm, fx.GraphModule) else getattr(gm, "graph_module", None)
+            if changed and code is not None:
+                code.recompile()
+        for owner, leaf, value in _constants(stage).values():
+            if not value.is_meta and value.device != device:
+                setattr(owner, leaf, value.to(device))
+
+
+def _graphs(stage: nn.Module) -> list[tuple[str, nn.Module, Any]]:
+    """The traced modules of a stage and their graphs: the stage's `GraphModule` and the `InterpreterModule`s
+    standing for the model's modules inside it."""
+    from torch import fx
+
+    return [
+        (n, m, m.graph) for n, m in stage.named_modules() if isinstance(getattr(m, "graph", None), fx.Graph)
+    ]
+
+
+def mode_bound(stages: dict[int, nn.Module]) -> list[str]:
+    """The traced modules of these stages that behave as in training whatever `model.eval()` says: the tracer
+    records the forward in training mode, and an op's `training` argument (BatchNorm's, dropout's) is a constant
+    of the graph. A stage from `split_fn` runs the modules themselves, which follow eval()."""
+    return sorted(
+        {
+            n
+            for stage in stages.values()
+            for n, _, graph in _graphs(stage)
+            if any(map(_trains_always, graph.nodes))
+        }
+    )
+
+
+def _trains_always(node: Any) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.name in ("training", "train"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return value is True
+    return False
 
 
 def _replace(stage: nn.Module, name: str, tensor: torch.Tensor, buffer: bool = False) -> None:
@@ -186,8 +287,9 @@ def materialize(stages: dict[int, nn.Module], model: nn.Module, device: torch.de
     does elsewhere), so the random numbers are drawn in the order a real initialisation draws them; the
     values of this rank's stages are kept, the others freed at once. Each rank thus allocates its stages plus
     one module of another stage at a time, and spends the whole model's initialisation time."""
-    from torchloom.strategies import _meta_init
+    from torchloom import _meta_init
 
+    place_graphs(stages, device)
     # Listed before this rank's stages are allocated: a split_fn may hand the model's own modules to a stage.
     pending = _meta_init.meta_modules(model)
     mine: dict[str, torch.Tensor] = {}

@@ -26,10 +26,10 @@ from torch.optim import Optimizer
 
 from torchloom._describe import summary
 from torchloom._layout import Layout, Unit, analyze
+from torchloom._meta_init import PendingModules, materialize, meta_modules
 from torchloom.errors import ConfigurationError, MisuseError, warn_user
 from torchloom.strategies import _agreement, _clipping
 from torchloom.strategies import _mesh as mesh_rules
-from torchloom.strategies._meta_init import PendingModules, materialize, meta_modules
 from torchloom.strategies._placement import on_one_device_for_full_load, place_outside_units
 from torchloom.strategies._policies import (
     OptionTypeError,

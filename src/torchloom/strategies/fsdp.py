@@ -17,8 +17,8 @@ from torch.optim import Optimizer
 
 from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit, analyze
+from torchloom._meta_init import init_fn, materialize_meta
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.strategies._meta_init import init_fn, materialize_meta
 from torchloom.strategies._policies import as_module_policy, is_wrap_policy, skipping, tie_splitters
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies._sharded import ShardedStrategy

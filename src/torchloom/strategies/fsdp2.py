@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit
+from torchloom._meta_init import materialize_meta, run_init
 from torchloom.errors import ConfigurationError
-from torchloom.strategies._meta_init import materialize_meta, run_init
 from torchloom.strategies._policies import as_module_policy, tie_splitters
 from torchloom.strategies._sharded import ShardedStrategy
 

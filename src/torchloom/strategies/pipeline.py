@@ -146,6 +146,7 @@ class PipelineStrategy(ParallelStrategy):
         self._syncing = True
         self._tie_groups: list[list[str]] = []
         self._ties: list[_ties.Tie] = []
+        self._mode_bound: list[str] = []
 
     @property
     def num_stages(self) -> int:
@@ -255,6 +256,10 @@ class PipelineStrategy(ParallelStrategy):
         if found:
             raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
         _split.materialize(stages, module, self.root_device)
+        # Every rank learns which traced modules of the whole pipeline ignore eval(), to refuse it together.
+        self._mode_bound = sorted(
+            {n for names in self.all_gather_object(_split.mode_bound(stages)) for n in names}
+        )
         for stage in stages.values():
             stage.to(self.root_device)
         # A weight tied across stages: a copy on each stage that uses it, kept equal by summing their gradients.
@@ -366,7 +371,7 @@ class PipelineStrategy(ParallelStrategy):
     ) -> torch.Tensor:
         """One batch's forward and backward through the schedule; the loss on every rank."""
         precision = self.precision
-        loss = self._run(inputs, target, loss_fn, precision.scale_for_backward(self.root_device))
+        loss = self._run(module, inputs, target, loss_fn, precision.scale_for_backward(self.root_device))
         if self._syncing:
             if not self._checked_tp:
                 self._check_plain_grads_agree_over_tp()
@@ -393,10 +398,11 @@ class PipelineStrategy(ParallelStrategy):
                 "pending (between the micro-batches of an accumulation): call it after optimizer.step() and "
                 "optimizer.zero_grad()."
             )
-        return self._run(inputs, target, loss_fn, None, train=False)
+        return self._run(module, inputs, target, loss_fn, None, train=False)
 
     def _run(
         self,
+        module: nn.Module,
         inputs: tuple[Any, ...],
         target: Any,
         loss_fn: Callable[..., torch.Tensor],
@@ -405,6 +411,14 @@ class PipelineStrategy(ParallelStrategy):
     ) -> torch.Tensor:
         if self._runner is None:
             raise MisuseError("Set the model up with loom.setup_module before running a batch through it.")
+        if self._mode_bound and not module.training:
+            # `model.eval()` reaches every rank's model alike: all raise together.
+            raise MisuseError(
+                f"The model is in eval mode, but the traced pipeline stages run {self._mode_bound[:3]} as in "
+                "training (torch's tracer fixes BatchNorm's and dropout's training flag in the graph): they would "
+                "update the running statistics and use the batch's. Pass split_fn (stages of the model's own "
+                "modules, which follow eval()), or keep the model in training mode under split_points."
+            )
         precision = self.precision
         # The inputs as the model's forward gets them elsewhere (LoomModule); the target as the user passed it.
         inputs = precision.convert_input(tuple(inputs))
@@ -537,9 +551,13 @@ class PipelineStrategy(ParallelStrategy):
         # The saved names are torch's (state-dict names: no `_checkpoint_wrapped_module.`, `_orig_mod.`).
         own = {clean_name(n) for n, _ in module.named_parameters()}
         state = _state.optimizer_of_stage(_ties.optimizer_to_stage_names(state, self._tie_groups, own), own)
-        super().load_optimizer_state_dict(module, optimizer, state, full=full)
+        super().load_optimizer_state_dict(module, optimizer, state, full=full and _holds_tensors(state))
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
+        """Saving and loading alike: full (whole tensors, DTensors distributed) or each rank's own. A full load
+        of an optimizer state without tensors (SGD without momentum) comes here as `full=False`: torch's full
+        path finds no device to distribute on (`Expected device to be set`), and there is nothing to distribute:
+        the param groups load as under ddp."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(full_state_dict=full, **kwargs)
@@ -557,6 +575,16 @@ class PipelineStrategy(ParallelStrategy):
         if self.global_rank != 0:
             return None
         return [g for g in gathered if g is not None]
+
+
+def _holds_tensors(state: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict holds a tensor to distribute (torch's full load asks for one, of at least
+    one dimension, to learn the device)."""
+    return any(
+        isinstance(v, torch.Tensor) and v.dim() > 0
+        for entry in state.get("state", {}).values()
+        for v in (entry.values() if isinstance(entry, dict) else ())
+    )
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

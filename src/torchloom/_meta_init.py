@@ -1,4 +1,4 @@
-"""Meta-device initialisation for the sharded strategies: which modules of a model built with
+"""Meta-device initialisation for the sharded strategies and the pipeline stages: which modules of a model built with
 `init_module(empty_init=True)` still hold meta tensors and how each initialises itself (its `reset_parameters`, or
 a Hugging Face model's `_init_weights`), allocating them without untying shared parameters, and the order in which
 rank 0 draws its random numbers for them."""
