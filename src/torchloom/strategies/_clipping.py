@@ -34,7 +34,6 @@ from torch.optim import Optimizer
 # the copies of a weight tied across pipeline stages, by the module that makes them.
 from torchloom.pipelining._ties import COUNTED_ELSEWHERE
 
-
 #: id(parameter) -> the groups over which its gradient is sharded, one per mesh dim; absent: replicated.
 ShardGroups = dict[int, tuple[dist.ProcessGroup, ...]]
 
