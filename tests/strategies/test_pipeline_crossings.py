@@ -51,6 +51,22 @@ class GPT(nn.Module):
         return self.head(h)
 
 
+class ConstGPT(GPT):
+    """Tensors the checkpoint must not hold: a constant the forward builds (the tracer lifts it into a buffer) and
+    a non-persistent buffer in each block (as a rotary cache is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.register_buffer("gain", torch.full((DIM,), 0.5), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx) * torch.tensor([2.0]) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            h = layer(h) * layer.gain
+        return self.head(h)
+
+
 class BNNet(nn.Module):
     """A BatchNorm in every block: buffers the forward updates, on every stage at pp 4."""
 
@@ -228,6 +244,24 @@ def _crossings_body(rank: int, world: int, tmp: str) -> dict:
     # the same traced (split_points): the training steps; evaluation refused, since the traced graph fixes
     # BatchNorm's training flag (it would go on updating the statistics under model.eval())
     out["bn_traced"] = _train(_pipeline(world, 4, 1, "bn_traced"), "bn_traced", range(STEPS))
+    # the state dict keeps the model's names only: no lifted constant, no non-persistent buffer (traced at pp 2
+    # with two stages a rank, so blocks of two stages share the "layers" container)
+    strategy = PipelineStrategy(
+        pipeline_parallel_size=2,
+        data_parallel_size=2,
+        stages_per_rank=2,
+        schedule="interleaved_1f1b",
+        split_points=["layers.1", "layers.2", "layers.3"],
+        example_input=torch.zeros(GLOBAL // 2 // MICRO, SEQ, dtype=torch.long),
+        n_microbatches=MICRO,
+        save_distributed_checkpoint=False,
+    )
+    loom = Loom(strategy=strategy, accelerator="cpu", devices=world)
+    loom.launch()
+    torch.manual_seed(0)
+    model = loom.setup_module(ConstGPT())
+    out["const_keys"] = sorted(model.state_dict())
+    out["const_full_keys"] = sorted(loom.strategy.module_state_dict(model) or {})
     return out
 
 
@@ -283,6 +317,12 @@ def test_stateless_optimizer_resumes_from_a_full_checkpoint(crossings) -> None:
     _close(_merged(crossings, "sgd", STEPS), want["states"][STEPS], "resumed")
     _close(_merged(crossings, "sgd_resumed", 1), _merged(crossings, "sgd", STEPS), "resumed")
     assert all(r["sgd_resumed"]["stateful"] == [] for r in crossings)
+
+
+def test_checkpoints_hold_only_the_models_state(crossings) -> None:
+    want = sorted(ConstGPT().state_dict())
+    assert sorted({k for r in crossings for k in r["const_keys"]}) == want
+    assert crossings[0]["const_full_keys"] == want
 
 
 def test_batchnorm_statistics_match_one_process(crossings) -> None:

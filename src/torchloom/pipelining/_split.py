@@ -95,7 +95,24 @@ def trace_stages(
             for name, _ in stage.named_buffers():
                 if name in named_buffers and not named_buffers[name].is_meta:
                     _replace(stage, name, named_buffers[name], buffer=True)
+    persistent = {n for n, _ in model.named_parameters(remove_duplicate=False)} | set(model.state_dict())
+    for stage in stages.values():
+        _keep_out_of_checkpoints(stage, persistent)
     return stages
+
+
+def _keep_out_of_checkpoints(stage: nn.Module, persistent: set[str]) -> None:
+    """Make the buffers of a traced stage that are not in the model's state dict non-persistent: the tracer's
+    lifted constants (`lifted_tensor_0`, a `torch.tensor([...])` the forward builds) and the model's own
+    non-persistent buffers (which the tracer registers as plain buffers). Kept, they would be written into
+    checkpoints under names the model does not have, and a strict load elsewhere would refuse them."""
+    for name, buffer in list(stage.named_buffers()):
+        if name in persistent:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = stage.get_submodule(owner_name)
+        del owner._buffers[leaf]
+        owner.register_buffer(leaf, buffer, persistent=False)
 
 
 def _constants(stage: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
@@ -369,6 +386,11 @@ def _merge_into(target: nn.Module, source: nn.Module, path: str) -> None:
     for key, b in source._buffers.items():
         if b is not None:
             target._buffers[key] = b
+            # A buffer left out of the stage's state dict stays out of the model's (a rotary cache, a constant).
+            if key in source._non_persistent_buffers_set:
+                target._non_persistent_buffers_set.add(key)
+            else:
+                target._non_persistent_buffers_set.discard(key)
     for key, child in source._modules.items():
         if child is None:
             continue
