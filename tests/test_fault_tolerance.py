@@ -182,3 +182,24 @@ def test_without_torchft_replica_groups_name_the_extra(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "pip install torchloom[ft]" in done.stderr
     assert "never runs" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (["--replica-groups", "2", "--replica-group", "0"], "--replica-group needs --lighthouse"),
+        (["--replica-groups", "2", "--lighthouse", "127.0.0.1:1"], "--lighthouse needs --replica-group"),
+        (["--replica-groups", "2", "--lighthouse", "h:1", "--replica-group", "2"], "must be in 0..1"),
+        (["--replica-groups", "2", "--strategy", "fsdp2"], "--strategy ddp"),
+        (["--replica-groups", "0"], "--replica-groups 0 is not valid"),
+    ],
+)
+def test_replica_group_options_are_checked_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], words: str
+) -> None:
+    from torchloom.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never runs')\n")
+    assert main(["run", *options, str(script)]) == 2
+    assert words in capsys.readouterr().err
