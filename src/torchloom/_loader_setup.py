@@ -74,8 +74,10 @@ def setup_dataloaders(
                 "(**loom.strategy.distributed_sampler_kwargs), or give the DataLoader an undistributed sampler "
                 "and let setup_dataloaders split it."
             )
+        # In a replica group (torchloom.fault_tolerance) each batch starts the fault-tolerant step.
+        loader_class = LoomDataLoader if strategy.replicas is None else _replica_loader_class()
         out.append(
-            LoomDataLoader(
+            loader_class(
                 loader,
                 device,
                 replicas if own is None else own.num_replicas,
@@ -85,7 +87,16 @@ def setup_dataloaders(
                 ranks=world_size,
             )
         )
+    for set_up in out:
+        if strategy.replicas is not None:
+            strategy.replicas.add_loader(set_up)
     return out
+
+
+def _replica_loader_class() -> type[LoomDataLoader]:
+    from torchloom.fault_tolerance.replica import ReplicaLoader
+
+    return ReplicaLoader
 
 
 def distributed_order(strategy: Strategy) -> bool:

@@ -61,6 +61,9 @@ class LoomOptimizer:
         if check is not None:
             check()
         kwargs = {} if closure is None else {"closure": closure}
+        replicas = getattr(self._strategy, "replicas", None)
+        if replicas is not None and not replicas.should_commit():
+            return None  # fault tolerance: a replica group failed this step, which the survivors retry
         with _kinds_apart(self._optimizer):
             output = self._precision.optimizer_step(self._optimizer, **kwargs)
         # Fabric's hook, called on every callback that has it after each step (skipped or not by the scaler).

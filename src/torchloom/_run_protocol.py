@@ -54,3 +54,22 @@ def command_line_option(name: str) -> str | None:
 def given_after_script(name: str) -> bool:
     """`Loom()`'s side: whether option `name` came after the script on `torchloom run`'s command line."""
     return name in os.environ.get(AFTER_SCRIPT_ENV, "").split(",")
+
+
+#: `torchloom run --replica-groups N` (fault tolerance through torchft, `torchloom.fault_tolerance`): the number
+#: of replica groups, this process's group, the lighthouse's address and the commit record's path.
+REPLICA_GROUPS_ENV = "TORCHLOOM_REPLICA_GROUPS"
+REPLICA_GROUP_ENV = "TORCHLOOM_REPLICA_GROUP"
+LIGHTHOUSE_ENV = "TORCHLOOM_LIGHTHOUSE"
+FT_RECORD_ENV = "TORCHLOOM_FT_RECORD"
+
+
+def replica_groups() -> tuple[int, int, str, str | None] | None:
+    """`Loom()`'s side: (groups, this group, lighthouse address, record path) when `torchloom run` started this
+    rank in a replica group, else None."""
+    groups = os.environ.get(REPLICA_GROUPS_ENV)
+    group = os.environ.get(REPLICA_GROUP_ENV)
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+    if groups is None or group is None or lighthouse is None:
+        return None
+    return int(groups), int(group), lighthouse, os.environ.get(FT_RECORD_ENV) or None

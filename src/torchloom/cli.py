@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --fabric-compat: run Lightning's FSDPStrategy as 'fsdp' (FSDP1, the default) or 'fsdp2'",
     )
     _add_elastic_options(run)
+    _add_replica_group_options(run)
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -202,8 +204,8 @@ def _add_elastic_options(run: argparse.ArgumentParser) -> None:
         "--max-restarts",
         "--max_restarts",
         type=int,
-        default=0,
-        help="restarts of all ranks after one fails (default 0)",
+        default=None,
+        help="restarts of all ranks after one fails (default 0; 3 per group with --replica-groups)",
     )
     run.add_argument("--nnodes", default=None, help="N or MIN:MAX nodes (a range needs --rdzv-backend c10d)")
     run.add_argument("--rdzv-backend", "--rdzv_backend", default=None, help="static (default) or c10d")
@@ -218,6 +220,39 @@ def _add_elastic_options(run: argparse.ArgumentParser) -> None:
         type=float,
         default=0.1,
         help="seconds between the agent's checks of its ranks",
+    )
+
+
+def _add_replica_group_options(run: argparse.ArgumentParser) -> None:
+    """Fault tolerance through torchft (`torchloom.fault_tolerance`, docs: fault_tolerance). A group started by
+    an embedded launch learns its place from the environment, so it repeats the launch's command line."""
+    from torchloom._run_protocol import FT_RECORD_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+
+    group = os.environ.get(REPLICA_GROUP_ENV)
+    run.add_argument(
+        "--replica-groups",
+        "--replica_groups",
+        type=int,
+        default=None,
+        help="replica groups of the job (torchft)",
+    )
+    run.add_argument(
+        "--replica-group",
+        "--replica_group",
+        type=int,
+        default=None if group is None else int(group),
+        help="this group's number, with --lighthouse (one launch per group on a cluster)",
+    )
+    run.add_argument(
+        "--lighthouse",
+        default=os.environ.get(LIGHTHOUSE_ENV),
+        help="HOST:PORT of a running torchft lighthouse (default: one started here)",
+    )
+    run.add_argument(
+        "--ft-record",
+        "--ft_record",
+        default=os.environ.get(FT_RECORD_ENV),
+        help="the record of committed steps (default torchloom-ft-record.jsonl)",
     )
 
 
@@ -256,6 +291,14 @@ RUN_OPTIONS = frozenset(
         "--monitor-interval",
         "--monitor_interval",
         "--fabric-fsdp",
+        # fault tolerance (torchft)
+        "--replica-groups",
+        "--replica_groups",
+        "--replica-group",
+        "--replica_group",
+        "--lighthouse",
+        "--ft-record",
+        "--ft_record",
     )
 )
 
@@ -342,12 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     script_args: list[str] | None = None
     places: list[tuple[str, str | None, bool]] = []
+    command = list(argv)
     if argv[:1] == ["run"]:
         ours, script_args = split_run_args(argv[1:], places)
         argv = ["run", *ours]
     args = parser.parse_args(argv)
     if script_args is not None:
         args.script_args = script_args
+    args.command_line = command  # what an embedded replica-group launch repeats per group
     try:
         if args.command == "run":
             from torchloom.run import run

@@ -9,7 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 from torchloom._fabric_strategies import from_instance, is_lightning_strategy
-from torchloom._run_protocol import command_line_option, given_after_script, under_torchloom_run
+from torchloom._run_protocol import (
+    command_line_option,
+    given_after_script,
+    replica_groups,
+    under_torchloom_run,
+)
 from torchloom._text import count
 from torchloom.accelerators import CPUAccelerator, select_accelerator
 from torchloom.environments import (
@@ -183,9 +188,22 @@ def configure(
     if timeout is not None and not isinstance(timeout, timedelta):
         raise ConfigurationError(f"timeout must be a datetime.timedelta, got {timeout!r}.")
     instance = _select_strategy(strategy, world_size)
+    _check_replica_groups(instance)
     prec = select_precision(precision, acc.name, sharded_gradients=instance.sharded_gradients)
     instance._bind(acc, prec, env, parallel_devices, num_nodes, timeout)
     return instance
+
+
+def _check_replica_groups(instance: Strategy) -> None:
+    """Under `torchloom run --replica-groups`, only DDP joins the groups' quorum (torchloom.fault_tolerance); any
+    other strategy would train without fault tolerance, silently."""
+    from torchloom.strategies.ddp import DDPStrategy
+
+    if replica_groups() is not None and not isinstance(instance, DDPStrategy):
+        raise ConfigurationError(
+            f"torchloom run --replica-groups runs strategy 'ddp' inside each group in this version, but the script "
+            f"asks for {type(instance).__name__}. Remove strategy= from Loom(...) (the command passes 'ddp')."
+        )
 
 
 def _select_strategy(strategy: Any, world_size: int) -> Strategy:

@@ -72,11 +72,12 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         raise ConfigurationError(f"The script {args.script!r} does not exist (looked in {os.getcwd()}).")
     low, high = _node_range(args)
     nproc = _processes_per_node(args.accelerator, args.devices)
-    if args.max_restarts < 0:
-        raise ConfigurationError(f"--max-restarts {args.max_restarts} is not valid: pass a number >= 0.")
+    max_restarts = 0 if args.max_restarts is None else args.max_restarts
+    if max_restarts < 0:
+        raise ConfigurationError(f"--max-restarts {max_restarts} is not valid: pass a number >= 0.")
     common = [
         f"--nproc-per-node={nproc}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={max_restarts}",
         f"--monitor-interval={args.monitor_interval}",
     ]
     if (args.rdzv_backend or "static") != "static":
@@ -130,6 +131,19 @@ def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int) -> list[s
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "replica_groups", None) is not None:
+        # Fault tolerance (torchloom.fault_tolerance.launch): on one machine, a lighthouse and one child launch
+        # per group, each of which comes back here with its group set; on a cluster, one group.
+        from torchloom.fault_tolerance import launch
+
+        launch.check(args)
+        if args.lighthouse is None:
+            return launch.run_embedded(args, args.command_line)
+        launch.publish_group(args)
+    return _run_agent(args)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun

@@ -78,6 +78,9 @@ class Strategy:
 
     #: Registry name, e.g. "ddp".
     name: str = ""
+    #: This rank's replica group under `torchloom run --replica-groups` (a `torchloom.fault_tolerance.ReplicaGroup`,
+    #: set by the strategies that support it), else None.
+    replicas: Any = None
 
     def __init__(self, timeout: timedelta | None = None) -> None:
         if timeout is not None and not isinstance(timeout, timedelta):

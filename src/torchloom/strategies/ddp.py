@@ -7,9 +7,12 @@ from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
+from torchloom import _run_protocol
 from torchloom.errors import ConfigurationError
 from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
@@ -42,13 +45,59 @@ class DDPStrategy(ParallelStrategy):
         )
         self.ddp_kwargs = ddp_kwargs
 
+    # ---- replica groups (`torchloom run --replica-groups`, torchloom.fault_tolerance) ---------------------------
+    # DDP averages the gradients inside this rank's group; its `ReplicaGroup` averages them across groups, heals
+    # the group from a peer, and lets the optimizer step only when the step commits.
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        spec = _run_protocol.replica_groups()
+        if spec is not None and self.replicas is None:
+            from torchloom.fault_tolerance.replica import ReplicaGroup
+
+            self.replicas = ReplicaGroup(
+                *spec,
+                group_rank=self.global_rank,
+                group_size=self.world_size,
+                all_gather_object=self.all_gather_object,
+                device=self.root_device,
+            )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        spec = _run_protocol.replica_groups()
+        if spec is None:
+            return super().distributed_sampler_kwargs
+        # Every group reads its own shard: the data is split over groups x ranks per group.
+        groups, group = spec[0], spec[1]
+        return {"num_replicas": groups * self.world_size, "rank": group * self.world_size + self.global_rank}
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.replicas is not None:
+            self.replicas.add_optimizer(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
+        super().backward(tensor, module, **kwargs)
+        if self.replicas is not None:
+            self.replicas.average_gradients()
+
+    def teardown(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
+        super().teardown()
+
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
         self._require_group("setup_module with strategy='ddp'")
         self._check_not_meta(module)
         if move_to_device:
             module = module.to(self.root_device)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        if self.replicas is not None:
+            self.replicas.add_module(wrapped)
+        return wrapped
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:

@@ -1,0 +1,326 @@
+"""One rank's part in a fault-tolerant job: its replica group in torchft's quorum.
+
+The job is split into replica groups (`torchloom run --replica-groups N`); inside a group the strategy works as
+without them (DDP averages the group's gradients in backward), and across groups torchft's `Manager` does the
+rest. Each step:
+
+1. its first batch (or its backward, for a script without a set-up loader) asks the lighthouse for a quorum:
+   the groups alive now. A group that is behind (restarted) receives the live state from a peer there, through
+   torchft's checkpoint transport, before it reads its batch (`use_async_quorum=False`: the healed group then
+   reads the batch of the step it joins and contributes a real gradient, never zeros);
+2. after backward, the gradients are averaged over the quorum's groups with `manager.allreduce` (called
+   directly: torchft's own DDP wrapper's comm hook crashes a survivor when a group dies mid-step);
+3. `optimizer.step()` runs only when `manager.should_commit()` agrees that every group of the quorum
+   finished the step; a step that failed is retried, on the same batch, by the groups still alive.
+
+Every committed step is appended to the job's record (`torchloom.fault_tolerance.record`): which groups took part,
+and which batch each used, as the all-reduce that carried the gradients reports it.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from torchloom.data.loader import LoomDataLoader
+from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.fault_tolerance import record as _record
+from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
+
+#: Seconds torchft waits for a collective, a commit vote or a checkpoint transfer before the step fails. A group
+#: that dies is noticed at once (its connections close); this bounds a group that hangs instead.
+COLLECTIVE_TIMEOUT_S = 30.0
+#: Seconds a quorum may take (a group waits this long for the lighthouse, e.g. while it is down).
+QUORUM_TIMEOUT_S = 60.0
+#: Seconds to connect to the lighthouse and to the managers of the other groups.
+CONNECT_TIMEOUT_S = 30.0
+
+_CURRENT: ReplicaGroup | None = None
+
+
+def current() -> ReplicaGroup | None:
+    """This process's replica group, or None outside `torchloom run --replica-groups`."""
+    return _CURRENT
+
+
+class ReplicaGroup:
+    """This rank's replica group (see the module docstring). The strategy creates it when the process group is
+    joined and hands it the set-up modules, optimizer and loaders, which it keeps in step with the other groups.
+
+    Read-only for users: `group`, `groups`, `step` (committed steps of the job), `participants` (the groups whose
+    gradients the last committed step averaged)."""
+
+    def __init__(
+        self,
+        groups: int,
+        group: int,
+        lighthouse: str,
+        record_path: str | None,
+        *,
+        group_rank: int,
+        group_size: int,
+        all_gather_object: Any,
+        device: torch.device,
+    ) -> None:
+        global _CURRENT
+        require_torchft()
+        if not 0 <= group < groups:
+            raise ConfigurationError(
+                f"--replica-group {group} must be in 0..{groups - 1} for {groups} groups."
+            )
+        self.group, self.groups = group, groups
+        self.participants: list[int] = []
+        self._lighthouse = lighthouse_url(lighthouse)
+        self._record_path = record_path
+        self._group_rank, self._group_size = group_rank, group_size
+        self._all_gather_object = all_gather_object
+        self._device = device
+        self._manager: Any = None
+        self._store: Any = None
+        self._modules: list[nn.Module] = []
+        self._optimizers: list[Optimizer] = []
+        self._loaders: list[ReplicaLoader] = []
+        self._in_step = False
+        #: The last step did not commit: the survivors retry it on the same batches.
+        self.retrying = False
+        # (epoch, batch) of the batch this step reads, (-1, -1) when no set-up loader hands it out.
+        self._source = (-1, -1)
+        self._sources: torch.Tensor | None = None
+        # The record's hash chain of the history this group's state holds (taken from the peer when healing).
+        self._chain = ""
+        _CURRENT = self
+
+    # ---- what the strategy hands over ------------------------------------------------------------------------
+    def add_module(self, module: nn.Module) -> None:
+        self._modules.append(module)
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        if self._optimizers:
+            raise MisuseError(
+                "With replica groups a job has one optimizer (its step commits the job's step); this script set "
+                "up a second one. Use one optimizer over all parameter groups."
+            )
+        self._optimizers.append(optimizer)
+
+    def add_loader(self, loader: ReplicaLoader) -> None:
+        loader._replicas = self
+        self._loaders.append(loader)
+
+    @property
+    def step(self) -> int:
+        """Committed steps of the job (torchft's step count, carried to a group that heals)."""
+        return 0 if self._manager is None else int(self._manager.current_step())
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Join this step's quorum (once a step); a group behind the others heals here."""
+        if self._in_step:
+            return
+        if self._manager is None:
+            self._manager = self._start_manager()
+        self._in_step = True
+        try:
+            self._manager.start_quorum()
+        except Exception as error:
+            raise MisuseError(
+                f"Replica group {self.group} got no quorum from the lighthouse at {self._lighthouse} within "
+                f"{QUORUM_TIMEOUT_S:.0f} s ({type(error).__name__}: {error}). The lighthouse may have died: "
+                "restart it (`torchft_lighthouse`, or the whole `torchloom run`); the job resumes from its last "
+                "checkpoint."
+            ) from error
+
+    def note_batch(self, epoch: int, batch: int) -> None:
+        self._source = (epoch, batch)
+
+    def average_gradients(self) -> None:
+        """After backward: average the set-up modules' gradients over the quorum's groups (and learn which groups
+        and batches the average holds). A failure (a group died) is recorded by torchft; the step will not
+        commit. Nothing under `no_backward_sync` (gradient accumulation): DDP does not sync there either."""
+        from torch.distributed import ReduceOp
+
+        if not all(getattr(m, "require_backward_grad_sync", True) for m in self._modules):
+            return
+        self.begin_step()
+        params = [p for m in self._modules for p in m.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every group must send the same layout
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)  # type: ignore[union-attr]
+        flats = {dtype: torch.cat([p.grad.reshape(-1) for p in ps]) for dtype, ps in by_dtype.items()}  # type: ignore[union-attr]
+        works = [self._manager.allreduce(flat) for flat in flats.values()]
+        # One slot per group: 1 from each group in the average, with the epoch and batch it read.
+        sources = torch.zeros(3 * self.groups, dtype=torch.float64, device=self._device)
+        sources[self.group] = 1.0
+        sources[self.groups + self.group] = self._source[0]
+        sources[2 * self.groups + self.group] = self._source[1]
+        works.append(self._manager.allreduce(sources, reduce_op=ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        if self._manager.errored() is not None:
+            return  # the step will not commit; the gradients may be partial, and are not used
+        for dtype, ps in by_dtype.items():
+            offset = 0
+            for p in ps:
+                n = p.numel()
+                p.grad.copy_(flats[dtype][offset : offset + n].view_as(p.grad))  # type: ignore[union-attr]
+                offset += n
+        self._sources = sources.cpu()
+
+    def should_commit(self) -> bool:
+        """At `optimizer.step()`: whether every group of the quorum finished this step (then the step runs)."""
+        self.begin_step()
+        committed = bool(self._manager.should_commit())
+        self._in_step = False
+        self.retrying = not committed
+        sources, self._sources = self._sources, None
+        if committed:
+            step = int(self._manager.current_step()) - 1
+            self.participants = _record.participants_of(sources, self.groups)
+            if sources is not None:
+                if self._group_rank == 0 and self._record_path:
+                    self._chain = _record.append(self._record_path, step, sources, self.groups, self._chain)
+                else:
+                    self._chain = _record.chained(
+                        self._chain, step, _record.participants_with_batches(sources, self.groups)
+                    )
+        return committed
+
+    # ---- healing ---------------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        """What a peer that heals receives (called by torchft while this group sends it)."""
+        return {
+            "modules": [m.state_dict() for m in self._modules],
+            "optimizers": [o.state_dict() for o in self._optimizers],
+            "loaders": [loader.position_at_step_start() for loader in self._loaders],
+            "rng": torch.get_rng_state(),
+            "chain": self._chain,
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for module, module_state in zip(self._modules, state["modules"], strict=True):
+            module.load_state_dict(module_state)
+        for optimizer, optimizer_state in zip(self._optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        for loader, position in zip(self._loaders, state["loaders"], strict=True):
+            loader.heal_to(position)
+        torch.set_rng_state(state["rng"])
+        self._chain = state["chain"]
+        self.retrying = False
+
+    def _start_manager(self) -> Any:
+        """torchft's `Manager` for this rank, on a store of the group's own (rank 0 serves it)."""
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if self._group_rank == 0:
+            # A fresh store each start: the job's own store may hold a dead attempt's manager address.
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = self._store.port
+        else:
+            port = 0
+        port = max(self._all_gather_object(port))
+        if self._device.type == "cuda":
+            from torchft.process_group import ProcessGroupNCCL
+
+            pg: Any = ProcessGroupNCCL(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        else:
+            pg = ProcessGroupGloo(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return Manager(
+            pg=pg,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+            connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+            rank=self._group_rank,
+            world_size=self._group_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=self._lighthouse,
+            replica_id=f"torchloom_group_{self.group}",
+            init_sync=True,
+        )
+
+    def close(self) -> None:
+        global _CURRENT
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+        if _CURRENT is self:
+            _CURRENT = None
+
+
+class ReplicaLoader(LoomDataLoader):
+    """`LoomDataLoader` in a replica group: each batch starts the step (the quorum, and the heal of a group that
+    is behind, which moves this loader to the peer's position first), and a step that did not commit is
+    retried on the batch it used."""
+
+    _replicas: ReplicaGroup
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cached: Any = None
+        self._step_start: dict[str, Any] | None = None
+        self._healed: dict[str, Any] | None = None
+
+    def __iter__(self) -> Any:
+        return _ReplicaPass(self, super().__iter__())
+
+    def position_at_step_start(self) -> dict[str, Any] | None:
+        return self._step_start
+
+    def heal_to(self, position: dict[str, Any] | None) -> None:
+        self._healed = position
+        self._cached = None
+
+    def _next(self, live: Any) -> tuple[Any, Any]:
+        """The live pass's next batch for this step, and the pass to read from afterwards."""
+        replicas = self._replicas
+        if not replicas._in_step and not (replicas.retrying and self._cached is not None):
+            self._step_start = LoomDataLoader.state_dict(
+                self
+            )  # before this step's batch: what a peer heals to
+        replicas.begin_step()
+        if self._healed is not None:
+            # Healed from a peer: read from its position (its epoch, its batch count) in this group's shard.
+            live.close()
+            LoomDataLoader.load_state_dict(self, self._healed)
+            self._step_start, self._healed = self._healed, None
+            live = LoomDataLoader.__iter__(self)
+        if replicas.retrying and self._cached is not None:
+            return self._cached, live
+        position = self._position
+        per_batch = (self._loader.batch_size or 1) * position.world_size
+        epoch, index = position.current, position.consumed // per_batch
+        batch = next(live)
+        replicas.note_batch(-1 if epoch is None else epoch, index)
+        self._cached = batch
+        return batch, live
+
+
+class _ReplicaPass:
+    """One pass over a `ReplicaLoader`: the loader decides each batch (see `ReplicaLoader._next`)."""
+
+    def __init__(self, loader: ReplicaLoader, live: Any) -> None:
+        self._loader, self._live = loader, live
+
+    def __iter__(self) -> _ReplicaPass:
+        return self
+
+    def __next__(self) -> Any:
+        batch, self._live = self._loader._next(self._live)
+        return batch
+
+    def close(self) -> None:
+        self._live.close()
