@@ -118,6 +118,19 @@ def _global(
     return [sorted(i for r in rank_results for i in r[key][m]) for m in range(steps)]
 
 
+def _evals_problem(phase: str, got: list, expected: list, scenario: Scenario, allowed: float) -> str | None:
+    """The validation losses `loom.evaluate` returned against the reference's (eval mode: BatchNorm's running
+    statistics). fp32: within 20x the parameters' tolerance, relative (a loss sums many parameters' errors);
+    low precision: within the relative update error allowed."""
+    if [s for s, _ in got] != [s for s, _ in expected]:
+        return f"{phase}: evaluated after steps {[s for s, _ in got]}, the reference after {[s for s, _ in expected]}"
+    rel = 20 * allowed if scenario.precision == "32-true" else allowed
+    for (step, a), (_, b) in zip(got, expected, strict=True):
+        if not abs(a - b) <= rel * max(abs(b), 1.0):
+            return f"{phase}: validation loss after step {step} is {a:.6g}, the reference's {b:.6g}"
+    return None
+
+
 def _errors(results: list[dict]) -> list[str]:
     return [
         f"rank {r}: {res['error_type']}: {res['error']}\n{res.get('traceback', '')}"
@@ -243,6 +256,8 @@ def _judge(
             if not abs(a - b) <= rel * abs(b) + 1e-7:
                 problems.append(f"train: clip norm {i} is {a:.6g}, the reference's {b:.6g}")
                 break
+    if problem := _evals_problem("train", trained[0]["evals"], reference["evals"], scenario, allowed):
+        problems.append(problem)
     if scenario.precision == "16-mixed" and trained[0].get("scale") != reference["scale"]:
         problems.append(
             f"train: loss scale {trained[0].get('scale')} vs the reference's {reference['scale']}"
@@ -271,6 +286,9 @@ def _judge(
         # What the checkpoint did not hold restarts at the load: plain torch says where that run ends.
         uninterrupted = train_reference(scenario, initial, restart=True)
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)
+    evals_after = [e for e in uninterrupted["evals"] if e[0] > scenario.save_step]
+    if problem := _evals_problem("resume", resumed[0]["evals"], evals_after, scenario, allowed):
+        problems.append(problem)
     for rank, res in enumerate(resumed):
         if problem := _params_problem(
             scenario,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .axes import Scenario
+from .model import EVALUATE_AFTER
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ REFUSALS.append(
         # Under fsdp2 every parameter in a unit is a DTensor; "none" puts everything in the root unit.
         applies=lambda s: (
             s.strategy in ("fsdp2", "model_parallel", "pipeline")
-            and s.optimizer == "sgd"
+            and s.optimizer in ("sgd", "plain_sgd")
             and s.impl == "fused"
         ),
         error="MisuseError",
@@ -72,7 +73,7 @@ REFUSALS.append(
         # Every scenario runs on the CPU; fsdp2 is refused above (DTensors). Asked of the installed torch's kernel.
         applies=lambda s: (
             s.strategy != "fsdp2"
-            and s.optimizer == "sgd"
+            and s.optimizer in ("sgd", "plain_sgd")
             and s.impl == "fused"
             and s.precision == "bf16-true"
             and _fused_sgd_drops_bf16()
@@ -110,8 +111,11 @@ for _phase in ("train", "resume"):
     REFUSALS.append(
         Refusal(
             name="tensor-parallel DTensors outside units in a data-parallel pipeline",
-            # _parallelize makes the blocks' MLPs tensor-parallel DTensors (also on a tensor-parallel mesh of 1).
-            applies=lambda s, phase=_phase: s.pipelined(phase) and s.units == "none" and s.dp(phase) > 1,
+            # _parallelize makes split_fn's blocks' MLPs tensor-parallel DTensors (also on a tensor-parallel mesh of
+            # 1); traced stages (split_points) get no tensor-parallel plan.
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase) and s.split == "fn" and s.units == "none" and s.dp(phase) > 1
+            ),
             error="MisuseError",
             fragment="are tensor-parallel DTensors outside every fully_shard unit",
             reason="no unit reduces their gradients over the data-parallel ranks, and the plain-gradient "
@@ -138,7 +142,7 @@ for _phase in ("train", "resume"):
             # The sequence-parallel final norm outside every unit is a tensor-parallel DTensor that no unit
             # averages over the data-parallel ranks.
             applies=lambda s, phase=_phase: (
-                s.strategy == "model_parallel"
+                (s.strategy == "model_parallel" or s.pipelined(phase))
                 and s.seq_parallel == "blocks+norm"
                 and s.leftovers
                 and s.dp(phase) > 1
@@ -190,6 +194,21 @@ for _phase in ("train", "resume"):
             error="MisuseValueError",
             fragment="micro-batches do not divide",
             reason="unequal micro-batches would weigh their samples unequally in the mean loss",
+            phase=_phase,
+        ),
+        Refusal(
+            name="evaluate through a V schedule",
+            # the evaluate axis runs after step 2: in the resume phase only when the checkpoint came before it
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase)
+                and s.schedule == "zbv_zero_bubble"
+                and s.evaluate
+                and (phase == "train" or s.save_step < EVALUATE_AFTER)
+            ),
+            error="MisuseError",
+            fragment="loom.evaluate cannot run through schedule='zbv_zero_bubble'",
+            reason="torch 2.13's schedule.eval of a V-shaped schedule runs its backward actions and fails where the "
+            "two stages of a rank meet",
             phase=_phase,
         ),
         Refusal(
@@ -248,6 +267,128 @@ KNOWN_FAILURES: list[KnownFailure] = [
         "(FSDP1's _use_sharded_flat_param); 2 ranks pass",
     ),
 ]
+
+
+# Issue 44's pipeline defects, fixed in parallel: each entry goes when its item's fix is merged.
+def _plain_pos_at_dp(s: Scenario) -> bool:
+    """Whether a pipelined phase holds the frozen position embedding as a plain parameter (no fully_shard unit:
+    units "none", or a leftover) at data parallel > 1, where PipelineStrategy averages plain gradients."""
+    plain = s.units == "none" or s.leftovers
+    phases = ("train", "resume") if s.saves else ("train",)
+    return plain and any(s.pipelined(p) and s.dp(p) > 1 for p in phases)
+
+
+KNOWN_FAILURES += [
+    KnownFailure(
+        name="issue 44 item 1: empty_init with split_points",
+        applies=lambda s: s.strategy == "pipeline" and s.split == "points" and s.empty_init,
+        reason="issue 44 item 1: init_module(empty_init=True), a forward that builds torch.arange(x.shape[1], "
+        "device=x.device) (the position embedding), split_points: the traced stage keeps an uninitialised "
+        "constant and trains on garbage",
+    ),
+    KnownFailure(
+        name="issue 44 item 2: frozen plain parameters under pp x dp",
+        applies=lambda s: (
+            s.strategy == "pipeline" and s.frozen and s.optimizer != "plain_sgd" and _plain_pos_at_dp(s)
+        ),
+        reason="issue 44 item 2: the frozen position embedding, a plain parameter at data parallel > 1, gets a "
+        "zero gradient from the pipeline's averaging (pipelining/_grads.py average()): the optimizer makes "
+        "state for it, and AdamW's weight decay moves it",
+    ),
+    KnownFailure(
+        name="issue 44 item 3: pipeline clipping with sequence-parallel norms",
+        # The norms whose gradients no fully_shard unit reduces: the final norm left outside the units, or every
+        # norm without units (with the norms in units the clipping is right).
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.seq_parallel
+            and s.clip in ("norm", "value")
+            and (s.units == "none" or (s.seq_parallel == "blocks+norm" and s.leftovers))
+        ),
+        reason="issue 44 item 3: PipelineStrategy.clip_gradients adds up the squared local pieces of the "
+        "SequenceParallel norms' Partial gradients instead of taking the norm of their sum (the norm too low); "
+        "by value it clamps each rank's Partial piece instead of their sum (0.064 off one process, found by this "
+        "engine; the same missing reduction of pending Partial gradients)",
+    ),
+    KnownFailure(
+        name="issue 44 item 4: BatchNorm under a pipeline",
+        applies=lambda s: s.strategy == "pipeline" and s.batchnorm,
+        reason="issue 44 item 4: torch's stage-metadata inference runs a real forward at the first batch (and at "
+        "each switch between training and evaluation): stage 0's BatchNorm counts a batch twice, later stages' "
+        "normalise torch.empty inputs",
+    ),
+    KnownFailure(
+        name="issue 44 item 5: a full checkpoint of a stateless optimizer, loaded",
+        applies=lambda s: (
+            s.optimizer == "plain_sgd"
+            and s.checkpoint == "full"
+            and s.ckpt_state != "partial"
+            and _load_strategy(s) in ("fsdp2", "model_parallel", "pipeline")
+        ),
+        reason="issue 44 item 5: loading a full checkpoint whose optimizer (SGD without momentum) holds no state "
+        "raises torch's 'Expected device to be set' (_state_dict_options ignores `loading`): under the pipeline, "
+        "and (found by this engine) under fsdp2 and ModelParallelStrategy too; ddp and fsdp load it",
+        phase="resume",
+    ),
+    KnownFailure(
+        name="issue 44 item 5: a full checkpoint of a stateless foreach optimizer over plain and DTensor "
+        "parameters, saved under a pipeline",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.optimizer == "plain_sgd"
+            and s.impl == "foreach"
+            and s.checkpoint == "full"
+            and s.ckpt_state != "partial"
+            and (s.leftovers or (s.split == "fn" and s.units == "none"))
+        ),
+        reason="issue 44 item 5, the save side (found by this engine): PipelineStrategy.optimizer_state_dict's "
+        "get_optimizer_state_dict initialises a stateless optimizer's state with a step of its own, which "
+        "SGD(foreach=True) over plain and DTensor parameters fails ('aten._foreach_add_.List got mixed "
+        "torch.Tensor and DTensor')",
+    ),
+]
+
+
+# New defects the engine found (not items of issue 44; reported with a reproduction).
+KNOWN_FAILURES += [
+    KnownFailure(
+        name="BatchNorm in an FSDP2 unit under mixed precision",
+        applies=lambda s: (
+            s.batchnorm
+            and s.precision in ("bf16-mixed", "16-mixed")
+            and (
+                (s.strategy == "fsdp2" and not (s.units == "hand" and s.leftovers))
+                or (s.strategy in ("model_parallel", "pipeline") and not s.leftovers)
+            )
+        ),
+        reason="new (found by this engine): a BatchNorm inside a fully_shard unit under bf16-mixed or 16-mixed "
+        "fails in its first forward with torch's 'expected scalar type BFloat16 but found Float': the unit's "
+        "MixedPrecisionPolicy casts the BatchNorm's weight to the compute dtype, not its running statistics "
+        "(FSDP1 keeps BatchNorm out of its mixed precision: _module_classes_to_ignore)",
+    ),
+    KnownFailure(
+        name="a frozen parameter in a fully_shard unit under the pipeline, saved",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.frozen
+            and s.units == "hand"
+            and not s.leftovers
+            and s.saves
+            and s.ckpt_state != "partial"
+        ),
+        reason="new (found by this engine): under PipelineStrategy, an optimizer over a frozen parameter (the "
+        "position embedding) that sits in a fully_shard unit of its own: loom.save (full or sharded) raises "
+        "CheckpointError 'Entry optimizer0 is an optimizer over sharded parameters that belong to no one module' "
+        "on one rank while the others wait for the collective timeout (fsdp2 and ModelParallelStrategy save it)",
+        runs=False,
+    ),
+]
+
+
+def _load_strategy(s: Scenario) -> str:
+    if s.strategy == "pipeline":
+        return "pipeline" if s.pipelined("resume") else s.load_pp
+    return s.strategy
 
 
 def known_failure(scenario: Scenario) -> KnownFailure | None:
