@@ -214,7 +214,10 @@ for _phase in ("train", "resume"):
         Refusal(
             name="a tied weight across pipeline stages",
             # model.split_fn's stages: "inp" opens the first, "out" closes the last.
-            applies=lambda s, phase=_phase: s.pipelined(phase) and s.tied and s.num_stages(phase) > 1,
+            # Traced split_points untie it even in one stage (torch's tracer makes two tensors).
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase) and s.tied and (s.num_stages(phase) > 1 or s.split == "points")
+            ),
             error="MisuseError",
             fragment="does not support a weight tied across pipeline stages",
             reason="the tied weight would be two parameters on two stages, trained apart: refused on every rank "
@@ -381,6 +384,20 @@ KNOWN_FAILURES += [
         "CheckpointError 'Entry optimizer0 is an optimizer over sharded parameters that belong to no one module' "
         "on one rank while the others wait for the collective timeout (fsdp2 and ModelParallelStrategy save it)",
         runs=False,
+    ),
+    KnownFailure(
+        name="a weight tied inside one pipeline stage, built with empty_init",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.tied
+            and s.empty_init
+            and s.split == "fn"
+            and any(s.pipelined(p) and s.num_stages(p) == 1 for p in ("train", "resume"))
+        ),
+        reason="new (found by this engine): PipelineStrategy, a stage holding both ends of a tied weight, the model "
+        "built under init_module(empty_init=True): the materialisation makes two tensors of the tied one, trained "
+        "apart silently (0.63 off one process after 4 steps; the optimizer holds state for both names); without "
+        "empty_init, and under fsdp2 and ModelParallelStrategy, the tie holds",
     ),
 ]
 
