@@ -53,20 +53,35 @@ REFUSALS.append(
         "of the shared weight (fully_shard trains two copies apart; FSDP1 aborts the ranks in a collective)",
     )
 )
-REFUSALS.append(
-    Refusal(
-        name="fused SGD on DTensors",
-        # Under fsdp2 every parameter in a unit is a DTensor; "none" puts everything in the root unit.
-        applies=lambda s: (
-            s.strategy in ("fsdp2", "model_parallel", "pipeline")
-            and s.optimizer in ("sgd", "plain_sgd")
-            and s.impl == "fused"
-        ),
-        error="MisuseError",
-        fragment="SGD(fused=True) cannot update sharded parameters",
-        reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have one",
+
+
+def _dtensors(s: Scenario, phase: str) -> bool:
+    """Whether the phase's parameters are DTensors: every fsdp2 and model_parallel parameter (fsdp2's "none" puts
+    everything in the root unit); under the pipeline, split_fn's tensor-parallel blocks or fully_shard units
+    (traced stages without units are plain)."""
+    if s.pipelined(phase):
+        return s.split == "fn" or s.units == "hand"
+    return (s.strategy if phase == "train" else _load_strategy(s)) in ("fsdp2", "model_parallel")
+
+
+for _phase in ("train", "resume"):
+    REFUSALS.append(
+        Refusal(
+            name="fused SGD on DTensors",
+            # at the load only where training ran (a pipeline without DTensors resumed in fsdp2)
+            applies=lambda s, phase=_phase: (
+                s.optimizer in ("sgd", "plain_sgd")
+                and s.impl == "fused"
+                and _dtensors(s, phase)
+                and (phase == "train" or not _dtensors(s, "train"))
+            ),
+            error="MisuseError",
+            fragment="SGD(fused=True) cannot update sharded parameters",
+            reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have "
+            "one",
+            phase=_phase,
+        )
     )
-)
 REFUSALS.append(
     Refusal(
         name="fused SGD on bf16 CPU parameters",
@@ -378,6 +393,7 @@ KNOWN_FAILURES += [
             and not s.leftovers
             and s.saves
             and s.ckpt_state != "partial"
+            and declared(s, "train") is None  # not run: a refusal at setup comes before the save
         ),
         reason="new (found by this engine): under PipelineStrategy, an optimizer over a frozen parameter (the "
         "position embedding) that sits in a fully_shard unit of its own: loom.save (full or sharded) raises "
