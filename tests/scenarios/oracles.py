@@ -118,6 +118,22 @@ def _global(
     return [sorted(i for r in rank_results for i in r[key][m]) for m in range(steps)]
 
 
+FROZEN = "pos.weight"  # model.Net's frozen parameter (the frozen axis)
+
+
+def _frozen_problems(phase: str, results: list[dict], initial: dict) -> list[str]:
+    """A frozen parameter never moves and gets no optimizer state, in any precision (the parameters' tolerance
+    of a low precision, and its lack of an optimizer-state check, would let a frozen weight drift)."""
+    out = []
+    for rank, res in enumerate(results):
+        if not torch.equal(res["params"][FROZEN], initial[FROZEN]):
+            d = (res["params"][FROZEN] - initial[FROZEN]).abs().max().item()
+            out.append(f"{phase}: rank {rank}'s frozen {FROZEN} moved by {d:.3g}")
+        if FROZEN in res["optim"]:
+            out.append(f"{phase}: rank {rank}'s optimizer holds state for the frozen {FROZEN}")
+    return out
+
+
 def _evals_problem(phase: str, got: list, expected: list, scenario: Scenario, allowed: float) -> str | None:
     """The validation losses `loom.evaluate` returned against the reference's (eval mode: BatchNorm's running
     statistics). fp32: within 20x the parameters' tolerance, relative (a loss sums many parameters' errors);
@@ -244,6 +260,8 @@ def _judge(
                 problems.append(
                     f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}"
                 )
+    if scenario.frozen:
+        problems += _frozen_problems("train", trained, initial)
     # The norms clip_gradients returned (before clipping): clipping to a norm hides how large the gradients
     # were from the parameters, not from these.
     if len(trained[0]["norms"]) != len(reference["norms"]):
@@ -286,6 +304,8 @@ def _judge(
         # What the checkpoint did not hold restarts at the load: plain torch says where that run ends.
         uninterrupted = train_reference(scenario, initial, restart=True)
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)
+    if scenario.frozen:
+        problems += _frozen_problems("resume", resumed, initial)
     evals_after = [e for e in uninterrupted["evals"] if e[0] > scenario.save_step]
     if problem := _evals_problem("resume", resumed[0]["evals"], evals_after, scenario, allowed):
         problems.append(problem)
