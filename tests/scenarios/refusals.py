@@ -235,6 +235,8 @@ for _phase in ("train", "resume"):
                 s.pipelined(phase)
                 and s.tied
                 and (s.num_stages(phase) > 1 or (s.split == "points" and not s.empty_init))
+                # an empty model with a BatchNorm fails in the tracer first (issue 44 item 1's known failure)
+                and not (s.split == "points" and s.empty_init and s.batchnorm)
             ),
             error="MisuseError",
             fragment="does not support a weight tied across pipeline stages",
@@ -305,7 +307,9 @@ KNOWN_FAILURES += [
         applies=lambda s: s.strategy == "pipeline" and s.split == "points" and s.empty_init,
         reason="issue 44 item 1: init_module(empty_init=True), a forward that builds torch.arange(x.shape[1], "
         "device=x.device) (the position embedding), split_points: the traced stage keeps an uninitialised "
-        "constant and trains on garbage",
+        "constant and trains on garbage. With a BatchNorm (real buffers beside meta parameters; found by this "
+        "engine) the tracer fails instead, refused with a message that blames the forward ('cannot capture your "
+        "model as a full graph')",
     ),
     KnownFailure(
         name="issue 44 item 2: frozen plain parameters under pp x dp",
