@@ -297,7 +297,8 @@ def _plain_pos_at_dp(s: Scenario) -> bool:
     """Whether a pipelined phase holds the frozen position embedding as a plain parameter (no fully_shard unit:
     units "none", or a leftover) at data parallel > 1, where PipelineStrategy averages plain gradients."""
     plain = s.units == "none" or s.leftovers
-    phases = ("train", "resume") if s.saves else ("train",)
+    # (a refused load cannot show it)
+    phases = ("train", "resume") if s.saves and declared(s, "resume") is None else ("train",)
     return plain and any(s.pipelined(p) and s.dp(p) > 1 for p in phases)
 
 
@@ -433,7 +434,7 @@ KNOWN_FAILURES.append(
             and s.schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
             and any(
                 s.pipelined(p) and s.pp_degree(p) == 1 and (p == "train" or s.save_step < EVALUATE_AFTER)
-                for p in (("train", "resume") if s.saves else ("train",))
+                for p in (("train", "resume") if s.saves and declared(s, "resume") is None else ("train",))
             )
         ),
         reason="new (found by this engine): loom.evaluate under a schedule with 2 stages per rank at pipeline "

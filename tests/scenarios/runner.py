@@ -77,8 +77,10 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
     features), with sequence parallel the norm too (the block slices the sequence at its entrance and gathers it
     at its exit, so the projections outside the blocks see whole sequences); then compile, then activation
     checkpointing (the order that works in torch 2.13), then one FSDP2 unit per block over the data-parallel
-    ranks. The projections stay plain (replicated leftovers) or become units of their own. Under pipeline `model`
-    is one stage (model.Stage): its blocks a ModuleDict, the modules of other stages None."""
+    ranks. The edges (projections, position embedding, BatchNorm, final norm) stay plain (replicated leftovers) or
+    become units of their own. Under pipeline `model` is one stage: split_fn's (model.Stage: its blocks a
+    ModuleDict, the modules of other stages None), or a traced one of split_points (only the modules it holds;
+    no tensor parallel: its blocks keep no nn.Linear children)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
@@ -109,18 +111,17 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
             ),
         )
 
-    traced = scenario.split == "points"  # torch's traced stages: no nn.Linear children, no tensor parallel
-    if (
-        scenario.seq_parallel == "blocks+norm" and model.norm is not None
-    ):  # a tensor-parallel leftover, or a unit
+    # A stage's modules by name (the model's under model_parallel; None where another stage holds them).
+    children = dict(model.named_children())
+    if scenario.seq_parallel == "blocks+norm" and children.get("norm") is not None:  # a leftover, or a unit
         # (hooks run in the order they were registered: slice to a local shard, then SequenceParallel's own)
         sequence_sharded_inside(model.norm)
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
-    children = dict(model.named_children())
     container = children.get("blocks")
     blocks = dict(container.named_children()) if container is not None else {}
     for i, block in blocks.items():
-        if traced:
+        # torch's traced stages (split_points) keep no nn.Linear children: no tensor-parallel plan there
+        if scenario.split == "points":
             pass
         elif scenario.seq_parallel:
             parallelize_module(
