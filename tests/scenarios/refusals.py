@@ -324,13 +324,13 @@ KNOWN_FAILURES += [
     ),
     KnownFailure(
         name="issue 44 item 3: pipeline clipping with sequence-parallel norms",
-        # The norms whose gradients no fully_shard unit reduces: the final norm left outside the units, or every
-        # norm without units (with the norms in units the clipping is right).
+        # The final norm left outside the units, whose gradient no fully_shard unit reduces (with the norms in
+        # units the clipping is right; sequence parallel comes with units, `conflicts`).
         applies=lambda s: (
             s.strategy == "pipeline"
-            and s.seq_parallel
+            and s.seq_parallel == "blocks+norm"
+            and s.leftovers
             and s.clip in ("norm", "value")
-            and (s.units == "none" or (s.seq_parallel == "blocks+norm" and s.leftovers))
         ),
         reason="issue 44 item 3: PipelineStrategy.clip_gradients adds up the squared local pieces of the "
         "SequenceParallel norms' Partial gradients instead of taking the norm of their sum (the norm too low); "
