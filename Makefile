@@ -46,12 +46,16 @@ clients:
 # The scenario engine's long run (tests/scenarios): a seeded random sample of user choices (strategy, layout,
 # world size, optimizer, precision, accumulation, clipping, loop, checkpoint and resume), each judged against
 # plain torch or the uninterrupted run; a markdown report (and .json beside it) goes to SCENARIO_REPORT.
+# SCENARIO_SEED may list several seeds ("21 22 23": SCENARIO_COUNT scenarios each); SCENARIO_STRATEGY=pipeline
+# draws one strategy's scenarios only.
 SCENARIO_COUNT ?= 300
 SCENARIO_SEED ?= 1
+SCENARIO_STRATEGY ?=
 SCENARIO_REPORT ?= scenario-report.md
 .PHONY: scenarios
 scenarios: $(VENV)/.installed-test
-	$(PY) tests/scenarios/run_many.py --count $(SCENARIO_COUNT) --seed $(SCENARIO_SEED) --report $(SCENARIO_REPORT)
+	$(PY) tests/scenarios/run_many.py --count $(SCENARIO_COUNT) --seed $(SCENARIO_SEED) \
+		$(if $(SCENARIO_STRATEGY),--strategy $(SCENARIO_STRATEGY)) --report $(SCENARIO_REPORT)
 
 # On a machine with a GPU (under 10 minutes): the CUDA tests, the step-overhead and memory benchmarks on CUDA, and
 # a summary. It uses $(VENV) as it is, or creates it with TORCH_SPEC; without a GPU it stops with the reason.

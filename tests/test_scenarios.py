@@ -10,7 +10,7 @@ size and phase), started by the first test; the rest read their results. The lon
 from __future__ import annotations
 
 import pytest
-from scenarios.axes import AXES
+from scenarios.axes import AXES, COSTLY, conflicts
 from scenarios.engine import run_scenarios
 from scenarios.generator import RANDOM_ONLY, feasible_pairs, make_test_set, pairs_of
 from scenarios.refusals import known_failure
@@ -46,3 +46,20 @@ def test_the_set_covers_every_feasible_pair():
     for axis, values in AXES.items():
         expected = set(values) - set(RANDOM_ONLY.get(axis, ()))
         assert {getattr(s, axis) for s in SCENARIOS} == expected, axis
+
+
+def test_every_axis_meets_every_strategy():
+    """The crossings: every value of every axis that a strategy can take occurs with that strategy (the pipeline
+    included, whose scenarios are generator.pipeline_scenarios), but the costly values and those left to the
+    random samples."""
+    missing = [
+        (strategy, axis, value)
+        for strategy in AXES["strategy"]
+        for axis, values in AXES.items()
+        for value in values
+        if axis != "strategy"
+        and value not in RANDOM_ONLY.get(axis, ()) + COSTLY.get(axis, ())
+        and not conflicts({"strategy": strategy, axis: value})
+        and not any(s.strategy == strategy and getattr(s, axis) == value for s in SCENARIOS)
+    ]
+    assert not missing

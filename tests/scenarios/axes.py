@@ -14,7 +14,8 @@ from typing import Any
 # The schedules that hold several stages per pipeline rank (2 here; zbv's V needs exactly 2).
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 SCHEDULES = ("none", "gpipe", "1f1b", *MULTI_STAGE)
-PIPELINE_AXES = ("pp", "schedule", "microbatches", "load_pp")  # pinned (1, "none", 1, 1) outside "pipeline"
+# pinned (1, "none", 1, 1, "fn") outside "pipeline"
+PIPELINE_AXES = ("pp", "schedule", "microbatches", "load_pp", "split")
 
 AXES: dict[str, tuple[Any, ...]] = {
     # "model_parallel": ModelParallelStrategy, tensor parallel on the blocks' MLPs with fully_shard over the
@@ -34,12 +35,29 @@ AXES: dict[str, tuple[Any, ...]] = {
     "schedule": SCHEDULES,
     # pipeline: n_microbatches, each data-parallel rank's batch cut into this many (1 elsewhere).
     "microbatches": (1, 2, 4),
+    # pipeline: how the user cuts the stages: "fn" (split_fn, model.split_fn: the model's modules per stage),
+    # "points" (split_points at the blocks, the forward traced by torch's pipeline(); without tensor parallel,
+    # whose plans need the nn.Linear children that traced stages do not keep). "fn" elsewhere.
+    "split": ("fn", "points"),
     # FSDP layouts: "hand" = units made by the user (wrap()/fully_shard on the blocks), "root" = the root is a
     # unit around the blocks' units (a policy, or unsharded_params="shard"), "none" = no unit but the root.
     "units": ("hand", "root", "none"),
     # Parameters outside every block unit (the input and output projections) stay outside every unit.
     "leftovers": (True, False),
     "tied": (False, True),  # the output projection's weight is the input projection's
+    # The position embedding (fed by torch.arange(x.shape[1], device=x.device) in the forward) frozen by the
+    # user (requires_grad=False) before setup; every optimizer is given all parameters, as a user's often is.
+    "frozen": (False, True),
+    # A BatchNorm1d after the input projection: buffers (running statistics) updated by every training forward.
+    # Its statistics are those of each rank's batch: only where one rank reads the whole global batch (data
+    # parallel 1, one pipeline micro-batch) is one process on the global batch the oracle (conflicts).
+    "batchnorm": (False, True),
+    # The model built under loom.init_module(empty_init=True): on the meta device where the strategy
+    # materialises it (fsdp, fsdp2, model_parallel, pipeline), else with torch.nn.init skipped and the user's
+    # reset_parameters() after (single, ddp: Fabric's rule).
+    "empty_init": (False, True),
+    # model.eval(); loom.evaluate(model, x, y, loss_fn) on a validation batch; model.train(), after step 2.
+    "evaluate": (False, True),
     # model_parallel with tensor parallel: "blocks": the blocks' norms are SequenceParallel, and the residual
     # stream inside each block is sharded along the sequence between the tensor-parallel regions; "blocks+norm":
     # the final norm too (outside the units with leftovers: a tensor-parallel leftover).
@@ -52,7 +70,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "compile": (False, True),
     # cpu_offload=True (fsdp, fsdp2): a CPU job refuses it (declared refusal); the CUDA suite runs it.
     "offload": (False, True),
-    "optimizer": ("sgd", "adam", "adamw"),
+    # "sgd": with momentum; "plain_sgd": without (an optimizer that holds no state); Adam; AdamW.
+    "optimizer": ("sgd", "plain_sgd", "adam", "adamw"),
     "impl": ("forloop", "foreach", "fused"),
     "n_opt": (1, 2),  # one optimizer, or one for the blocks and one for the rest
     "groups": (1, 2),  # param groups per optimizer: weights, and biases at half the lr without decay
@@ -141,9 +160,9 @@ def conflicts(values: Mapping[str, Any]) -> bool:
         return True
     if strategy in ("single", "ddp") and get("leftovers") is True:
         return True
-    # Sequence parallel needs tensor parallel (model_parallel with tp = 2).
+    # Sequence parallel needs tensor parallel (model_parallel or pipeline with tp = 2).
     if get("seq_parallel") not in (None, False) and (
-        strategy not in (None, "model_parallel") or mesh not in (None, "1x2", "2x2")
+        strategy not in (None, "model_parallel", "pipeline") or mesh not in (None, "1x2", "2x2")
     ):
         return True
     if get("offload") is True and strategy not in (None, *SHARDED):
@@ -174,14 +193,57 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     # The user's samplers replace the loop's own sampler (the "subset" loop is a sampler choice of its own).
     if get("sampler") not in (None, "auto") and get("loop") == "subset":
         return True
+    return get("batchnorm") is True and _batchnorm_conflicts(values)
+
+
+def _batchnorm_conflicts(values: Mapping[str, Any]) -> bool:
+    """BatchNorm normalises each forward's batch: one process on the global batch is the oracle only where every
+    forward sees a whole global batch (data parallel 1 in both phases, one pipeline micro-batch; accumulation's
+    micro-batches are forwards of their own in the reference too). torch has no SyncBatchNorm on the CPU."""
+    get = values.get
+    # What no strategy completes at data parallel 1 (3 ranks, dp 2 x tp 1), named pairwise for the generator.
+    if get("microbatches") not in (None, 1) or 3 in (get("world_size"), get("load_world_size")):
+        return True
+    if get("mesh") == "2x1":
+        return True
+    for phase in ("train", "resume"):
+        dp = _dp(values, phase)
+        if dp is not None and dp > 1:
+            return True
     return False
+
+
+def _dp(values: Mapping[str, Any], phase: str) -> int | None:
+    """The data-parallel size of a phase of a (partial) assignment, None while it is not known yet."""
+    get = values.get
+    strategy, mesh = get("strategy"), get("mesh")
+    if phase == "train":
+        ws, pp = get("world_size"), (get("pp") if strategy == "pipeline" else 1)
+        if None in (strategy, ws, mesh, pp):
+            return None
+        tp = MESHES[mesh][1] if strategy in ("model_parallel", "pipeline") and mesh != "flat" else 1
+        return max(ws // (tp * pp), 1)
+    if get("checkpoint") == "none":
+        return 1
+    ws = get("load_world_size")
+    if None in (strategy, ws, get("checkpoint")):
+        return None
+    if strategy == "model_parallel":
+        tp = get("load_tp")
+        return None if tp is None else max(ws // tp, 1)
+    if strategy == "pipeline":
+        load_pp = get("load_pp")
+        if load_pp is None:
+            return None
+        return max(ws // (load_pp if isinstance(load_pp, int) else 1), 1)
+    return ws
 
 
 def _pipeline_conflicts(values: Mapping[str, Any]) -> bool:
     """The pipeline's own rules: its axes pinned elsewhere, its meshes, its degrees at save and load."""
     get = values.get
     strategy, ws, mesh, pp = get("strategy"), get("world_size"), get("mesh"), get("pp")
-    pinned = {"pp": 1, "schedule": "none", "microbatches": 1, "load_pp": 1}
+    pinned = {"pp": 1, "schedule": "none", "microbatches": 1, "load_pp": 1, "split": "fn"}
     if strategy not in (None, "pipeline") and any(get(a) not in (None, v) for a, v in pinned.items()):
         return True
     if strategy == "pipeline" and get("schedule") == "none":
@@ -195,7 +257,10 @@ def _pipeline_conflicts(values: Mapping[str, Any]) -> bool:
         return True
     if pp == 2 and mesh == "1x2" and ws == 2:
         return True
-    # Sequence parallel is model_parallel's (its norm hooks); 16-mixed and the rest are refusals, not conflicts.
+    # split_points traces the forward: its stages keep no nn.Linear children for a tensor-parallel plan, so a
+    # user with tensor parallel (and sequence parallel) writes a split_fn.
+    if get("split") == "points" and mesh not in (None, "flat"):
+        return True
     if get("checkpoint") == "none" and get("load_pp") not in (None, 1):
         return True
     if get("load_pp") == 2 and get("load_world_size") in (1, 3):
@@ -286,6 +351,7 @@ class Scenario:
         mesh = "" if v["mesh"] == "flat" else f"[{v['mesh']}]"
         if v["strategy"] == "pipeline":  # pp{degree}.{schedule}.mb{micro-batches}
             strategy = f"pp{v['pp']}.{v['schedule']}.mb{v['microbatches']}"
+            strategy += ".points" if v["split"] == "points" else ""
         layout = (
             "" if v["strategy"] in ("single", "ddp") else f"-{v['units']}{'+lo' if v['leftovers'] else ''}"
         )
@@ -296,6 +362,10 @@ class Scenario:
                 ("ac", v["act_ckpt"]),
                 ("compile", v["compile"]),
                 ("offload", v["offload"]),
+                ("frozen", v["frozen"]),
+                ("bn", v["batchnorm"]),
+                ("empty", v["empty_init"]),
+                ("eval", v["evaluate"]),
             )
             if on
         )

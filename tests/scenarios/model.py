@@ -38,25 +38,53 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """An input projection, blocks, a final norm, an output projection; `tied` shares the projections'
-    weight."""
+    """An input projection plus a position embedding (fed by a tensor the forward builds: torch.arange on the
+    input's device), optionally a BatchNorm, blocks, a final norm, an output projection. `tied` shares the
+    projections' weight; `frozen`: the position embedding's requires_grad=False. The modules are created in
+    the order they are registered (and tied before any unit is made), so a reset in module order (a one-device
+    `empty_init=True` followed by the user's `reset_parameters()`, a materialisation from the meta device) draws
+    what the construction draws."""
 
-    def __init__(self, tied: bool = False, wrap_fn=None) -> None:
+    def __init__(
+        self, tied: bool = False, wrap_fn=None, batchnorm: bool = False, frozen: bool = False
+    ) -> None:
         super().__init__()
         unit = wrap_fn or (lambda m, edge: m)
-        inp, out = nn.Linear(D, D), nn.Linear(D, D)
+        inp, pos = nn.Linear(D, D), nn.Embedding(SEQ, D)
+        bn = nn.BatchNorm1d(D) if batchnorm else None
+        blocks = [Block() for _ in range(N_BLOCKS)]
+        norm, out = nn.LayerNorm(D), nn.Linear(D, D)
         if tied:  # tied before any unit is made, as a model's own __init__ does
             out.weight = inp.weight
+        if frozen:  # before any unit is made (FSDP1 flattens what it wraps)
+            pos.weight.requires_grad_(False)
         self.inp = unit(inp, True)
-        self.blocks = nn.ModuleList(unit(Block(), False) for _ in range(N_BLOCKS))
-        self.norm = unit(nn.LayerNorm(D), True)
+        self.pos = unit(pos, True)
+        self.bn = unit(bn, True) if bn is not None else None
+        self.blocks = nn.ModuleList(unit(b, False) for b in blocks)
+        self.norm = unit(norm, True)
         self.out = unit(out, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
+        h = embed(self, x)
         for block in self.blocks:
             h = block(h)
         return self.out(self.norm(h))
+
+
+def embed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The input projection, the position embedding of a tensor built in the forward, the BatchNorm (over the
+    features of every token: the tokens flattened, so the activations stay contiguous; a transposed one between
+    two pipeline stages fails in the receive, reported apart)."""
+    h = module.inp(x) + module.pos(torch.arange(x.shape[1], device=x.device))
+    if module.bn is not None:
+        h = module.bn(h.reshape(-1, D)).view(h.shape)
+    return h
+
+
+def net_options(scenario) -> dict:
+    """Net's arguments for a scenario (the reference builds the same model)."""
+    return {"tied": scenario.tied, "batchnorm": scenario.batchnorm, "frozen": scenario.frozen}
 
 
 # The pieces of each pipeline stage (split_fn), by the number of stages: every stage holds parameters, and under
@@ -67,6 +95,8 @@ STAGE_PIECES = {
     2: [("inp", "blocks.0"), ("blocks.1", "norm", "out")],
     4: [("inp", "blocks.0"), ("blocks.1",), ("norm",), ("out",)],
 }
+# The same stages as split_points (PipelineStrategy(split_points=..., example_input=...)): where each begins.
+SPLIT_POINTS = {n: [pieces[0] for pieces in STAGE_PIECES[n][1:]] for n in STAGE_PIECES}
 
 
 class Stage(nn.Module):
@@ -75,7 +105,10 @@ class Stage(nn.Module):
 
     def __init__(self, model: Net, pieces: tuple[str, ...]) -> None:
         super().__init__()
+        # "inp" stands for the embedding: the input projection, the position embedding and the BatchNorm.
         self.inp = model.inp if "inp" in pieces else None
+        self.pos = model.pos if "inp" in pieces else None
+        self.bn = model.bn if "inp" in pieces else None
         self.blocks = nn.ModuleDict(
             {str(i): b for i, b in enumerate(model.blocks) if f"blocks.{i}" in pieces}
         )
@@ -84,7 +117,7 @@ class Stage(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.inp is not None:
-            h = self.inp(h)
+            h = embed(self, h)
         for block in self.blocks.values():
             h = block(h)
         if self.norm is not None:
@@ -205,6 +238,7 @@ def split_params(named: list[tuple[str, torch.Tensor]], n_opt: int) -> list[list
 # to 1e-5. With 1e-4 such an element hardly moves, and the others take Adam's steps.
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9}),
+    "plain_sgd": (torch.optim.SGD, {"lr": 0.2}),  # no momentum: the optimizer holds no state
     "adam": (torch.optim.Adam, {"lr": 1e-2, "eps": 1e-4}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-4}),
 }
@@ -214,7 +248,7 @@ IMPL = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"
 def make_optimizers(scenario, named: list[tuple[str, torch.Tensor]]) -> list[torch.optim.Optimizer]:
     """The scenario's optimizers over `named` parameters (weights and biases in two groups when asked)."""
     cls, options = OPTIMIZERS[scenario.optimizer]
-    if scenario.optimizer == "sgd":  # SGD's step scales with the loss: undo the fp16 loss factor
+    if scenario.optimizer in ("sgd", "plain_sgd"):  # SGD's step scales with the loss: undo the fp16 factor
         options = {**options, "lr": options["lr"] / loss_factor(scenario)}
     out = []
     for part in split_params(named, scenario.n_opt):
@@ -247,6 +281,23 @@ def clip_arguments(scenario) -> dict[str, float]:
     if scenario.clip == "value":
         return {"clip_val": 0.05 * f}
     return {}
+
+
+EVALUATE_AFTER = 2  # the evaluate axis: the optimizer step after which the script evaluates
+EVAL_SAMPLES = 12  # the validation batch: loader "b"'s first samples, the same on every rank
+
+
+def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y, _ = dataset("b")
+    return x[:EVAL_SAMPLES], y[:EVAL_SAMPLES]
+
+
+def eval_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The validation loss (`loss_fn` of `loom.evaluate`): the mean over the samples it is given, so a pipeline's
+    micro-batches average to the batch's."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        out = out.float()
+    return nn.functional.mse_loss(out, y)
 
 
 def batch_loss(scenario, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

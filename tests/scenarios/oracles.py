@@ -118,6 +118,35 @@ def _global(
     return [sorted(i for r in rank_results for i in r[key][m]) for m in range(steps)]
 
 
+FROZEN = "pos.weight"  # model.Net's frozen parameter (the frozen axis)
+
+
+def _frozen_problems(phase: str, results: list[dict], initial: dict) -> list[str]:
+    """A frozen parameter never moves and gets no optimizer state, in any precision (the parameters' tolerance
+    of a low precision, and its lack of an optimizer-state check, would let a frozen weight drift)."""
+    out = []
+    for rank, res in enumerate(results):
+        if not torch.equal(res["params"][FROZEN], initial[FROZEN]):
+            d = (res["params"][FROZEN] - initial[FROZEN]).abs().max().item()
+            out.append(f"{phase}: rank {rank}'s frozen {FROZEN} moved by {d:.3g}")
+        if FROZEN in res["optim"]:
+            out.append(f"{phase}: rank {rank}'s optimizer holds state for the frozen {FROZEN}")
+    return out
+
+
+def _evals_problem(phase: str, got: list, expected: list, scenario: Scenario, allowed: float) -> str | None:
+    """The validation losses `loom.evaluate` returned against the reference's (eval mode: BatchNorm's running
+    statistics). fp32: within 20x the parameters' tolerance, relative (a loss sums many parameters' errors);
+    low precision: within the relative update error allowed."""
+    if [s for s, _ in got] != [s for s, _ in expected]:
+        return f"{phase}: evaluated after steps {[s for s, _ in got]}, the reference after {[s for s, _ in expected]}"
+    rel = 20 * allowed if scenario.precision == "32-true" else allowed
+    for (step, a), (_, b) in zip(got, expected, strict=True):
+        if not abs(a - b) <= rel * max(abs(b), 1.0):
+            return f"{phase}: validation loss after step {step} is {a:.6g}, the reference's {b:.6g}"
+    return None
+
+
 def _errors(results: list[dict]) -> list[str]:
     return [
         f"rank {r}: {res['error_type']}: {res['error']}\n{res.get('traceback', '')}"
@@ -231,6 +260,8 @@ def _judge(
                 problems.append(
                     f"train: rank {rank} optimizer state off the reference by {od:.3g} at {where}"
                 )
+    if scenario.frozen:
+        problems += _frozen_problems("train", trained, initial)
     # The norms clip_gradients returned (before clipping): clipping to a norm hides how large the gradients
     # were from the parameters, not from these.
     if len(trained[0]["norms"]) != len(reference["norms"]):
@@ -243,6 +274,8 @@ def _judge(
             if not abs(a - b) <= rel * abs(b) + 1e-7:
                 problems.append(f"train: clip norm {i} is {a:.6g}, the reference's {b:.6g}")
                 break
+    if problem := _evals_problem("train", trained[0]["evals"], reference["evals"], scenario, allowed):
+        problems.append(problem)
     if scenario.precision == "16-mixed" and trained[0].get("scale") != reference["scale"]:
         problems.append(
             f"train: loss scale {trained[0].get('scale')} vs the reference's {reference['scale']}"
@@ -271,6 +304,11 @@ def _judge(
         # What the checkpoint did not hold restarts at the load: plain torch says where that run ends.
         uninterrupted = train_reference(scenario, initial, restart=True)
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)
+    if scenario.frozen:
+        problems += _frozen_problems("resume", resumed, initial)
+    evals_after = [e for e in uninterrupted["evals"] if e[0] > scenario.save_step]
+    if problem := _evals_problem("resume", resumed[0]["evals"], evals_after, scenario, allowed):
+        problems.append(problem)
     for rank, res in enumerate(resumed):
         if problem := _params_problem(
             scenario,

@@ -7,16 +7,20 @@ import contextlib
 import torch
 
 from .model import (
+    EVALUATE_AFTER,
     STEPS,
     Net,
     accumulation,
     clip_arguments,
     dataset,
+    eval_batch,
+    eval_loss,
     global_batches,
     kept_by_filter,
     make_optimizers,
     make_schedulers,
     micro_loss,
+    net_options,
 )
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -47,7 +51,7 @@ def train_reference(
     parameters the filter dropped take their initial values again; "partial": fresh optimizers).
     `reverse_batches`: each global batch's samples in the reverse order (the same math, other roundings);
     `float64` (fp32 scenarios): in double precision (the same math, nearly without roundings)."""
-    model = Net(tied=scenario.tied)
+    model = Net(**net_options(scenario))
     if scenario.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     if float64:
@@ -63,14 +67,15 @@ def train_reference(
     xb, yb, _ = dataset("b")
     x_all, y_all = torch.cat([xa, xb]), torch.cat([ya, yb])
     clip = clip_arguments(scenario)
-    norms, clipped = [], 0
+    norms, clipped, evals = [], 0, []
+    dtype = AUTOCAST.get(scenario.precision)
     for step in range(STEPS):
         if restart and step == scenario.save_step:
             if scenario.ckpt_state == "filter":
-                with torch.no_grad():
-                    for name, p in named:
+                with torch.no_grad():  # parameters and buffers (BatchNorm's statistics) alike
+                    for name, t in model.state_dict().items():
                         if not kept_by_filter(name):
-                            p.copy_(initial[name])
+                            t.copy_(initial[name])
             elif scenario.ckpt_state == "partial":
                 optimizers = make_optimizers(scenario, named)
         for micro in range(accum):
@@ -84,7 +89,6 @@ def train_reference(
                 x = x.to(torch.bfloat16)
             if float64:
                 x, y = x.double(), y.double()
-            dtype = AUTOCAST.get(scenario.precision)
             with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
                 out = model(x)
             loss = micro_loss(scenario, out, y, n_a)
@@ -109,6 +113,8 @@ def train_reference(
             sched.step()
         for opt in optimizers:
             opt.zero_grad(set_to_none=scenario.set_to_none)
+        if scenario.evaluate and step + 1 == EVALUATE_AFTER:
+            evals.append((step + 1, _evaluate(scenario, model, dtype, float64)))
     return {
         "params": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
         "optim": named_optimizer_state(named, optimizers),
@@ -116,4 +122,19 @@ def train_reference(
         "norms": norms,
         "clipped": clipped,
         "scale": scaler.get_scale() if scaler else None,
+        "evals": evals,
     }
+
+
+def _evaluate(scenario, model: torch.nn.Module, dtype, float64: bool) -> float:
+    """The script's validation between steps: eval mode (BatchNorm's running statistics), no gradients."""
+    x, y = eval_batch()
+    if scenario.precision == "bf16-true":
+        x = x.to(torch.bfloat16)
+    if float64:
+        x, y = x.double(), y.double()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+        loss = eval_loss(model(x), y)
+    model.train()
+    return float(loss)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .axes import Scenario
+from .model import EVALUATE_AFTER
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ REFUSALS.append(
             and s.tied
             and s.units == "hand"
             and not s.leftovers
+            and not (s.strategy == "fsdp" and s.empty_init)  # torch fails first (a known failure)
         ),
         error="MisuseError",
         fragment="sit in two different FSDP units",
@@ -52,27 +54,42 @@ REFUSALS.append(
         "of the shared weight (fully_shard trains two copies apart; FSDP1 aborts the ranks in a collective)",
     )
 )
-REFUSALS.append(
-    Refusal(
-        name="fused SGD on DTensors",
-        # Under fsdp2 every parameter in a unit is a DTensor; "none" puts everything in the root unit.
-        applies=lambda s: (
-            s.strategy in ("fsdp2", "model_parallel", "pipeline")
-            and s.optimizer == "sgd"
-            and s.impl == "fused"
-        ),
-        error="MisuseError",
-        fragment="SGD(fused=True) cannot update sharded parameters",
-        reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have one",
+
+
+def _dtensors(s: Scenario, phase: str) -> bool:
+    """Whether the phase's parameters are DTensors: every fsdp2 and model_parallel parameter (fsdp2's "none" puts
+    everything in the root unit); under the pipeline, split_fn's tensor-parallel blocks or fully_shard units
+    (traced stages without units are plain)."""
+    if s.pipelined(phase):
+        return s.split == "fn" or s.units == "hand"
+    return (s.strategy if phase == "train" else _load_strategy(s)) in ("fsdp2", "model_parallel")
+
+
+for _phase in ("train", "resume"):
+    REFUSALS.append(
+        Refusal(
+            name="fused SGD on DTensors",
+            # at the load only where training ran (a pipeline without DTensors resumed in fsdp2)
+            applies=lambda s, phase=_phase: (
+                s.optimizer in ("sgd", "plain_sgd")
+                and s.impl == "fused"
+                and _dtensors(s, phase)
+                and (phase == "train" or not _dtensors(s, "train"))
+            ),
+            error="MisuseError",
+            fragment="SGD(fused=True) cannot update sharded parameters",
+            reason="torch has no DTensor version of fused SGD's kernel (aten._fused_sgd_); fused Adam/AdamW have "
+            "one",
+            phase=_phase,
+        )
     )
-)
 REFUSALS.append(
     Refusal(
         name="fused SGD on bf16 CPU parameters",
         # Every scenario runs on the CPU; fsdp2 is refused above (DTensors). Asked of the installed torch's kernel.
         applies=lambda s: (
             s.strategy != "fsdp2"
-            and s.optimizer == "sgd"
+            and s.optimizer in ("sgd", "plain_sgd")
             and s.impl == "fused"
             and s.precision == "bf16-true"
             and _fused_sgd_drops_bf16()
@@ -110,8 +127,11 @@ for _phase in ("train", "resume"):
     REFUSALS.append(
         Refusal(
             name="tensor-parallel DTensors outside units in a data-parallel pipeline",
-            # _parallelize makes the blocks' MLPs tensor-parallel DTensors (also on a tensor-parallel mesh of 1).
-            applies=lambda s, phase=_phase: s.pipelined(phase) and s.units == "none" and s.dp(phase) > 1,
+            # _parallelize makes split_fn's blocks' MLPs tensor-parallel DTensors (also on a tensor-parallel mesh of
+            # 1); traced stages (split_points) get no tensor-parallel plan.
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase) and s.split == "fn" and s.units == "none" and s.dp(phase) > 1
+            ),
             error="MisuseError",
             fragment="are tensor-parallel DTensors outside every fully_shard unit",
             reason="no unit reduces their gradients over the data-parallel ranks, and the plain-gradient "
@@ -138,7 +158,7 @@ for _phase in ("train", "resume"):
             # The sequence-parallel final norm outside every unit is a tensor-parallel DTensor that no unit
             # averages over the data-parallel ranks.
             applies=lambda s, phase=_phase: (
-                s.strategy == "model_parallel"
+                (s.strategy == "model_parallel" or s.pipelined(phase))
                 and s.seq_parallel == "blocks+norm"
                 and s.leftovers
                 and s.dp(phase) > 1
@@ -193,9 +213,32 @@ for _phase in ("train", "resume"):
             phase=_phase,
         ),
         Refusal(
+            name="evaluate through a V schedule",
+            # the evaluate axis runs after step 2: in the resume phase only when the checkpoint came before it
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase)
+                and s.schedule == "zbv_zero_bubble"
+                and s.evaluate
+                and (phase == "train" or s.save_step < EVALUATE_AFTER)
+            ),
+            error="MisuseError",
+            fragment="loom.evaluate cannot run through schedule='zbv_zero_bubble'",
+            reason="torch 2.13's schedule.eval of a V-shaped schedule runs its backward actions and fails where the "
+            "two stages of a rank meet",
+            phase=_phase,
+        ),
+        Refusal(
             name="a tied weight across pipeline stages",
             # model.split_fn's stages: "inp" opens the first, "out" closes the last.
-            applies=lambda s, phase=_phase: s.pipelined(phase) and s.tied and s.num_stages(phase) > 1,
+            # Traced split_points untie it even in one stage (torch's tracer copies a model built for real; a meta
+            # one, empty_init, keeps the tie there).
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase)
+                and s.tied
+                and (s.num_stages(phase) > 1 or (s.split == "points" and not s.empty_init))
+                # an empty model with a BatchNorm fails in the tracer first (issue 44 item 1's known failure)
+                and not (s.split == "points" and s.empty_init and s.batchnorm)
+            ),
             error="MisuseError",
             fragment="does not support a weight tied across pipeline stages",
             reason="the tied weight would be two parameters on two stages, trained apart: refused on every rank "
@@ -248,6 +291,196 @@ KNOWN_FAILURES: list[KnownFailure] = [
         "(FSDP1's _use_sharded_flat_param); 2 ranks pass",
     ),
 ]
+
+
+# Issue 44's pipeline defects, fixed in parallel: each entry goes when its item's fix is merged.
+def _plain_pos_at_dp(s: Scenario) -> bool:
+    """Whether a pipelined phase holds the frozen position embedding as a plain parameter (no fully_shard unit:
+    units "none", or a leftover) at data parallel > 1, where PipelineStrategy averages plain gradients."""
+    plain = s.units == "none" or s.leftovers
+    # (a refused load cannot show it)
+    phases = ("train", "resume") if s.saves and declared(s, "resume") is None else ("train",)
+    return plain and any(s.pipelined(p) and s.dp(p) > 1 for p in phases)
+
+
+KNOWN_FAILURES += [
+    KnownFailure(
+        name="issue 44 item 1: empty_init with split_points",
+        applies=lambda s: s.strategy == "pipeline" and s.split == "points" and s.empty_init,
+        reason="issue 44 item 1: init_module(empty_init=True), a forward that builds torch.arange(x.shape[1], "
+        "device=x.device) (the position embedding), split_points: the traced stage keeps an uninitialised "
+        "constant and trains on garbage. With a BatchNorm (real buffers beside meta parameters; found by this "
+        "engine) the tracer fails instead, refused with a message that blames the forward ('cannot capture your "
+        "model as a full graph')",
+    ),
+    KnownFailure(
+        name="issue 44 item 2: frozen plain parameters under pp x dp",
+        applies=lambda s: (
+            s.strategy == "pipeline" and s.frozen and s.optimizer != "plain_sgd" and _plain_pos_at_dp(s)
+        ),
+        reason="issue 44 item 2: the frozen position embedding, a plain parameter at data parallel > 1, gets a "
+        "zero gradient from the pipeline's averaging (pipelining/_grads.py average()): the optimizer makes "
+        "state for it, and AdamW's weight decay moves it",
+    ),
+    KnownFailure(
+        name="issue 44 item 3: pipeline clipping with sequence-parallel norms",
+        # The final norm left outside the units, whose gradient no fully_shard unit reduces (with the norms in
+        # units the clipping is right; sequence parallel comes with units, `conflicts`).
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.seq_parallel == "blocks+norm"
+            and s.leftovers
+            and s.clip in ("norm", "value")
+        ),
+        reason="issue 44 item 3: PipelineStrategy.clip_gradients adds up the squared local pieces of the "
+        "SequenceParallel norms' Partial gradients instead of taking the norm of their sum (the norm too low); "
+        "by value it clamps each rank's Partial piece instead of their sum (0.064 off one process, found by this "
+        "engine; the same missing reduction of pending Partial gradients)",
+    ),
+    KnownFailure(
+        name="issue 44 item 4: BatchNorm under a pipeline",
+        applies=lambda s: s.strategy == "pipeline" and s.batchnorm,
+        reason="issue 44 item 4: torch's stage-metadata inference runs a real forward at the first batch (and at "
+        "each switch between training and evaluation): stage 0's BatchNorm counts a batch twice, later stages' "
+        "normalise torch.empty inputs",
+    ),
+    KnownFailure(
+        name="issue 44 item 5: a full checkpoint of a stateless optimizer, loaded",
+        applies=lambda s: (
+            s.optimizer == "plain_sgd"
+            and s.checkpoint == "full"
+            and s.ckpt_state != "partial"
+            and _load_strategy(s) in ("fsdp2", "model_parallel", "pipeline")
+        ),
+        reason="issue 44 item 5: loading a full checkpoint whose optimizer (SGD without momentum) holds no state "
+        "raises torch's 'Expected device to be set' (_state_dict_options ignores `loading`): under the pipeline, "
+        "and (found by this engine) under fsdp2 and ModelParallelStrategy too; ddp and fsdp load it",
+        phase="resume",
+    ),
+    KnownFailure(
+        name="issue 44 item 5: a full checkpoint of a stateless foreach optimizer over plain and DTensor "
+        "parameters, saved under a pipeline",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.optimizer == "plain_sgd"
+            and s.impl == "foreach"
+            and s.checkpoint == "full"
+            and s.ckpt_state != "partial"
+            and (s.leftovers or (s.split == "fn" and s.units == "none"))
+        ),
+        reason="issue 44 item 5, the save side (found by this engine): PipelineStrategy.optimizer_state_dict's "
+        "get_optimizer_state_dict initialises a stateless optimizer's state with a step of its own, which "
+        "SGD(foreach=True) over plain and DTensor parameters fails ('aten._foreach_add_.List got mixed "
+        "torch.Tensor and DTensor')",
+    ),
+]
+
+
+# New defects the engine found (not items of issue 44; reported with a reproduction).
+KNOWN_FAILURES += [
+    KnownFailure(
+        name="BatchNorm in an FSDP unit under mixed precision",
+        applies=lambda s: (
+            s.batchnorm
+            and s.precision in ("bf16-mixed", "16-mixed")
+            and (
+                (s.strategy == "fsdp2" and not (s.units == "hand" and s.leftovers))
+                or (s.strategy in ("model_parallel", "pipeline") and not s.leftovers)
+                # FSDP1's auto-wrap policy puts a BatchNorm in a unit of its own without mixed precision
+                or (
+                    s.strategy == "fsdp"
+                    and not (s.units == "hand" and s.leftovers)
+                    and not (s.units == "root" and not s.leftovers)
+                )
+            )
+        ),
+        reason="new (found by this engine): a BatchNorm inside an FSDP unit under bf16-mixed or 16-mixed fails in "
+        "its first forward with torch's 'expected scalar type BFloat16 but found Float': the unit's mixed "
+        "precision casts the BatchNorm's weight to the compute dtype, not its running statistics (fully_shard "
+        "units, and FSDP1 units made without an auto-wrap policy; FSDP1's policy wraps a BatchNorm apart, in fp32: "
+        "_module_classes_to_ignore)",
+    ),
+    KnownFailure(
+        name="a frozen parameter in a fully_shard unit under the pipeline, saved",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.frozen
+            and s.units == "hand"
+            and not s.leftovers
+            and s.saves
+            and s.ckpt_state != "partial"
+            and declared(s, "train") is None  # not run: a refusal at setup comes before the save
+        ),
+        reason="new (found by this engine): under PipelineStrategy, an optimizer over a frozen parameter (the "
+        "position embedding) that sits in a fully_shard unit of its own: loom.save (full or sharded) raises "
+        "CheckpointError 'Entry optimizer0 is an optimizer over sharded parameters that belong to no one module' "
+        "on one rank while the others wait for the collective timeout (fsdp2 and ModelParallelStrategy save it)",
+        runs=False,
+    ),
+    KnownFailure(
+        name="a weight tied inside one pipeline stage, built with empty_init",
+        applies=lambda s: (
+            s.strategy == "pipeline"
+            and s.tied
+            and s.empty_init
+            and s.split == "fn"
+            and any(s.pipelined(p) and s.num_stages(p) == 1 for p in ("train", "resume"))
+        ),
+        reason="new (found by this engine): PipelineStrategy, a stage holding both ends of a tied weight, the model "
+        "built under init_module(empty_init=True): the materialisation makes two tensors of the tied one, trained "
+        "apart silently (0.63 off one process after 4 steps; the optimizer holds state for both names); without "
+        "empty_init, and under fsdp2 and ModelParallelStrategy, the tie holds",
+    ),
+]
+
+
+KNOWN_FAILURES.append(
+    KnownFailure(
+        name="evaluate with two adjacent stages on one rank",
+        applies=lambda s: (
+            s.evaluate
+            and s.schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+            and any(
+                s.pipelined(p) and s.pp_degree(p) == 1 and (p == "train" or s.save_step < EVALUATE_AFTER)
+                for p in (("train", "resume") if s.saves and declared(s, "resume") is None else ("train",))
+            )
+        ),
+        reason="new (found by this engine): loom.evaluate under a schedule with 2 stages per rank at pipeline "
+        "degree 1 (stages 0 and 1 on one rank) raises torch's AssertionError 'can't steal_bwd_input if this "
+        "stage doesn't have backward' from schedule.eval, the failure PipelineStrategy refuses by name for "
+        "'zbv_zero_bubble' only; at pipeline degree 2 it evaluates right",
+    )
+)
+
+
+KNOWN_FAILURES.append(
+    KnownFailure(
+        name="FSDP1 tie across hand-made units, built empty",
+        applies=lambda s: (
+            s.strategy == "fsdp" and s.tied and s.units == "hand" and not s.leftovers and s.empty_init
+        ),
+        reason="new (found by this engine): strategy='fsdp', the tied projections each made a unit with wrap() "
+        "inside init_module(empty_init=True): torch's materialisation raises 'ValueError: Fan in and fan out can "
+        "not be computed for tensor with fewer than 2 dimensions' before torchloom's refusal of a tie across "
+        "units ('sit in two different FSDP units') can name the problem (issue 44 item 16 replaces that refusal)",
+    )
+)
+KNOWN_FAILURES.append(
+    KnownFailure(
+        name="FSDP1, compiled, gradients kept as zeros, evaluated",
+        applies=lambda s: s.strategy == "fsdp" and s.compile and s.evaluate and not s.set_to_none,
+        reason="new (found by this engine): strategy='fsdp', the model torch.compile'd (aot_eager), "
+        "zero_grad(set_to_none=False), then a forward under torch.no_grad (loom.evaluate): dynamo raises "
+        "'attempting to assign a gradient of size [88] to a tensor of size [176]' (FSDP1's sharded flat "
+        "gradient set on the unsharded parameter); not compiled, or with set_to_none=True, it passes",
+    )
+)
+
+
+def _load_strategy(s: Scenario) -> str:
+    if s.strategy == "pipeline":
+        return "pipeline" if s.pipelined("resume") else s.load_pp
+    return s.strategy
 
 
 def known_failure(scenario: Scenario) -> KnownFailure | None:

@@ -4,6 +4,9 @@
     python tests/scenarios/run_many.py --pairwise --report pairwise.md
     python tests/scenarios/run_many.py --rerun report.json --report again.md   # its unexpected results again
     python tests/scenarios/run_many.py --count 60 --seed 3 --strategy pipeline --report pp.md  # one strategy
+    python tests/scenarios/run_many.py --count 50 --seed 21 22 23 --strategy pipeline --report pp.md  # 150
+
+With several seeds, each draws `--count` scenarios (a scenario two seeds draw runs once).
 
 The report (markdown, and JSON beside it with the same name and .json) lists every scenario with its result,
 the measured errors and seconds, and each failure with its problems. Exit status 1 if a scenario failed that is
@@ -42,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--count", type=int, default=200, help="scenarios in the random sample")
     parser.add_argument(
-        "--seed", type=int, default=None, help="of the random sample (default 0), or of the pairwise set"
+        "--seed",
+        type=int,
+        nargs="+",
+        default=None,
+        help="of the random sample (default 0; several: --count scenarios each), or of the pairwise set",
     )
     parser.add_argument(
         "--strategy", default=None, help="draw the random sample of this strategy only (e.g. pipeline)"
@@ -68,11 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         again = [r for r in rows if r["status"] == "FAILED" or r["status"].endswith("(passed now!)")]
         scenarios = [Scenario.of(**r["scenario"]) for r in again]
     elif args.pairwise:
-        args.seed = PAIRWISE_SEED if args.seed is None else args.seed
-        scenarios = make_test_set(args.seed)
+        args.seed = [PAIRWISE_SEED] if args.seed is None else args.seed[:1]
+        scenarios = make_test_set(args.seed[0])
     else:
-        args.seed = args.seed or 0
-        scenarios = random_sample(args.count, args.seed, strategy=args.strategy)
+        args.seed = args.seed or [0]
+        drawn = {
+            s.id: s for seed in args.seed for s in random_sample(args.count, seed, strategy=args.strategy)
+        }
+        scenarios = list(drawn.values())
     skipped = [s for s in scenarios if (k := known_failure(s)) is not None and not k.runs]
     runnable = [s for s in scenarios if s not in skipped]
     started = time.monotonic()
@@ -110,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.rerun
         else "pairwise set"
         if args.pairwise
-        else f"random sample of {args.count}" + (f" ({args.strategy})" if args.strategy else "")
+        else f"random sample of {args.count}"
+        + (" per seed" if len(args.seed or ()) > 1 else "")
+        + (f" ({args.strategy})" if args.strategy else "")
     )
+    seeds = " ".join(map(str, args.seed or []))
     lines = [
-        f"# Scenario engine report: {title}, seed {args.seed}",
+        f"# Scenario engine report: {title}, seed{'s' if len(args.seed or ()) > 1 else ''} {seeds}",
         "",
         f"{len(rows)} scenarios in {seconds:.0f} s: "
         + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))

@@ -36,20 +36,27 @@ from torch.utils.data import (
 from .axes import MESHES, Scenario
 from .model import (
     BREAK_AT,
+    EVALUATE_AFTER,
     GLOBAL_BATCH,
     N_A,
     SEED,
+    SEQ,
+    SPLIT_POINTS,
     STEPS,
+    D,
     Net,
     UserSampler,
     accumulation,
     batch_loss,
     clip_arguments,
     dataset,
+    eval_batch,
+    eval_loss,
     kept_by_filter,
     loader_generator,
     make_optimizers,
     make_schedulers,
+    net_options,
     split_fn,
 )
 
@@ -70,8 +77,10 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
     features), with sequence parallel the norm too (the block slices the sequence at its entrance and gathers it
     at its exit, so the projections outside the blocks see whole sequences); then compile, then activation
     checkpointing (the order that works in torch 2.13), then one FSDP2 unit per block over the data-parallel
-    ranks. The projections stay plain (replicated leftovers) or become units of their own. Under pipeline `model`
-    is one stage (model.Stage): its blocks a ModuleDict, the modules of other stages None."""
+    ranks. The edges (projections, position embedding, BatchNorm, final norm) stay plain (replicated leftovers) or
+    become units of their own. Under pipeline `model` is one stage: split_fn's (model.Stage: its blocks a
+    ModuleDict, the modules of other stages None), or a traced one of split_points (only the modules it holds;
+    no tensor parallel: its blocks keep no nn.Linear children)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
@@ -102,15 +111,19 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
             ),
         )
 
-    if scenario.seq_parallel == "blocks+norm":  # a tensor-parallel leftover, or a unit of its own
+    # A stage's modules by name (the model's under model_parallel; None where another stage holds them).
+    children = dict(model.named_children())
+    if scenario.seq_parallel == "blocks+norm" and children.get("norm") is not None:  # a leftover, or a unit
         # (hooks run in the order they were registered: slice to a local shard, then SequenceParallel's own)
         sequence_sharded_inside(model.norm)
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
-    blocks = (
-        model.blocks.items() if isinstance(model.blocks, torch.nn.ModuleDict) else enumerate(model.blocks)
-    )
-    for i, block in list(blocks):
-        if scenario.seq_parallel:
+    container = children.get("blocks")
+    blocks = dict(container.named_children()) if container is not None else {}
+    for i, block in blocks.items():
+        # torch's traced stages (split_points) keep no nn.Linear children: no tensor-parallel plan there
+        if scenario.split == "points":
+            pass
+        elif scenario.seq_parallel:
             parallelize_module(
                 block,
                 tp_mesh,
@@ -126,13 +139,14 @@ def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strate
         if scenario.compile:
             block.compile(backend=COMPILE_BACKEND)
         if scenario.act_ckpt:
-            block = model.blocks[i] = checkpoint_wrapper(block)
+            block = checkpoint_wrapper(block)
+            container.register_module(i, block)
         if scenario.units == "hand":  # pipeline's "none": no unit at all
             fully_shard(block, **strategy.unit_kwargs())
     if not scenario.leftovers and scenario.units == "hand":
-        for edge in (model.inp, model.norm, model.out):
-            if edge is not None:
-                fully_shard(edge, **strategy.unit_kwargs())
+        for edge in ("inp", "pos", "bn", "norm", "out"):
+            if children.get(edge) is not None:
+                fully_shard(children[edge], **strategy.unit_kwargs())
     return model
 
 
@@ -157,12 +171,19 @@ def _strategy(scenario: Scenario, world_size: int, phase: str):
 
     name = strategy_in(scenario, phase)
     if name == "pipeline":
+        if scenario.split == "points":  # one micro-batch of this rank's batch, as the model gets it
+            per_rank = GLOBAL_BATCH // scenario.dp(phase) * (2 if scenario.loop == "two_loaders" else 1)
+            dtype = torch.bfloat16 if scenario.precision == "bf16-true" else torch.float32
+            example = torch.zeros(per_rank // scenario.microbatches, SEQ, D, dtype=dtype)
+            split = {"split_points": SPLIT_POINTS[scenario.num_stages(phase)], "example_input": example}
+        else:
+            split = {"split_fn": split_fn}
         strategy = PipelineStrategy(
             lambda stage, mesh: _parallelize(scenario, stage, mesh, strategy),
             pipeline_parallel_size=scenario.pp_degree(phase),
             data_parallel_size=scenario.dp(phase),
             tensor_parallel_size=scenario.tp(phase),
-            split_fn=split_fn,
+            **split,
             schedule=scenario.schedule,
             n_microbatches=scenario.microbatches,
             stages_per_rank=scenario.num_stages(phase) // scenario.pp_degree(phase),
@@ -204,35 +225,47 @@ def _strategy(scenario: Scenario, world_size: int, phase: str):
 
 
 def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
-    """The model as this scenario's user builds it: units by hand where the layout says so."""
+    """The model as this scenario's user builds it: units by hand where the layout says so, under
+    `init_module(empty_init=True)` with the empty_init axis."""
     torch.manual_seed(0)
+    options = net_options(scenario)
+    empty = scenario.empty_init
     hand = scenario.strategy in ("fsdp", "fsdp2") and (
         scenario.units == "hand" or (scenario.units == "root" and scenario.leftovers)
     )
-    # Which modules get a unit by hand: the blocks, and the projections too when nothing is left outside units.
+    # Which modules get a unit by hand: the blocks, and the edges too when nothing is left outside units.
     edges_too = scenario.units == "hand" and not scenario.leftovers
     if scenario.strategy in ("model_parallel", "pipeline") and loom.strategy.name != "ddp":
         # The user's split_fn and parallelize_fn do the rest (_parallelize); a pipeline checkpoint resumed in
         # fsdp2 shards the root (strategy_in).
-        return Net(scenario.tied)
+        with loom.init_module(empty_init=True) if empty else contextlib.nullcontext():
+            return Net(**options)
     if scenario.strategy == "fsdp" and hand:
         from torch.distributed.fsdp.wrap import wrap
 
-        with loom.init_module():  # wrap() makes units inside init_module (a no-op outside it, as in torch)
-            model = Net(scenario.tied, wrap_fn=lambda m, edge: wrap(m) if (edges_too or not edge) else m)
+        with loom.init_module(empty_init=empty):  # wrap() makes units inside init_module (as in torch)
+            model = Net(**options, wrap_fn=lambda m, edge: wrap(m) if (edges_too or not edge) else m)
     elif scenario.strategy == "fsdp2":
-        model = Net(scenario.tied)
+        with loom.init_module(empty_init=True) if empty else contextlib.nullcontext():
+            model = Net(**options)
         if hand:
             from torch.distributed.fsdp import fully_shard
 
             for block in model.blocks:
                 fully_shard(block, **loom.strategy.unit_kwargs())
             if edges_too:
-                for edge in (model.inp, model.norm, model.out):
-                    fully_shard(edge, **loom.strategy.unit_kwargs())
+                for edge in (model.inp, model.pos, model.bn, model.norm, model.out):
+                    if edge is not None:
+                        fully_shard(edge, **loom.strategy.unit_kwargs())
     else:
-        with loom.init_module():
-            model = Net(scenario.tied)
+        with loom.init_module(empty_init=empty):
+            model = Net(**options)
+        if empty and loom.strategy.name in ("single_device", "ddp"):
+            # Fabric's rule there: empty_init skips torch.nn.init (uninitialised memory); the user resets.
+            torch.manual_seed(0)
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
         if scenario.act_ckpt and scenario.strategy in ("single", "ddp"):  # no strategy option: the user wraps
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -343,6 +376,11 @@ def _full_optim(loom, model, optimizers, diverged: list[str]) -> dict[str, dict[
     out: dict[str, dict[str, torch.Tensor]] = {}
     for opt in optimizers:
         raw = getattr(opt, "optimizer", opt)
+        if not raw.state:
+            # A stateless optimizer (SGD without momentum; the same on every rank): torch's state-dict API would
+            # initialise its state with a step of its own (which foreach SGD fails over plain and DTensor
+            # parameters together).
+            continue
         osd = get_optimizer_state_dict(
             model.forward_module, raw, options=StateDictOptions(full_state_dict=True)
         )
@@ -380,12 +418,12 @@ def _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters
 def _train(
     loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to: str | None
 ) -> list:
-    """Train from `counters["step"]` to STEPS; returns this rank's sample indices of every micro-batch, and the
-    gradient norms `clip_gradients` returned."""
+    """Train from `counters["step"]` to STEPS; returns this rank's sample indices of every micro-batch, the
+    gradient norms `clip_gradients` returned, and the (step, validation loss) of the evaluate axis."""
     accum = accumulation(scenario)
     clip = clip_arguments(scenario)
     stream = _stream(scenario, loaders, counters)
-    seen, norms = [], []
+    seen, norms, evals = [], [], []
     while counters["step"] < STEPS:
         for micro in range(accum):
             x, y, idx = next(stream)
@@ -406,11 +444,16 @@ def _train(
         for opt in optimizers:
             opt.zero_grad(set_to_none=scenario.set_to_none)
         counters["step"] += 1
+        if scenario.evaluate and counters["step"] == EVALUATE_AFTER:  # validation between steps
+            x, y = eval_batch()
+            model.eval()
+            evals.append((counters["step"], float(loom.evaluate(model, x, y, eval_loss))))
+            model.train()
         if save_to is not None and counters["step"] == scenario.save_step:
             state = _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters)
             kept = {"model": kept_by_filter} if scenario.ckpt_state == "filter" else None
             loom.save(save_to, state, filter=kept, async_save=scenario.checkpoint == "async")
-    return seen, norms
+    return seen, norms, evals
 
 
 def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
@@ -440,7 +483,7 @@ def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
             counters = {k: state[k] for k in counters}
             out["loaded_step"] = counters["step"]
             save_to = None
-        out["seen"], out["norms"] = _train(
+        out["seen"], out["norms"], out["evals"] = _train(
             loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to
         )
         out["params"] = _full_params(loom, model, diverged)
