@@ -47,6 +47,9 @@ REFUSALS.append(
             and s.units == "hand"
             and not s.leftovers
             and not (s.strategy == "fsdp" and s.empty_init)  # torch fails first (a known failure)
+            # Under a pipeline of several stages the two units lie on different stages: each stage holds a copy,
+            # their gradients summed (issue 44 item 16); in one stage it is a tie across units as under fsdp2.
+            and not (s.strategy == "pipeline" and s.num_stages("train") > 1)
         ),
         error="MisuseError",
         fragment="sit in two different FSDP units",
@@ -227,24 +230,6 @@ for _phase in ("train", "resume"):
             "two stages of a rank meet",
             phase=_phase,
         ),
-        Refusal(
-            name="a tied weight across pipeline stages",
-            # model.split_fn's stages: "inp" opens the first, "out" closes the last.
-            # Traced split_points untie it even in one stage (torch's tracer copies a model built for real; a meta
-            # one, empty_init, keeps the tie there).
-            applies=lambda s, phase=_phase: (
-                s.pipelined(phase)
-                and s.tied
-                and (s.num_stages(phase) > 1 or (s.split == "points" and not s.empty_init))
-                # an empty model with a BatchNorm fails in the tracer first (issue 44 item 1's known failure)
-                and not (s.split == "points" and s.empty_init and s.batchnorm)
-            ),
-            error="MisuseError",
-            fragment="does not support a weight tied across pipeline stages",
-            reason="the tied weight would be two parameters on two stages, trained apart: refused on every rank "
-            "at setup_module, naming the tied names and their stages",
-            phase=_phase,
-        ),
     ]
 
 
@@ -289,89 +274,6 @@ KNOWN_FAILURES: list[KnownFailure] = [
         "unit, mixed precision and no_backward_sync: the forward after an accumulated backward raises torch's "
         "'attempting to assign a gradient with dtype Half/BFloat16 to a tensor with grad_dtype Float' "
         "(FSDP1's _use_sharded_flat_param); 2 ranks pass",
-    ),
-]
-
-
-# Issue 44's pipeline defects, fixed in parallel: each entry goes when its item's fix is merged.
-def _plain_pos_at_dp(s: Scenario) -> bool:
-    """Whether a pipelined phase holds the frozen position embedding as a plain parameter (no fully_shard unit:
-    units "none", or a leftover) at data parallel > 1, where PipelineStrategy averages plain gradients."""
-    plain = s.units == "none" or s.leftovers
-    # (a refused load cannot show it)
-    phases = ("train", "resume") if s.saves and declared(s, "resume") is None else ("train",)
-    return plain and any(s.pipelined(p) and s.dp(p) > 1 for p in phases)
-
-
-KNOWN_FAILURES += [
-    KnownFailure(
-        name="issue 44 item 1: empty_init with split_points",
-        applies=lambda s: s.strategy == "pipeline" and s.split == "points" and s.empty_init,
-        reason="issue 44 item 1: init_module(empty_init=True), a forward that builds torch.arange(x.shape[1], "
-        "device=x.device) (the position embedding), split_points: the traced stage keeps an uninitialised "
-        "constant and trains on garbage. With a BatchNorm (real buffers beside meta parameters; found by this "
-        "engine) the tracer fails instead, refused with a message that blames the forward ('cannot capture your "
-        "model as a full graph')",
-    ),
-    KnownFailure(
-        name="issue 44 item 2: frozen plain parameters under pp x dp",
-        applies=lambda s: (
-            s.strategy == "pipeline" and s.frozen and s.optimizer != "plain_sgd" and _plain_pos_at_dp(s)
-        ),
-        reason="issue 44 item 2: the frozen position embedding, a plain parameter at data parallel > 1, gets a "
-        "zero gradient from the pipeline's averaging (pipelining/_grads.py average()): the optimizer makes "
-        "state for it, and AdamW's weight decay moves it",
-    ),
-    KnownFailure(
-        name="issue 44 item 3: pipeline clipping with sequence-parallel norms",
-        # The final norm left outside the units, whose gradient no fully_shard unit reduces (with the norms in
-        # units the clipping is right; sequence parallel comes with units, `conflicts`).
-        applies=lambda s: (
-            s.strategy == "pipeline"
-            and s.seq_parallel == "blocks+norm"
-            and s.leftovers
-            and s.clip in ("norm", "value")
-        ),
-        reason="issue 44 item 3: PipelineStrategy.clip_gradients adds up the squared local pieces of the "
-        "SequenceParallel norms' Partial gradients instead of taking the norm of their sum (the norm too low); "
-        "by value it clamps each rank's Partial piece instead of their sum (0.064 off one process, found by this "
-        "engine; the same missing reduction of pending Partial gradients)",
-    ),
-    KnownFailure(
-        name="issue 44 item 4: BatchNorm under a pipeline",
-        applies=lambda s: s.strategy == "pipeline" and s.batchnorm,
-        reason="issue 44 item 4: torch's stage-metadata inference runs a real forward at the first batch (and at "
-        "each switch between training and evaluation): stage 0's BatchNorm counts a batch twice, later stages' "
-        "normalise torch.empty inputs",
-    ),
-    KnownFailure(
-        name="issue 44 item 5: a full checkpoint of a stateless optimizer, loaded",
-        applies=lambda s: (
-            s.optimizer == "plain_sgd"
-            and s.checkpoint == "full"
-            and s.ckpt_state != "partial"
-            and _load_strategy(s) in ("fsdp2", "model_parallel", "pipeline")
-        ),
-        reason="issue 44 item 5: loading a full checkpoint whose optimizer (SGD without momentum) holds no state "
-        "raises torch's 'Expected device to be set' (_state_dict_options ignores `loading`): under the pipeline, "
-        "and (found by this engine) under fsdp2 and ModelParallelStrategy too; ddp and fsdp load it",
-        phase="resume",
-    ),
-    KnownFailure(
-        name="issue 44 item 5: a full checkpoint of a stateless foreach optimizer over plain and DTensor "
-        "parameters, saved under a pipeline",
-        applies=lambda s: (
-            s.strategy == "pipeline"
-            and s.optimizer == "plain_sgd"
-            and s.impl == "foreach"
-            and s.checkpoint == "full"
-            and s.ckpt_state != "partial"
-            and (s.leftovers or (s.split == "fn" and s.units == "none"))
-        ),
-        reason="issue 44 item 5, the save side (found by this engine): PipelineStrategy.optimizer_state_dict's "
-        "get_optimizer_state_dict initialises a stateless optimizer's state with a step of its own, which "
-        "SGD(foreach=True) over plain and DTensor parameters fails ('aten._foreach_add_.List got mixed "
-        "torch.Tensor and DTensor')",
     ),
 ]
 
