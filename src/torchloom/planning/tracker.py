@@ -94,6 +94,7 @@ class MemoryAccount(TorchDispatchMode):
         self._up = False  # memory rose since it last fell
         self._serial = 0
         self._rising = False
+        self._where: tuple[str, str, int] = ("setup", "", 0)  # (phase, module, step) of the peak as it rose
         self._modules = _torch_compat.module_tracker()
         self._original_resize: Any = None
 
@@ -123,7 +124,8 @@ class MemoryAccount(TorchDispatchMode):
             serial, before, old_label = self.live[key]
             if nbytes == before:
                 return
-            if nbytes < before:
+            if nbytes < before:  # a storage shrinking in place (FSDP's reshard, `resize_(0)`) ends a peak too
+                self._settle()
                 self._sample()
             new_label = label if nbytes > before else old_label
             self.by_label[old_label] -= before
@@ -138,8 +140,11 @@ class MemoryAccount(TorchDispatchMode):
             weakref.finalize(storage, self._free, key, self._serial)
         self._up = self._up or nbytes > 0
         if self.current > self.peak.bytes:
+            # Where the peak is, recorded as it rises: by the time memory falls (or an error unwinds the
+            # script's frames) the phase and module may be others.
             self._rising = True
             self.peak.bytes = self.current
+            self._where = (self._phase_now(), self._module_now(), self.step)
 
     def _free(self, key: int, serial: int) -> None:
         entry = self.live.get(key)
@@ -161,15 +166,14 @@ class MemoryAccount(TorchDispatchMode):
         )
 
     def _settle(self) -> None:
-        """Memory is about to fall after rising to a new peak: keep what the peak held."""
+        """Memory is about to fall (a free, a storage shrinking) after rising to a new peak: keep what the peak
+        held, which is what is live now."""
         if not self._rising:
             return
         self._rising = False
         self.peak = Peak(
-            self.current,
-            self._phase_now(),
-            self._module_now(),
-            self.step,
+            self.peak.bytes,
+            *self._where,
             {serial: (nbytes, label) for serial, nbytes, label in self.live.values()},
         )
 
