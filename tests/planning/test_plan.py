@@ -165,22 +165,150 @@ def test_script_that_never_trains(tmp_path, capsys, monkeypatch):
 
 
 def test_operation_fake_tensors_cannot_run(tmp_path, capsys, monkeypatch):
+    """Boolean-mask indexing in a forward stops the plan: the message names the script's line (not only torch's
+    frames) and the partial plan's peak is in that forward, where memory rose to it. `nonzero()` on the data's
+    integers (which the plan runs for real) does not stop it."""
     status, text, plan = _plan_raw(
         tmp_path,
         """
         import torch
-        model = torch.nn.Linear(256, 256)
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wide = torch.nn.Linear(256, 4096)
+
+            def forward(self, x):
+                h = self.wide(x)
+                return h[h > 0]  # its shape depends on the values: no fake tensor has them
+
+        model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        loss = model(torch.randn(8, 256)).square().mean()
+        labels = torch.randint(0, 4, (64,))
+        assert (labels > 0).nonzero().numel() <= 64  # the data's integers: real in the plan too
+        loss = model(torch.randn(64, 256)).square().mean()
         loss.backward()
         optimizer.step()
-        keep = torch.nonzero(model.weight > 0)  # its shape depends on the values: no fake tensor has them
         """,
         capsys,
         monkeypatch,
     )
     assert status == 2, text
     assert "aten.nonzero" in text and "cannot run on fake tensors" in text, text
+    assert "script.py:11 (`return h[h > 0]" in text and 'File "' + str(tmp_path) in text, text
     assert "what was planned until then" in text, text
-    # The weight, its gradient and the batch's activations were planned before the failure.
-    assert plan is not None and plan["ranks"][0]["peak_bytes"] >= 2 * 256 * 256 * 4, plan
+    # The weight and the forward's activation were planned before the failure, in the forward.
+    entry = plan["ranks"][0]
+    assert entry["peak_bytes"] >= (256 + 64) * 4096 * 4, plan
+    assert (entry["phase"], entry["module"]) == ("forward", "Net"), entry  # the mask, in Net.forward
+    assert entry["user_line"]["line"] == 11, entry
+    assert "at step 1, forward of Net" in text, text
+
+
+_GUESSES = """
+import torch
+import torchloom.planning
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(256, 256)
+        self.repair = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.Linear(2048, 256))
+
+    def forward(self, x):
+        h = self.body(x)
+        if h.abs().max() > 1e6:  # never on real data; always on fake tensors, unless told
+            h = self.repair(h)
+        with torchloom.planning.assume(False):
+            if torch.isnan(h).any():
+                h = self.repair(h)
+        if h.mean() > 1e6:
+            h = h * 2
+        return h
+
+
+model = torch.compile(Net())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    loss = model(torch.randn(64, 256)).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+@pytest.fixture(scope="module")
+def guesses(tmp_path_factory):
+    """A script whose plan guesses: reads of fake values (a branch told with --assume, one told with
+    `torchloom.planning.assume`, one not told) and torch.compile."""
+    folder = tmp_path_factory.mktemp("guesses")
+    script, out = folder / "script.py", folder / "plan.json"
+    script.write_text(_GUESSES)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(["plan", "--assume", "script.py:14=false", "--json", str(out), str(script)])
+    return status, printed.getvalue(), json.loads(out.read_text())
+
+
+def test_fake_reads_warned_and_told(guesses):
+    status, text, plan = guesses
+    assert status == 0, text
+    reads = {read["line"]: read for read in plan["ranks"][0]["fake_reads"]}
+    # Each read of a fake value, at the script's line: told (--assume, assume()) or guessed.
+    assert reads[14]["assumed"] == "--assume" and reads[14]["answers"] == [False], reads
+    assert reads[17]["assumed"] == "assume()" and reads[17]["answers"] == [False], reads
+    assert reads[19]["assumed"] is None and reads[19]["answers"] == [True], reads
+    assert reads[19]["code"] == "if h.mean() > 1e6:" and reads[19]["count"] == 2, reads
+    # The guess is a warning in the text, before the peaks, and in the JSON; what was told is listed.
+    warned = [w for w in plan["warnings"] if "script.py:19 (`if h.mean() > 1e6:`)" in w]
+    assert len(warned) == 1 and "--assume script.py:19=VALUE" in warned[0], plan["warnings"]
+    assert text.index("WARNING: ") < text.index("rank 0: peak"), text
+    assert "script.py:19" in text and "assumed (--assume)" in text and "script.py:14" in text, text
+    # Told False, the repair never ran: no gradient of its 4 MiB of weights.
+    assert plan["ranks"][0]["breakdown"]["gradients"] < 2 * 256 * 256 * 4, plan["ranks"][0]
+
+
+def test_compile_planned_as_eager_said(guesses):
+    status, text, plan = guesses
+    said = [w for w in plan["warnings"] if "torch.compile is planned as eager" in w]
+    assert len(said) == 1 and "script.py:24" in said[0], plan["warnings"]
+    assert "WARNING: " + said[0] in text, text
+
+
+def test_unused_parameters_from_a_fake_read(tmp_path, capsys, monkeypatch):
+    """DDP's reducer finds parameters unused in the plan (the fake read answered 0, so the branch that uses
+    them did not run) that the real run uses: the plan says that a fake read caused it, and where."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torchloom import Loom
+
+            class Net(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.body = torch.nn.Linear(32, 32)
+                    self.extra = torch.nn.Linear(32, 32)
+
+                def forward(self, x):
+                    h = self.body(x)
+                    if h.square().sum().item() > 0:  # always on real data; 0 on fake tensors
+                        h = self.extra(h)
+                    return h
+
+            loom = Loom(accelerator="cpu", strategy="ddp")
+            net = Net()
+            model, optimizer = loom.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for _ in range(2):
+                loom.backward(model(torch.randn(4, 32)).sum())
+                optimizer.step()
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["plan", "--devices", "2", str(script)])
+    text = capsys.readouterr().err
+    assert status == 2, text
+    assert "A read of a fake value caused it" in text and "script.py:13" in text, text

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torchloom import _torch_compat
 from torchloom._run_protocol import publish
 from torchloom.planning import _fit_rank
-from torchloom.planning.tracker import MemoryAccount
+from torchloom.planning.tracker import MemoryAccount, user_frame, user_frames
 
 
 class _PlanDone(BaseException):
@@ -256,6 +256,50 @@ def _patch_ddp(account: MemoryAccount) -> dict[str, Any]:
     return originals
 
 
+def _note_compiles(found: list[dict[str, Any]]) -> Any:
+    """`torch.compile` (and `module.compile()`, which calls it) records where the script compiled: fake tensors
+    run torch's eager kernels (Dynamo does not compile under the planner's dispatch modes), so that part is
+    planned as eager, which the plan says."""
+    original = torch.compile
+
+    def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001  (torch.compile's own name)
+        where = user_frame(sys._getframe(1))
+        if where is not None and all((where[0], where[1]) != (f["file"], f["line"]) for f in found):
+            found.append({"file": where[0], "line": where[1], "code": where[3]})
+        return original(*args, **kwargs)
+
+    torch.compile = compile  # type: ignore[assignment]
+    return original
+
+
+def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any]:
+    """The script's error, where in the user's code it happened (the innermost of the user's frames: torch's
+    own frames do not say which line of the script to change) and its traceback from the user's frames on."""
+    frames = user_frames(error)
+    lines = traceback.format_exception(error)
+    report: dict[str, Any] = {
+        "fake_tensor_error": type(error).__module__.startswith("torch._subclasses")
+        or ("fake" in str(error).lower()),
+        "user_line": None,
+    }
+    message = str(error).strip()
+    if frames:
+        path, line, function, code = frames[-1]
+        report["user_line"] = {"file": path, "line": line, "function": function, "code": code}
+        summary = traceback.StackSummary.from_list(
+            [traceback.FrameSummary(p, n, f, line=c) for p, n, f, c in frames]
+        )
+        lines = ["Traceback, the script's frames:\n", *summary.format(), lines[-1]]
+    else:
+        lines = lines[-8:]
+    report["error"] = (
+        f"{type(error).__name__} in operation {account.last_op or '(none)'}: {message}".strip()
+        + "\n"
+        + "".join(lines)
+    )
+    return report
+
+
 def simulate(config: dict[str, Any]) -> dict[str, Any]:
     rank, world_size, per_node = config["rank"], config["world_size"], config["devices"]
     _world_environment(rank, world_size, per_node)
@@ -278,7 +322,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     from torchloom.planning import measure
 
     measure._PLANNING = True
-    account = MemoryAccount(fake=True)
+    account = MemoryAccount(fake=True, assumed=config.get("assume"))
     fitting = _fit_rank.install(config.get("fit"), account)  # `plan --budget`: its changes and observations
     optimizers: list[Any] = []
     modules: dict[int, torch.nn.Module] = {}
@@ -305,7 +349,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         register_optimizer_step_post_hook(after_step),
         torch.nn.modules.module.register_module_forward_pre_hook(root_forward),
     ]
-    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None}
+    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None, "compiled": [], "user_line": None}
     from torchloom.strategies import pipeline
 
     setup_stage = pipeline.PipelineStrategy.setup_module
@@ -320,6 +364,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
     fake = _torch_compat.fake_tensor_mode()
     original_swap = _fake_swaps()
+    original_compile = _note_compiles(result["compiled"])
     ddp_originals = _patch_ddp(account)
     try:
         with fake, account:
@@ -330,15 +375,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         if exit_.code not in (None, 0):
             result["error"] = f"the script exited with status {exit_.code} before {config['steps']} steps"
     except BaseException as error:  # noqa: BLE001  (reported with what was planned until then)
-        result["fake_tensor_error"] = type(error).__module__.startswith("torch._subclasses") or (
-            "fake" in str(error).lower()
-        )
-        result["error"] = (
-            f"{type(error).__name__} in operation {account.last_op or '(none)'}: {error}".strip()
-            + "\n"
-            + "".join(traceback.format_exception(error)[-8:])
-        )
+        result.update(_error_report(error, account))
     finally:
+        torch.compile = original_compile  # type: ignore[assignment]
         for hook in hooks:
             hook.remove()
         account.note(list(modules.values()), optimizers)
@@ -355,6 +394,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         step=account.peak.step + (1 if account.peak.phase != "setup" else 0),
         breakdown=account.breakdown(),
         timeline=account.timeline,
+        fake_reads=list(account.fake_reads.values()),
     )
     if fitting is not None:
         result["fit"] = fitting.report()

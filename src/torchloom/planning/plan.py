@@ -42,6 +42,27 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_assumptions(items: list[str]) -> dict[str, bool | int | float]:
+    """`--assume train.py:42=false` (repeated) -> {'train.py:42': False}."""
+    found: dict[str, bool | int | float] = {}
+    for item in items:
+        spot, _, text = item.partition("=")
+        file, _, line = spot.rpartition(":")
+        value: bool | int | float | None = {"true": True, "false": False}.get(text.strip().lower())
+        if value is None:
+            try:
+                value = float(text) if any(c in text for c in ".eE") else int(text)
+            except ValueError:
+                value = None
+        if not file or not line.isdigit() or value is None:
+            raise ConfigurationError(
+                f"--assume {item!r}: write FILE:LINE=VALUE, such as train.py:42=false or model.py:17=0.5 (VALUE: "
+                "true, false or a number), with the file and line a WARNING of the plan names."
+            )
+        found[f"{file}:{line}"] = value
+    return found
+
+
 def human(nbytes: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
@@ -91,9 +112,12 @@ def plan(
     budget: int | None = None,
     timeout: float = 1800.0,
     fit: dict[str, Any] | None = None,
+    assume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan `script` on `devices` ranks per node and `num_nodes` nodes; returns the plan as a dict (what
-    `--json` writes); `fit`: the changes a re-plan of `torchloom.planning.fit` applies. Raises `PlanError` (with what was planned so far) when a simulated rank failed."""
+    `--json` writes); `fit`: the changes a re-plan of `torchloom.planning.fit` applies; `assume`: what the
+    script's reads of fake values answer, by `FILE:LINE` (`--assume`). Raises `PlanError` (with what was planned
+    so far) when a simulated rank failed."""
     if not Path(script).is_file():
         raise ConfigurationError(f"The script {script!r} does not exist (looked in {os.getcwd()}).")
     if devices < 1 or num_nodes < 1 or steps < 1:
@@ -120,6 +144,7 @@ def plan(
                 "script_args": list(script_args or []),
                 "out": os.path.join(folder, f"rank{rank}.json"),
                 "fit": fit,
+                "assume": dict(assume or {}),
                 "mailbox": folder,
                 "simulated": [simulated for simulated, _ in simulated_ranks(world_size)],
             }
@@ -162,25 +187,74 @@ def plan(
         "budget_bytes": budget,
         "ranks": entries,
     }
+    result_plan["warnings"] = warnings(result_plan)
     problems = [problem for entry in entries if (problem := _problem(entry, steps))]
     if problems:
         raise PlanError("\n".join(problems), result_plan)
     return result_plan
 
 
+def _where(spot: dict[str, Any]) -> str:
+    return f"{spot['file']}:{spot['line']}" + (f" (`{spot['code']}`)" if spot.get("code") else "")
+
+
+def _guessed(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reads of fake values the plan answered with a guess (the user said nothing of them)."""
+    return [read for read in entry.get("fake_reads", []) if not read.get("assumed")]
+
+
+def warnings(result: dict[str, Any]) -> list[str]:
+    """What the plan guessed or could not model, once for all the simulated ranks: each line of the script that
+    read a fake value (answered without knowing it), each `torch.compile` (planned as eager)."""
+    found: list[str] = []
+    for entry in result["ranks"]:
+        for read in _guessed(entry):
+            answers = " or ".join(repr(a) for a in read["answers"])
+            text = (
+                f"{_where(read)} read the value of a fake tensor {read['count']} time"
+                f"{'s' if read['count'] > 1 else ''} (in {read['function']}); the plan answered {answers} "
+                "without knowing it, so a branch there may go another way than on real data. Say what it is: "
+                f"--assume {os.path.basename(read['file'])}:{read['line']}=VALUE, or "
+                "`with torchloom.planning.assume(VALUE):` around the read"
+            )
+            if text not in found:
+                found.append(text)
+        for compiled in entry.get("compiled", []):
+            text = (
+                f"{_where(compiled)}: torch.compile is planned as eager (fake tensors run torch's eager "
+                "kernels): a compiled run's activations and temporaries can differ (fused kernels hold fewer "
+                "intermediates; the compiler's own buffers are not counted)"
+            )
+            if text not in found:
+                found.append(text)
+    return found
+
+
 def _problem(entry: dict[str, Any], steps: int) -> str | None:
     rank = entry["rank"]
     if entry["error"]:
         first = entry["error"].splitlines()[0]
+        at = f" at {_where(entry['user_line'])}" if entry.get("user_line") else ""
         why = (
             "The operation it names cannot run on fake tensors (they have no values: a result whose shape "
             "depends on the values, or a kernel without a fake implementation)"
             if entry.get("fake_tensor_error")
             else "The script raised this error during the run on fake tensors"
         )
+        guessed = _guessed(entry)
+        if guessed:
+            lines = ", ".join(_where(read) for read in guessed)
+            unused = "unused parameters" in first or "finished reduction" in first
+            why += (
+                f". A read of a fake value caused it: the script read fake values at {lines}, and the branch "
+                "there went the way the plan's guess sent it, leaving parameters unused that the real run uses"
+                if unused
+                else f". The script read fake values before it (at {lines}): if a branch there went another "
+                "way than on real data, the error may be the plan's"
+            ) + " (say what each value is with --assume FILE:LINE=VALUE or torchloom.planning.assume)"
         return (
-            f"rank {rank}: the run on fake tensors stopped after {entry['steps']} of {steps} training steps: "
-            f"{first}\n{why}; the plan below covers what ran before it. Details:\n{entry['error']}"
+            f"rank {rank}: the run on fake tensors stopped after {entry['steps']} of {steps} training "
+            f"steps{at}: {first}\n{why}; the plan below covers what ran before it. Details:\n{entry['error']}"
         )
     if entry["steps"] == 0:
         return (
@@ -202,6 +276,14 @@ def format_plan(result: dict[str, Any]) -> str:
         f"({result['devices']} per node, {result['num_nodes']} node{'s' if result['num_nodes'] > 1 else ''}), "
         f"first {result['steps']} training steps on fake tensors",
     ]
+    for warning in result.get("warnings", []):
+        lines.append(f"WARNING: {warning}")
+    for entry in result["ranks"]:
+        for read in entry.get("fake_reads", []):
+            answers = " or ".join(repr(a) for a in read["answers"])
+            line = f"assumed ({read['assumed']}): {_where(read)} read as {answers}"
+            if read.get("assumed") and line not in lines:
+                lines.append(line)
     budget = result.get("budget_bytes")
     for entry in result["ranks"]:
         who = rank_label(entry)

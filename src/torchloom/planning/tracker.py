@@ -10,8 +10,15 @@ out to hold parameters, gradients or optimizer state. The labels at the peak are
 
 from __future__ import annotations
 
+import contextlib
+import linecache
+import os
+import sys
+import sysconfig
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -43,6 +50,73 @@ _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "fsdp"}
 _INTEGER_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
+_ASSUMED: list[Any] = []  # the values of the `assume` blocks the script is in, innermost last
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCHLOOM = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_PLANNING = os.path.dirname(__file__) + os.sep
+_LIBRARY = tuple(
+    {sysconfig.get_paths()[name] + os.sep for name in ("stdlib", "platstdlib")} | {_TORCH, "<frozen"}
+)
+
+
+@contextlib.contextmanager
+def assume(value: bool | int | float) -> Iterator[None]:
+    """In `torchloom plan`, every read of a fake tensor's value inside the block (`.item()`, `bool()`, an `if` on
+    a comparison, `.tolist()`) answers `value`: say what a value is, or which way a branch goes, where the fake
+    run cannot know it. In a real run it does nothing (the values are real).
+
+        with torchloom.planning.assume(False):
+            diverged = bool(h.abs().max() > 1e6)
+    """
+    _ASSUMED.append(value)
+    try:
+        yield
+    finally:
+        _ASSUMED.pop()
+
+
+def user_frame(frame: FrameType | None) -> tuple[str, int, str, str] | None:
+    """The innermost frame, from `frame` outwards, that is the user's code (not torch's, not Python's library and
+    not the planner's), as (file, line, function, source line); None when it is torchloom's own code."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_LIBRARY) and not path.startswith(_PLANNING):
+            if path.startswith(_TORCHLOOM):
+                return None
+            return path, frame.f_lineno, frame.f_code.co_name, linecache.getline(path, frame.f_lineno).strip()
+        frame = frame.f_back
+    return None
+
+
+def user_frames(error: BaseException) -> list[tuple[str, int, str, str]]:
+    """The user's frames (not torch's, Python's or torchloom's) of `error`'s traceback, outermost first."""
+    found = []
+    tb = error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith(_LIBRARY) and not path.startswith(_TORCHLOOM):
+            found.append(
+                (
+                    path,
+                    tb.tb_lineno,
+                    tb.tb_frame.f_code.co_name,
+                    linecache.getline(path, tb.tb_lineno).strip(),
+                )
+            )
+        tb = tb.tb_next
+    return found
+
+
+def _answer(value: Any, dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return bool(value)
+    if dtype.is_floating_point:
+        return float(value)
+    if dtype.is_complex:
+        return complex(value)
+    return int(value)
+
+
 def _flat_tensors(value: Any, into: list[torch.Tensor]) -> None:
     if not isinstance(value, torch.Tensor):
         return
@@ -72,14 +146,25 @@ class Peak:
     held: dict[int, tuple[int, str]] = field(default_factory=dict)  # serial -> (bytes, label when made)
 
 
+def _same_spot(spot: str, path: str, line: int) -> bool:
+    """`--assume`'s `FILE:LINE` names this line: FILE is the path or its last components (`train.py`)."""
+    file, _, number = spot.rpartition(":")
+    return number == str(line) and (path == file or path.endswith(os.sep + file.lstrip("./" + os.sep)))
+
+
 class MemoryAccount(TorchDispatchMode):
     """Live storage bytes by kind, with the peak. `fake=True`: the run is on fake tensors; scalar reads of fake
-    values (`loss.item()`) answer 0 (True for booleans), and integer work without fake inputs (samplers, seeds)
+    values (`loss.item()`) answer 0 (True for booleans) unless told (`assume`), each recorded where the
+    script made it, and integer work without fake inputs (samplers, seeds)
     runs for real so that data pipelines keep their order."""
 
-    def __init__(self, fake: bool = True) -> None:
+    def __init__(self, fake: bool = True, assumed: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.fake = fake
+        # `torchloom plan --assume FILE:LINE=VALUE`: what the script's reads of fake values at a line answer
+        self.assumed = dict(assumed or {})
+        # (file, line) -> where the script read a fake value, how often and what the plan answered
+        self.fake_reads: dict[tuple[str, int], dict[str, Any]] = {}
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (serial, bytes, label)
         self.current = 0
         self.peak = Peak()
@@ -94,6 +179,9 @@ class MemoryAccount(TorchDispatchMode):
         self._up = False  # memory rose since it last fell
         self._serial = 0
         self._rising = False
+        self._in_step = (
+            False  # a forward of this step began (the loss, the script's code after it: forward too)
+        )
         self._where: tuple[str, str, int] = ("setup", "", 0)  # (phase, module, step) of the peak as it rose
         self._modules = _torch_compat.module_tracker()
         self._original_resize: Any = None
@@ -179,12 +267,49 @@ class MemoryAccount(TorchDispatchMode):
 
     def _phase_now(self) -> str:
         if self.in_optimizer_step:
+            self._in_step = False
             return "optimizer step"
         if _torch_compat.current_graph_task_id() != -1:
             return "backward"
         if len(self._modules.parents) > 1:
+            self._in_step = True
+            return "forward"
+        if self._in_step:  # between the model's forward and the backward: the loss, the script's own code
             return "forward"
         return "between steps" if self.step else "setup"
+
+    # ---- reads of fake values ----------------------------------------------------------------------------
+    def _read(self, tensor: torch.Tensor) -> Any:
+        """A read of a fake tensor's value: it has none, so the answer is a guess (0; True for a boolean), or
+        what the user said it is (`assume`, `--assume`). Every read of the user's code is recorded where it
+        happened: the branch it decides may go another way than on real data."""
+        where = user_frame(sys._getframe(1))
+        if where is None:  # torchloom's own code (its checks that compare values across ranks are off)
+            return _answer(
+                _ASSUMED[-1] if _ASSUMED else 0 if tensor.dtype != torch.bool else True, tensor.dtype
+            )
+        path, line, function, code = where
+        how = None
+        if _ASSUMED:
+            value, how = _ASSUMED[-1], "assume()"
+        else:
+            value = next(
+                (v for spot, v in self.assumed.items() if _same_spot(spot, path, line)),
+                None,
+            )
+            how = None if value is None else "--assume"
+            if value is None:
+                value = True if tensor.dtype == torch.bool else 0
+        answer = _answer(value, tensor.dtype)
+        entry = self.fake_reads.setdefault(
+            (path, line),
+            {"file": path, "line": line, "function": function, "code": code, "count": 0, "answers": []},
+        )
+        entry["count"] += 1
+        entry["assumed"] = how
+        if answer not in entry["answers"] and len(entry["answers"]) < 4:
+            entry["answers"].append(answer)
+        return answer
 
     def _module_now(self) -> str:
         parents = [name for name in self._modules.parents if name != "Global"]
@@ -196,7 +321,7 @@ class MemoryAccount(TorchDispatchMode):
         op = func._overloadpacket.__name__
         self.last_op = f"{namespace}.{op}"
         if self.fake and op == "_local_scalar_dense" and _torch_compat.is_fake(args[0]):
-            return True if args[0].dtype == torch.bool else 0
+            return self._read(args[0])
         inputs: list[torch.Tensor] = []
         for value in tree_flatten((args, kwargs))[0]:
             _flat_tensors(value, inputs)
