@@ -283,6 +283,10 @@ def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any
         "user_line": None,
     }
     message = str(error).strip()
+    cause = error.__cause__ or error.__context__
+    while cause is not None:  # what torch wrapped ("Failed to run stage backward"): the error itself
+        message += f" (from {type(cause).__name__}: {str(cause).strip()[:1000]})"
+        cause = cause.__cause__ or cause.__context__
     if frames:
         path, line, function, code = frames[-1]
         report["user_line"] = {"file": path, "line": line, "function": function, "code": code}
@@ -322,7 +326,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     from torchloom.planning import measure
 
     measure._PLANNING = True
-    account = MemoryAccount(fake=True, assumed=config.get("assume"))
+    fake = _torch_compat.fake_tensor_mode()
+    account = MemoryAccount(fake=True, assumed=config.get("assume"), fake_mode=fake)
     fitting = _fit_rank.install(config.get("fit"), account)  # `plan --budget`: its changes and observations
     optimizers: list[Any] = []
     modules: dict[int, torch.nn.Module] = {}
@@ -362,7 +367,6 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     pipeline.PipelineStrategy.setup_module = setup_module  # type: ignore[method-assign]
     sys.argv = [config["script"], *config["script_args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
-    fake = _torch_compat.fake_tensor_mode()
     original_swap = _fake_swaps()
     original_compile = _note_compiles(result["compiled"])
     ddp_originals = _patch_ddp(account)

@@ -158,9 +158,14 @@ class MemoryAccount(TorchDispatchMode):
     script made it, and integer work without fake inputs (samplers, seeds)
     runs for real so that data pipelines keep their order."""
 
-    def __init__(self, fake: bool = True, assumed: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, fake: bool = True, assumed: dict[str, Any] | None = None, fake_mode: Any = None
+    ) -> None:
         super().__init__()
         self.fake = fake
+        # The run's own fake mode: only its tensors' integer work runs for real. Another fake mode's (the one
+        # torch.export traces a pipeline's model with) must stay fake: a real tensor in its graph breaks it.
+        self.fake_mode = fake_mode
         # `torchloom plan --assume FILE:LINE=VALUE`: what the script's reads of fake values at a line answer
         self.assumed = dict(assumed or {})
         # (file, line) -> where the script read a fake value, how often and what the plan answered
@@ -336,7 +341,12 @@ class MemoryAccount(TorchDispatchMode):
                 outputs: list[torch.Tensor] = []
                 for value in tree_flatten(out)[0]:
                     _flat_tensors(value, outputs)
-                if outputs and all(t.dtype in _INTEGER_DTYPES and t.numel() <= 1 << 24 for t in outputs):
+                if outputs and all(
+                    t.dtype in _INTEGER_DTYPES
+                    and t.numel() <= 1 << 24
+                    and (self.fake_mode is None or getattr(t, "fake_mode", None) is self.fake_mode)
+                    for t in outputs
+                ):
                     # Index and seed work (a sampler's permutation, a worker seed): real, so it can be read.
                     with _torch_compat.unset_fake_temporarily():
                         out = func(*args, **kwargs)
