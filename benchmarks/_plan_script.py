@@ -6,7 +6,8 @@
 
 Layouts: ddp; fsdp (FSDP1, every block a hand-made unit, the head a leftover); fsdp2-units (the same with
 `fully_shard(block)`); tp (ModelParallelStrategy, tensor parallel 2: each block's first layer split by columns,
-its second by rows); pp (PipelineStrategy, one stage per rank, 1F1B over 2 micro-batches). Options: --ac
+its second by rows); pp (PipelineStrategy, one stage per rank, 1F1B over as many micro-batches as stages, at
+least 2). Options: --ac
 (activation checkpointing of every block), --offload (fsdp2-units: torch's CPUOffloadPolicy), --precision,
 --micro-batch, --accumulate (micro-batches per optimizer step) and --more "OPTIONS" (another configuration
 measured after this one in the same launched ranks; `--out` then lists each under `configs`).
@@ -104,15 +105,17 @@ def _measure(args: argparse.Namespace, baseline: list[int]) -> list[dict[str, in
     if args.layout == "pp":
         from torchloom.strategies import PipelineStrategy
 
-        # One stage per rank (the blocks cut evenly, the head on the last), 1F1B over 2 micro-batches per rank.
+        # One stage per rank (the blocks cut evenly, the head on the last), 1F1B over as many micro-batches as
+        # stages (2 at pp 2).
         world = int(os.environ.get("WORLD_SIZE", "2"))
         per_stage = max(args.blocks // world, 1)
+        micro_batches = max(world, 2) if args.micro_batch >= max(world, 2) else 1
         strategy = PipelineStrategy(
             pipeline_parallel_size=world,
             split_points=[f"blocks.{per_stage * s}" for s in range(1, world)],
-            example_input=torch.zeros(max(args.micro_batch // 2, 1), args.seq, args.dim),
-            schedule="1f1b",
-            n_microbatches=2 if args.micro_batch >= 2 else 1,
+            example_input=torch.zeros(args.micro_batch // micro_batches, args.seq, args.dim),
+            schedule="1f1b" if micro_batches >= world else "gpipe",
+            n_microbatches=micro_batches,
         )
     loom = Loom(accelerator="cpu", strategy=strategy, precision=args.precision)
     torch.manual_seed(0)

@@ -82,3 +82,35 @@ def test_peak_phase_is_where_it_rose_when_the_script_fails():
     with pytest.raises(RuntimeError, match="stop"), fake, account:
         net(torch.randn(BATCH, DIM))
     assert (account.peak.phase, account.peak.module) == ("forward", "Sequential.1"), account.peak
+
+
+class _Positions(nn.Module):
+    """A GPT-style position embedding: its forward builds the positions (`torch.arange(..., device=x.device)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(16, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_pipeline_trace_of_a_tensor_built_in_forward():
+    """torch's pipeline tracer (torch.export, with a fake mode of its own) traces a forward that builds an
+    integer tensor under the plan: the plan runs integer work for real on its own fake tensors only, so the
+    tracer's tensors stay its fake ones."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    fake = _torch_compat.fake_tensor_mode()
+    with fake, MemoryAccount(fake=True, fake_mode=fake):
+        with torch.device("meta"):  # init_module(empty_init=True): the model on the meta device
+            model = _Positions()
+            example = torch.zeros(2, 16, 32)
+        pipe = pipeline(model, mb_args=(example,), split_spec={"blocks.1": SplitPoint.BEGINNING})
+        # The data's integer work still runs for real (a sampler's permutation can be read).
+        assert not _torch_compat.is_fake(torch.randperm(8))
+    assert pipe.num_stages == 2

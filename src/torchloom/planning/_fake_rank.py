@@ -112,11 +112,12 @@ def _fake_new_groups() -> Any:
     return original
 
 
-def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -> None:
+def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
     """Pipeline stages tell the next stage the shapes they send (torch's `PipelineStage` metadata inference,
-    `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks run side by
-    side and post the objects as files, addressed by the sender's and receiver's rank in the group (a pipeline's
-    stage numbers), so that one simulated rank per stage receives what its neighbour sent."""
+    `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks (one per
+    stage, see `_announce_stages`) run side by side and post the objects as files, addressed by the sender's
+    and receiver's rank in the group (a pipeline's stage numbers), so that one simulated rank per stage receives
+    what its neighbour sent."""
     import pickle
     import time
 
@@ -139,14 +140,6 @@ def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -
 
     def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **_: Any) -> int:
         source = int(src if src is not None else _["group_src"])
-        size = dist.get_world_size(group)
-        position = dist.get_group_rank(group, source) if group is not None else source
-        if position not in {rank // (dist.get_world_size() // size) for rank in simulated}:
-            raise NotImplementedError(
-                f"the plan simulates ranks {simulated} only, and none of them is at place {position} of the "
-                f"{size} ranks this rank receives from (a pipeline stage): `torchloom plan` covers pipelines of "
-                "at most 2 stages (pipeline_parallel_size=2)"
-            )
         path = _address(source, dist.get_rank(), group)
         deadline = time.monotonic() + timeout
         while not os.path.exists(path):
@@ -161,6 +154,21 @@ def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -
 
     dist.send_object_list = distributed_c10d.send_object_list = send_object_list  # type: ignore[assignment]
     dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list  # type: ignore[assignment]
+
+
+def _announce_stages(folder: str, mesh: Any, dimension: str) -> None:
+    """Write `stages.json` into the mailbox: each pipeline stage's global ranks (the planner starts a
+    simulated rank for each stage it lacks)."""
+    assert mesh.mesh_dim_names is not None
+    with _torch_compat.unset_fake_temporarily():
+        layout = mesh.mesh.clone().cpu()
+    ranks = layout.movedim(mesh.mesh_dim_names.index(dimension), 0).reshape(
+        layout.shape[mesh.mesh_dim_names.index(dimension)], -1
+    )
+    path = os.path.join(folder, "stages.json")
+    with open(path + f".tmp{os.getpid()}", "w") as f:
+        json.dump(ranks.tolist(), f)
+    os.replace(path + f".tmp{os.getpid()}", path)
 
 
 def _a_peer_failed(folder: str) -> bool:
@@ -311,7 +319,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     _torch_compat.init_fake_process_group(rank, world_size)
     _fake_new_groups()
     _fake_object_collectives()
-    _object_mailbox(config["mailbox"], config["simulated"])
+    _object_mailbox(config["mailbox"])
     _tolerate_grad_of_leaves()
     from torchloom.strategies import _tp_leftovers
 
@@ -360,8 +368,11 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     setup_stage = pipeline.PipelineStrategy.setup_module
 
     def setup_module(self: pipeline.PipelineStrategy, *args: Any, **kwargs: Any) -> Any:
-        # Each pipeline stage is a role of its own: the plan names the stage a simulated rank runs.
-        result["stage"] = self.device_mesh[pipeline.PIPELINE_PARALLEL].get_local_rank()
+        # Each pipeline stage is a role of its own: the plan names the stage a simulated rank runs, and tells
+        # the planner every stage's ranks, so that it simulates a rank of each stage the others wait for.
+        mesh = self.device_mesh
+        result["stage"] = mesh[pipeline.PIPELINE_PARALLEL].get_local_rank()
+        _announce_stages(config["mailbox"], mesh, pipeline.PIPELINE_PARALLEL)
         return setup_stage(self, *args, **kwargs)
 
     pipeline.PipelineStrategy.setup_module = setup_module  # type: ignore[method-assign]

@@ -80,7 +80,9 @@ def simulated_ranks(world_size: int) -> list[tuple[int, list[int]]]:
 def rank_label(entry: dict[str, Any]) -> str:
     """Who a simulated rank stands for: 'rank 0', 'ranks 1-7 (as rank 7)', with its pipeline stage if any."""
     ranks = entry["ranks"]
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
+    together = ranks == list(range(ranks[0], ranks[-1] + 1))
+    many = f"ranks {ranks[0]}-{ranks[-1]}" if together else "ranks " + ",".join(map(str, ranks))
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{many} (as rank {entry['rank']})"
     if entry.get("stage") is not None:
         who += f", pipeline stage {entry['stage']}"
     return who
@@ -132,8 +134,8 @@ def plan(
     }
     entries: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="torchloom-plan-") as folder:
-        children = []
-        for rank, stands_for in simulated_ranks(world_size):
+
+        def start(rank: int) -> subprocess.Popen[str]:
             config: dict[str, Any] = {
                 "rank": rank,
                 "world_size": world_size,
@@ -146,23 +148,29 @@ def plan(
                 "fit": fit,
                 "assume": dict(assume or {}),
                 "mailbox": folder,
-                "simulated": [simulated for simulated, _ in simulated_ranks(world_size)],
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:
                 json.dump(config, f)
             env = dict(os.environ)
             env.setdefault("OMP_NUM_THREADS", "1")
-            child = subprocess.Popen(
-                [sys.executable, "-m", "torchloom.planning._fake_rank", path],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            children.append((rank, stands_for, config["out"], child))
-        for rank, stands_for, out, child in children:
-            _, stderr = child.communicate(timeout=timeout)
+            # Into a file, not a pipe: the planner polls its ranks (to start a pipeline's missing stages), and a
+            # full pipe would stop a rank that writes much.
+            with open(os.path.join(folder, f"stderr{rank}.txt"), "w") as stderr:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "torchloom.planning._fake_rank", path],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    text=True,
+                )
+
+        children = {rank: (stands_for, start(rank)) for rank, stands_for in simulated_ranks(world_size)}
+        stages = _wait(children, folder, start, timeout)
+        for rank, (stands_for, child) in sorted(children.items()):
+            out = os.path.join(folder, f"rank{rank}.json")
+            with open(os.path.join(folder, f"stderr{rank}.txt")) as f:
+                stderr = f.read()
             if not os.path.exists(out):
                 raise PlanError(
                     f"the simulated rank {rank} ended (exit status {child.returncode}) without a plan:\n"
@@ -172,6 +180,9 @@ def plan(
             with open(out) as f:
                 result = json.load(f)
             result["ranks"] = stands_for
+            if stages is not None and result.get("stage") is not None:
+                # A pipeline stage is a role of its own: each simulated rank stands for its stage's ranks.
+                result["ranks"] = stages[result["stage"]]
             result["module"] = _clean_module(result["module"]) if result["module"] else ""
             entries.append(result)
     result_plan: dict[str, Any] = {
@@ -228,6 +239,34 @@ def warnings(result: dict[str, Any]) -> list[str]:
             if text not in found:
                 found.append(text)
     return found
+
+
+def _wait(
+    children: dict[int, tuple[list[int], Any]], folder: str, start: Any, timeout: float
+) -> list[list[int]] | None:
+    """Wait for the simulated ranks; when a pipeline's ranks say which ranks each stage has (`stages.json`),
+    start a simulated rank for each stage no simulated rank runs (its last rank), which the others' stages wait
+    for. Returns the stages' ranks (None: no pipeline)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    stages: list[list[int]] | None = None
+    path = os.path.join(folder, "stages.json")
+    while any(child.poll() is None for _, child in children.values()):
+        if stages is None and os.path.exists(path):
+            with open(path) as f:
+                stages = json.load(f)
+            assert stages is not None
+            covered = {next(i for i, ranks in enumerate(stages) if rank in ranks) for rank in children}
+            for stage, ranks in enumerate(stages):
+                if stage not in covered:
+                    children[ranks[-1]] = (ranks, start(ranks[-1]))
+        if time.monotonic() > deadline:
+            for _, child in children.values():
+                child.kill()
+            raise PlanError(f"the simulated ranks did not finish within {timeout:.0f} s", {"ranks": []})
+        time.sleep(0.05)
+    return stages
 
 
 def _problem(entry: dict[str, Any], steps: int) -> str | None:
