@@ -204,6 +204,7 @@ def test_operation_fake_tensors_cannot_run(tmp_path, capsys, monkeypatch):
     assert "aten.nonzero" in text and "cannot run on fake tensors" in text, text
     assert "script.py:11 (`return h[h > 0]" in text and 'File "' + str(tmp_path) in text, text
     assert "what was planned until then" in text, text
+    assert text.count("DynamicOutputShapeException") == 1, text  # the error said once
     # The weight and the forward's activation were planned before the failure, in the forward.
     entry = plan["ranks"][0]
     assert entry["peak_bytes"] >= (256 + 64) * 4096 * 4, plan
@@ -319,3 +320,5 @@ def test_unused_parameters_from_a_fake_read(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().err
     assert status == 2, text
     assert "A read of a fake value caused it" in text and "script.py:13" in text, text
+    # Each simulated rank's error is said once (the reducer names each rank's own unused parameters).
+    assert text.count("Expected to have finished reduction") == 2, text

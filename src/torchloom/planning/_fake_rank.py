@@ -301,9 +301,9 @@ def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any
         summary = traceback.StackSummary.from_list(
             [traceback.FrameSummary(p, n, f, line=c) for p, n, f, c in frames]
         )
-        lines = ["Traceback, the script's frames:\n", *summary.format(), lines[-1]]
-    else:
-        lines = lines[-8:]
+        lines = ["Traceback, the script's frames:\n", *summary.format()]
+    else:  # torch's last frames (the message is the first line already)
+        lines = lines[-8:-1]
     report["error"] = (
         f"{type(error).__name__} in operation {account.last_op or '(none)'}: {message}".strip()
         + "\n"

@@ -199,9 +199,19 @@ def plan(
         "ranks": entries,
     }
     result_plan["warnings"] = warnings(result_plan)
-    problems = [problem for entry in entries if (problem := _problem(entry, steps))]
+    problems: dict[str, list[int]] = {}  # the same problem on several simulated ranks is said once
+    for entry in entries:
+        problem = _problem(entry, steps)
+        if problem is not None:
+            problems.setdefault(problem, []).append(entry["rank"])
     if problems:
-        raise PlanError("\n".join(problems), result_plan)
+        raise PlanError(
+            "\n".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
+                for problem, ranks in problems.items()
+            ),
+            result_plan,
+        )
     return result_plan
 
 
@@ -270,9 +280,9 @@ def _wait(
 
 
 def _problem(entry: dict[str, Any], steps: int) -> str | None:
-    rank = entry["rank"]
+    """What stopped a simulated rank short of the planned steps, without its rank (said once for all)."""
     if entry["error"]:
-        first = entry["error"].splitlines()[0]
+        first, _, rest = entry["error"].partition("\n")
         at = f" at {_where(entry['user_line'])}" if entry.get("user_line") else ""
         why = (
             "The operation it names cannot run on fake tensors (they have no values: a result whose shape "
@@ -280,6 +290,11 @@ def _problem(entry: dict[str, Any], steps: int) -> str | None:
             if entry.get("fake_tensor_error")
             else "The script raised this error during the run on fake tensors"
         )
+        if "into pipeline stages" in first:
+            why += (
+                ". torch's pipeline tracer ran on the plan's fake tensors here: if `torchloom run` sets this model "
+                "up, the failure is the planner's limit, not the model's (please report it with this message)"
+            )
         guessed = _guessed(entry)
         if guessed:
             lines = ", ".join(_where(read) for read in guessed)
@@ -292,18 +307,18 @@ def _problem(entry: dict[str, Any], steps: int) -> str | None:
                 "way than on real data, the error may be the plan's"
             ) + " (say what each value is with --assume FILE:LINE=VALUE or torchloom.planning.assume)"
         return (
-            f"rank {rank}: the run on fake tensors stopped after {entry['steps']} of {steps} training "
-            f"steps{at}: {first}\n{why}; the plan below covers what ran before it. Details:\n{entry['error']}"
+            f"the run on fake tensors stopped after {entry['steps']} of {steps} training "
+            f"steps{at}: {first}\n{why}; the plan below covers what ran before it. Details:\n{rest}"
         )
     if entry["steps"] == 0:
         return (
-            f"rank {rank}: the script ended without reaching a training step (no optimizer.step() ran), so "
+            "the script ended without reaching a training step (no optimizer.step() ran), so "
             "there is no step to plan. `torchloom plan` plans the first steps of a training loop: check that the "
             "script trains with these arguments (a --steps 0, a dry-run flag or an empty data set stop it)."
         )
     if entry["steps"] < steps:
         return (
-            f"rank {rank}: the script ended after {entry['steps']} training steps, fewer than the {steps} "
+            f"the script ended after {entry['steps']} training steps, fewer than the {steps} "
             f"planned; the plan covers those (give --steps {entry['steps']} to plan only those)."
         )
     return None
