@@ -80,9 +80,9 @@ def user_frame(frame: FrameType | None) -> tuple[str, int, str, str] | None:
     not the planner's), as (file, line, function, source line); None when it is torchloom's own code."""
     while frame is not None:
         path = frame.f_code.co_filename
+        if path.startswith(_TORCHLOOM) and not path.startswith(_PLANNING):
+            return None  # torchloom's own read (before the library test: torchloom may be installed there)
         if not path.startswith(_LIBRARY) and not path.startswith(_PLANNING):
-            if path.startswith(_TORCHLOOM):
-                return None
             return path, frame.f_lineno, frame.f_code.co_name, linecache.getline(path, frame.f_lineno).strip()
         frame = frame.f_back
     return None
