@@ -27,8 +27,9 @@ CONFIGS = {
     "tp2": ["--layout", "tp"],
     # The precision converts the model's parameters (`module.to(bfloat16)` on fake parameters).
     "ddp-bf16-true": ["--layout", "ddp", "--micro-batch", "4", "--precision", "bf16-true"],
-    # Each stage planned apart (pp 2, 1F1B), the model built on meta under init_module(empty_init=True).
-    "pp2": ["--layout", "pp", "--micro-batch", "4"],
+    # Each stage planned apart (pp 2, 1F1B), the model built on meta under init_module(empty_init=True), with a
+    # position embedding whose indices the forward builds (`torch.arange(..., device=x.device)`).
+    "pp2": ["--layout", "pp", "--micro-batch", "4", "--positions"],
 }
 # Planned only (the measured group has 2 ranks): 3 stages, each a role of its own, one simulated rank each.
 PIPELINE_3 = ["--layout", "pp", "--micro-batch", "6"]
