@@ -256,7 +256,18 @@ def guesses(tmp_path_factory):
     script.write_text(_GUESSES)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        status = cli.main(["plan", "--assume", "script.py:14=false", "--json", str(out), str(script)])
+        status = cli.main(
+            [
+                "plan",
+                "--assume",
+                "script.py:14=false",
+                "--assume",
+                "script.py:99=1",
+                "--json",
+                str(out),
+                str(script),
+            ]
+        )
     return status, printed.getvalue(), json.loads(out.read_text())
 
 
@@ -274,6 +285,8 @@ def test_fake_reads_warned_and_told(guesses):
     assert len(warned) == 1 and "--assume script.py:19=VALUE" in warned[0], plan["warnings"]
     assert text.index("WARNING: ") < text.index("rank 0: peak"), text
     assert "script.py:19" in text and "assumed (--assume)" in text and "script.py:14" in text, text
+    # An --assume at a line that read nothing is said (a misspelt one would leave the guess in place).
+    assert "--assume script.py:99: no read of a fake value happened at that line" in plan["warnings"], plan
     # Told False, the repair never ran: no gradient of its 4 MiB of weights.
     assert plan["ranks"][0]["breakdown"]["gradients"] < 2 * 256 * 256 * 4, plan["ranks"][0]
 

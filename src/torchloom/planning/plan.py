@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import ConfigurationError, TorchloomError
-from torchloom.planning.tracker import KINDS
+from torchloom.planning.tracker import KINDS, same_spot
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20}
 _UNITS.update({"g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40})
@@ -199,6 +199,13 @@ def plan(
         "ranks": entries,
     }
     result_plan["warnings"] = warnings(result_plan)
+    for spot in assume or {}:  # a misspelt --assume would otherwise leave the guess it meant to replace
+        if not any(
+            same_spot(spot, read["file"], read["line"])
+            for entry in entries
+            for read in entry.get("fake_reads", [])
+        ):
+            result_plan["warnings"].append(f"--assume {spot}: no read of a fake value happened at that line")
     problems: dict[str, list[int]] = {}  # the same problem on several simulated ranks is said once
     for entry in entries:
         problem = _problem(entry, steps)

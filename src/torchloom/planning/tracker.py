@@ -146,7 +146,7 @@ class Peak:
     held: dict[int, tuple[int, str]] = field(default_factory=dict)  # serial -> (bytes, label when made)
 
 
-def _same_spot(spot: str, path: str, line: int) -> bool:
+def same_spot(spot: str, path: str, line: int) -> bool:
     """`--assume`'s `FILE:LINE` names this line: FILE is the path or its last components (`train.py`)."""
     file, _, number = spot.rpartition(":")
     return number == str(line) and (path == file or path.endswith(os.sep + file.lstrip("./" + os.sep)))
@@ -299,7 +299,7 @@ class MemoryAccount(TorchDispatchMode):
             value, how = _ASSUMED[-1], "assume()"
         else:
             value = next(
-                (v for spot, v in self.assumed.items() if _same_spot(spot, path, line)),
+                (v for spot, v in self.assumed.items() if same_spot(spot, path, line)),
                 None,
             )
             how = None if value is None else "--assume"
