@@ -5,7 +5,12 @@ Runs as a dispatch mode above FakeTensorMode: every operation's new storages are
 they die, FSDP's storage resizes (its gather and free of units) move the count, and each storage is labelled
 when it is made (an all-gather's output: a gathered unit; a collective's: a communication buffer; made in
 forward: an activation; in backward or the optimizer step: a temporary) and re-labelled at the end when it turns
-out to hold parameters, gradients or optimizer state. The labels at the peak are the breakdown.
+out to hold parameters, gradients or optimizer state. The labels at the peak are the breakdown. The peak's place
+(phase, module, step) is recorded as memory rises to it, what it held before memory first falls again (a free,
+or a storage shrinking in place).
+
+A read of a fake value (`.item()`, `bool()`, `.tolist()`) has no answer: the account answers a guess, or what the
+user said (`assume`, `--assume FILE:LINE=VALUE`), and records the user's line that read it, for the plan to warn.
 """
 
 from __future__ import annotations
