@@ -49,3 +49,34 @@ def test_summary_needs_tracking():
     assert "measured peak" in str(summary)
     # A plan's prediction (a `torchloom plan --json` dict or file) beside the measurement.
     assert beside.ranks[0]["predicted_bytes"] == 8000 and "planned/measured" in str(beside)
+
+
+def test_a_collection_inside_the_count_does_not_wait_for_itself(monkeypatch):
+    """A garbage-collection pass can start at any allocation inside the count (here: where it registers a new
+    storage's finalizer) and free another counted storage on the same thread: its release must not wait for the
+    count's own lock (it hung the docs' track_memory block once in the suite)."""
+    import threading
+    import weakref
+
+    from torchloom.planning import measure
+
+    mode = measure._LiveBytes()
+    gone = torch.zeros(1000)
+    cycle: list = [gone.untyped_storage()]
+    cycle.append(cycle)  # freed by a collection only
+    mode._add(cycle[0])
+    del gone
+    cycle = []  # the old list is unreachable now, kept alive by its own reference
+    real = weakref.finalize
+
+    def collecting(*args, **kwargs):
+        gc.collect()  # the pass frees the storage above and runs its finalizer here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure.weakref, "finalize", collecting)
+    kept = torch.ones(10)
+    worker = threading.Thread(target=mode._add, args=(kept.untyped_storage(),), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the count waited for its own lock"
+    assert mode.current == 40  # the collected 4,000 bytes released, the 40 new ones counted

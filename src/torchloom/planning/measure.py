@@ -48,7 +48,10 @@ class _LiveBytes(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
-        self._lock = threading.Lock()
+        # Re-entrant: a garbage-collection pass may start at any allocation inside `_add` (weakref.finalize, a
+        # dict insert) and run `_free` for another storage on this same thread, which must not wait for itself
+        # (seen as a hang of the docs' track_memory block in the suite).
+        self._lock = threading.RLock()
         self._original_resize: Any = None
 
     def _add(self, storage: torch.UntypedStorage) -> None:
