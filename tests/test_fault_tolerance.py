@@ -43,6 +43,7 @@ _SCRIPT = textwrap.dedent(
     loader = loom.setup_dataloaders(DataLoader(data, batch_size=4))
     rg = ft.current()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    open(os.path.join(out, f"group{rg.group}.attempt{attempt}"), "w").close()
     kills = [k.split(":") for k in plan.split(",") if k]
     mine = rg.group == 1 and attempt < len(kills)
     where, after = (kills[attempt][0], int(kills[attempt][1])) if mine else (None, -1)
@@ -153,16 +154,21 @@ def test_run_equals_the_replay_and_groups_end_bit_identical(jobs, name: str) -> 
 
 
 def test_faults_were_survived_and_healed(jobs) -> None:
-    """The killed group came back three times (the record has steps without it, then with it again), and the
-    survivor never stopped: once both groups ran, group 0 took part in every committed step."""
+    """The killed group was started four times (three kills, then a run to the end) and came back into the
+    steps (the record has steps without it, then with it again), and the survivor never stopped: once both
+    groups ran, group 0 took part in every committed step. How many of the kills show as a gap in the record
+    depends on timing (a restarted group may commit its steps before the survivor's next quorum), so the test
+    counts the starts, and at least one gap."""
     folder, done = jobs["faults"]
     assert done.returncode == 0, done.stderr[-5000:]
+    assert sorted(p.name for p in folder.glob("group1.attempt*")) == [f"group1.attempt{i}" for i in range(4)]
+    assert sorted(p.name for p in folder.glob("group0.attempt*")) == ["group0.attempt0"]
     steps = read_record(folder / "record.jsonl")
     together = [len(s.participants) == 2 for s in steps]
     first = together.index(True)
     assert all(any(p.group == 0 for p in s.participants) for s in steps[first:])
     rejoins = sum(1 for a, b in zip(together[first:], together[first + 1 :], strict=False) if not a and b)
-    assert rejoins >= 3, together
+    assert rejoins >= 1, together
 
 
 def test_without_torchft_replica_groups_name_the_extra(tmp_path: Path) -> None:
