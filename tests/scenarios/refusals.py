@@ -46,7 +46,6 @@ REFUSALS.append(
             and s.tied
             and s.units == "hand"
             and not s.leftovers
-            and not (s.strategy == "fsdp" and s.empty_init)  # torch fails first (a known failure)
             # Under a pipeline of several stages the two units lie on different stages: each stage holds a copy,
             # their gradients summed (issue 44 item 16); in one stage it is a tie across units as under fsdp2.
             and not (s.strategy == "pipeline" and s.num_stages("train") > 1)
@@ -55,6 +54,25 @@ REFUSALS.append(
         fragment="sit in two different FSDP units",
         reason="the tied input and output projections are each made a unit: each unit would shard its own copy "
         "of the shared weight (fully_shard trains two copies apart; FSDP1 aborts the ranks in a collective)",
+    )
+)
+
+
+REFUSALS.append(
+    Refusal(
+        name="BatchNorm in a hand-made fully_shard unit under mixed precision",
+        applies=lambda s: (
+            s.batchnorm
+            and s.precision in ("bf16-mixed", "16-mixed")
+            and s.strategy in ("fsdp2", "model_parallel", "pipeline")
+            and s.units == "hand"
+            and not s.leftovers  # then the BatchNorm is a replicated leftover, under autocast: fine
+        ),
+        error="MisuseError",
+        fragment="Give each BatchNorm a unit of its own in full precision",
+        reason="the user's fully_shard(bn, **unit_kwargs()) casts the BatchNorm's weight to the compute dtype, "
+        "not its running statistics: torch's batch_norm fails in the first forward. The units torchloom makes "
+        "(a policy, the root, FSDP1's wrap()) give a BatchNorm a full-precision unit of its own",
     )
 )
 
@@ -281,28 +299,6 @@ KNOWN_FAILURES: list[KnownFailure] = [
 # New defects the engine found (not items of issue 44; reported with a reproduction).
 KNOWN_FAILURES += [
     KnownFailure(
-        name="BatchNorm in an FSDP unit under mixed precision",
-        applies=lambda s: (
-            s.batchnorm
-            and s.precision in ("bf16-mixed", "16-mixed")
-            and (
-                (s.strategy == "fsdp2" and not (s.units == "hand" and s.leftovers))
-                or (s.strategy in ("model_parallel", "pipeline") and not s.leftovers)
-                # FSDP1's auto-wrap policy puts a BatchNorm in a unit of its own without mixed precision
-                or (
-                    s.strategy == "fsdp"
-                    and not (s.units == "hand" and s.leftovers)
-                    and not (s.units == "root" and not s.leftovers)
-                )
-            )
-        ),
-        reason="new (found by this engine): a BatchNorm inside an FSDP unit under bf16-mixed or 16-mixed fails in "
-        "its first forward with torch's 'expected scalar type BFloat16 but found Float': the unit's mixed "
-        "precision casts the BatchNorm's weight to the compute dtype, not its running statistics (fully_shard "
-        "units, and FSDP1 units made without an auto-wrap policy; FSDP1's policy wraps a BatchNorm apart, in fp32: "
-        "_module_classes_to_ignore)",
-    ),
-    KnownFailure(
         name="a frozen parameter in a fully_shard unit under the pipeline, saved",
         applies=lambda s: (
             s.strategy == "pipeline"
@@ -351,30 +347,6 @@ KNOWN_FAILURES.append(
         "degree 1 (stages 0 and 1 on one rank) raises torch's AssertionError 'can't steal_bwd_input if this "
         "stage doesn't have backward' from schedule.eval, the failure PipelineStrategy refuses by name for "
         "'zbv_zero_bubble' only; at pipeline degree 2 it evaluates right",
-    )
-)
-
-
-KNOWN_FAILURES.append(
-    KnownFailure(
-        name="FSDP1 tie across hand-made units, built empty",
-        applies=lambda s: (
-            s.strategy == "fsdp" and s.tied and s.units == "hand" and not s.leftovers and s.empty_init
-        ),
-        reason="new (found by this engine): strategy='fsdp', the tied projections each made a unit with wrap() "
-        "inside init_module(empty_init=True): torch's materialisation raises 'ValueError: Fan in and fan out can "
-        "not be computed for tensor with fewer than 2 dimensions' before torchloom's refusal of a tie across "
-        "units ('sit in two different FSDP units') can name the problem (issue 44 item 16 replaces that refusal)",
-    )
-)
-KNOWN_FAILURES.append(
-    KnownFailure(
-        name="FSDP1, compiled, gradients kept as zeros, evaluated",
-        applies=lambda s: s.strategy == "fsdp" and s.compile and s.evaluate and not s.set_to_none,
-        reason="new (found by this engine): strategy='fsdp', the model torch.compile'd (aot_eager), "
-        "zero_grad(set_to_none=False), then a forward under torch.no_grad (loom.evaluate): dynamo raises "
-        "'attempting to assign a gradient of size [88] to a tensor of size [176]' (FSDP1's sharded flat "
-        "gradient set on the unsharded parameter); not compiled, or with set_to_none=True, it passes",
     )
 )
 

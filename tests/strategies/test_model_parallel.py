@@ -270,6 +270,20 @@ def _options_body(rank: int, world_size: int) -> dict:
     out["bf16"] = full_params(model)
     out["bf16_seen"] = set(seen)
     out["bf16_master"] = {p.dtype for p in model.parameters()}
+
+    # ---- a BatchNorm in parallelize_fn's bf16 unit: refused at setup (its first forward failed in torch) ---------
+    def shard_all(model: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, **loom.strategy.unit_kwargs())
+        return model
+
+    loom = _launch(2, 2, fn=shard_all, precision="bf16-mixed")
+    try:
+        loom.setup_module(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+        out["bf16_batchnorm"] = "no error"
+    except MisuseError as error:
+        out["bf16_batchnorm"] = str(error)
     # ---- 16-mixed: torchloom's agreed scaler; parity, then an inf in one rank's shard skips the step everywhere -
     loom = _launch(2, 2, precision="16-mixed")
     torch.manual_seed(0)
@@ -591,6 +605,16 @@ def test_bf16_mixed_through_fsdp2_mixed_precision_policy(options):
         gap = _largest_gap(result["bf16"], expected)
         assert gap < 0.02 * moved, (rank, gap, moved)
         assert result["bf16_norms"] == pytest.approx(norms, rel=0.01)
+
+
+def test_batchnorm_in_a_bf16_unit_of_parallelize_fn_is_refused(options):
+    for result in options:
+        message = result["bf16_batchnorm"]
+        assert message.startswith("The BatchNorm '1' sits in the FSDP unit '<root>'"), message
+        assert (
+            "fully_shard(bn, **{**loom.strategy.unit_kwargs(), 'mp_policy': MixedPrecisionPolicy()})"
+            in message
+        )
 
 
 def test_fp16_mixed_with_the_agreed_scaler(options):

@@ -40,7 +40,7 @@ from torchloom.strategies._policies import (
     offload_params,
 )
 from torchloom.strategies._replicated import PeerBackwardFailedError, ReplicatedGradSync, broadcast_tensors
-from torchloom.strategies._unit_checks import check_flavours, check_split_ties
+from torchloom.strategies._unit_checks import check_batchnorm_units, check_flavours, check_split_ties
 from torchloom.strategies._unit_watch import BufferSync, UnitRuns, leftover_buffer_owners, watch_unit_runs
 from torchloom.strategies.parallel import ParallelStrategy, refuse_options
 
@@ -283,6 +283,7 @@ class ShardedStrategy(ParallelStrategy):
         self._check_flavours(layout)
         self._check_split_ties(layout)
         self._check_units(layout)
+        check_batchnorm_units(layout)
         pending_init = meta_modules(module)
         by_policy = False
         if layout.units or not self._wraps_model_without_units:
@@ -321,6 +322,7 @@ class ShardedStrategy(ParallelStrategy):
             # the head's unit empty and the head computed with the embedding's shard; FSDP2 fails at the first
             # forward). Before any forward, so no rank dies in a collective.
             self._check_split_ties(layout, made_by="the wrapping policy")
+        check_batchnorm_units(layout)  # a safety net: the units torchloom made give BatchNorms their own
         self._place_outside_units(forward_module, layout)
         self._layouts[id(forward_module)] = layout
         self._watch_unit_runs(forward_module, layout)

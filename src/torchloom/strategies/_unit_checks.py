@@ -1,10 +1,13 @@
 """Refusals of unit layouts the sharded strategies cannot train correctly, checked in `setup_module` before any
 collective: FSDP1 and FSDP2 units mixed (or of the other strategy's flavour), and tied parameters split by a unit
-boundary."""
+boundary, and BatchNorms in units of low-precision parameters."""
 
 from __future__ import annotations
 
-from torchloom._layout import Layout
+import torch
+from torch import nn
+
+from torchloom._layout import Layout, Unit, clean_name, unit_flavour
 from torchloom.errors import MisuseError
 
 
@@ -77,3 +80,76 @@ def _unit_path(layout: Layout, param_name: str) -> str:
         u.path for u in layout.units if not u.path or module == u.path or module.startswith(u.path + ".")
     ]
     return max(paths, key=len, default="")
+
+
+# ---- BatchNorm under a unit's mixed precision ------------------------------------------------------------------
+def needs_full_precision(module: nn.Module, param_dtype: torch.dtype | None) -> bool:
+    """Whether `module` is a BatchNorm that cannot run in a unit whose mixed precision casts parameters to
+    `param_dtype`: the unit casts its weight and bias, not its running statistics (buffers), and torch's
+    batch_norm refuses a low-precision weight beside full-precision statistics ("expected scalar type BFloat16
+    but found Float"). Under one process, autocast leaves BatchNorm in full precision (its input may be low)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if param_dtype is None or not isinstance(module, _BatchNorm):
+        return False
+    stats = module.running_mean
+    return (
+        stats is not None
+        and any(True for _ in module.parameters(recurse=False))
+        and stats.dtype != param_dtype
+    )
+
+
+def full_precision_batchnorms(
+    module: nn.Module, param_dtype: torch.dtype | None
+) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every BatchNorm in `module` outside every unit that needs a full-precision unit of its
+    own under `param_dtype` (see `needs_full_precision`), deepest first; `module` itself ("") included."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(mod: nn.Module, path: str) -> None:
+        if path and unit_flavour(mod) is not None:
+            return  # a unit already: its BatchNorms are its own (see check_batchnorm_units)
+        for name, child in mod.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+        if needs_full_precision(mod, param_dtype):
+            found.append((path, mod))
+
+    visit(module, "")
+    return found
+
+
+def unit_param_dtype(unit: Unit) -> torch.dtype | None:
+    """The dtype a unit's mixed precision computes its parameters in (None: their own)."""
+    if unit.flavour == "fsdp2":
+        policy = unit.module._get_fsdp_state()._mp_policy  # type: ignore[operator]
+    else:
+        policy = getattr(unit.module, "mixed_precision", None)
+    return getattr(policy, "param_dtype", None)
+
+
+def check_batchnorm_units(layout: Layout) -> None:
+    """Refuse a BatchNorm inside a unit that casts its parameters to a low precision (made by hand: the units
+    torchloom makes give each such BatchNorm a full-precision unit of its own, as FSDP1's auto-wrap policy does):
+    its first forward would fail in torch's batch_norm."""
+    for unit in layout.units:
+        dtype = unit_param_dtype(unit)
+        if dtype is None:
+            continue
+        if needs_full_precision(unit.module, dtype):
+            found = [("", unit.module)]
+        else:  # the unit's own modules, not those of units nested in it
+            found = [(p, m) for p, m in full_precision_batchnorms(unit.module, dtype) if p]
+        if not found:
+            continue
+        name = ".".join(n for n in (unit.path, clean_name(found[0][0] + ".")[:-1]) if n) or "<root>"
+        raise MisuseError(
+            f"The BatchNorm '{name}' sits in the FSDP unit '{unit.path or '<root>'}', whose mixed precision "
+            f"casts its weight to {dtype} but not its running statistics (float32): torch's batch_norm would "
+            "fail in the first forward ('expected scalar type ... but found Float'). Give each BatchNorm a unit "
+            f"of its own in full precision, made before the unit around it (its input stays in {dtype}, as "
+            "under autocast): fully_shard(bn, **{**loom.strategy.unit_kwargs(), 'mp_policy': "
+            "MixedPrecisionPolicy()}) (FSDP2), FullyShardedDataParallel(bn) without mixed_precision (FSDP1); or "
+            "let the strategy make the units (a shard_policy or auto_wrap_policy, or wrap() inside "
+            "loom.init_module() under strategy='fsdp'), which does this for you."
+        )

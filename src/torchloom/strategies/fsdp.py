@@ -22,6 +22,7 @@ from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.strategies._policies import as_module_policy, is_wrap_policy, skipping, tie_splitters
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies._sharded import ShardedStrategy
+from torchloom.strategies._unit_checks import full_precision_batchnorms
 from torchloom.strategies.base import real_parameters
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class FSDPStrategy(ShardedStrategy):
         as_module_policy(auto_wrap_policy, "auto_wrap_policy", wrap_form=True)
         self.auto_wrap_policy = auto_wrap_policy
         self._unit_options.setdefault("use_orig_params", True)
+        #: id -> (meta parameter, its description) of the modules wrap() made units of inside init_module.
+        self._wrapped_meta: dict[int, tuple[nn.Parameter, str, str]] = {}
 
     @property
     def has_policy(self) -> bool:
@@ -181,11 +184,58 @@ class FSDPStrategy(ShardedStrategy):
         # setup_module could refuse the tie across the two units, as it now does), or a nested unit's.
         params = [p for p in module.parameters() if not getattr(p, "_fsdp_flattened", False)]
         own = [*params, *module.buffers()]
-        if own and not any(t.is_meta for t in own):
+        if any(t.is_meta for t in own):
+            self._refuse_tie_with_earlier_unit(module)
+        elif own:
             # A module built before init_module (on the CPU) may be wrapped here: FSDP moves it only after.
             broadcast_tensors(own, device=self.root_device)
         with real_parameters():  # FSDP registers views of its flat parameter: they must stay real
-            return FSDP(module, **kwargs)
+            return FSDP(module, **self._full_precision_batchnorms(module, kwargs))
+
+    def _refuse_tie_with_earlier_unit(self, module: nn.Module) -> None:
+        """Refuse, before FSDP materialises `module` from the meta device, a parameter it shares with a unit made
+        before: the tie across units that `setup_module` refuses (`check_split_ties`), which does not get there
+        under `init_module(empty_init=True)`: the module's reset_parameters() runs on what the first unit made
+        of the shared tensor, its flattened shard (found by the scenario engine: torch's "Fan in and fan out can
+        not be computed for tensor with fewer than 2 dimensions"). Every rank wraps the same modules, so every
+        rank raises here together. Meta parameters hold no memory: keeping them until init_module ends is free."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        nested = {id(p) for sub in module.modules() if isinstance(sub, FSDP) for p in sub.parameters()}
+        for name, p in module.named_parameters():
+            earlier = self._wrapped_meta.get(id(p))
+            if earlier is not None and earlier[0] is p and id(p) not in nested:
+                raise MisuseError(
+                    f"Parameter '{name}' of the {type(module).__name__} being wrapped and parameter "
+                    f"'{earlier[1]}' of the {earlier[2]} wrapped before are tied (the same tensor) but sit in two different FSDP units: each unit "
+                    "would shard its own copy, so the tie would be broken (the first unit has already "
+                    "materialised and flattened it; this one would fail to initialise it). Keep every module "
+                    "that uses it in one unit: wrap neither, so that the unit of their common parent shards the "
+                    "tied weight once (the root: unsharded_params='shard'), or let the strategy's "
+                    "auto_wrap_policy make the units (it places a tied weight in the unit of all its users)."
+                )
+        for name, p in module.named_parameters():
+            if p.is_meta and id(p) not in nested:
+                self._wrapped_meta[id(p)] = (p, name, type(module).__name__)
+
+    def _full_precision_batchnorms(self, module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Wrap each BatchNorm in `module` (outside the units it holds) that the unit's mixed precision would
+        break (`needs_full_precision`) in a unit of its own without mixed precision, as FSDP1's auto-wrap policy
+        does (`_module_classes_to_ignore`), for the units it makes no policy for: those of wrap(), the root.
+        Returns the keyword arguments for `module` itself (without mixed precision if it is such a BatchNorm)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        dtype = getattr(kwargs.get("mixed_precision"), "param_dtype", None)
+        full = {k: v for k, v in kwargs.items() if k != "mixed_precision"}
+        own = kwargs
+        for path, bn in full_precision_batchnorms(module, dtype):
+            if not path:
+                own = full
+                continue
+            parent, _, name = path.rpartition(".")
+            with real_parameters():
+                module.get_submodule(parent).register_module(name, FSDP(bn, **full))
+        return own
 
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -196,7 +246,10 @@ class FSDPStrategy(ShardedStrategy):
             super().module_init_context(empty_init),
             enable_wrap(wrapper_cls=self._make_unit, **self.unit_kwargs()),
         ):
-            yield
+            try:
+                yield
+            finally:
+                self._wrapped_meta.clear()
 
     # ---- making units ----------------------------------------------------------------------------------------
     def _shard_with_policy(self, module: nn.Module) -> nn.Module:
@@ -216,16 +269,24 @@ class FSDPStrategy(ShardedStrategy):
         elif policy is not None and not is_wrap_policy(policy):
             # A predicate(module) -> bool: FSDP would call it as (module, recurse, nonwrapped_numel).
             policy = CustomPolicy(policy)
-        return FSDP(module, auto_wrap_policy=policy, **self.unit_kwargs())
+        kwargs = self.unit_kwargs()
+        if policy is None:  # with a policy, FSDP wraps BatchNorms apart itself
+            kwargs = self._full_precision_batchnorms(module, kwargs)
+        return FSDP(module, auto_wrap_policy=policy, **kwargs)
 
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        return FSDP(module, **self.unit_kwargs())
+        return FSDP(module, **self._full_precision_batchnorms(module, self.unit_kwargs()))
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:
         for unit in units:
             stack.enter_context(cast("FSDP", unit.module).no_sync())
+
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        forward_module = super().setup_module(module, move_to_device)
+        _GradsAsideWithoutGrad(forward_module)
+        return forward_module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Refuse an optimizer that holds some but not all of one unit's parameters: FSDP1 flattens a unit's
@@ -273,6 +334,49 @@ class FSDPStrategy(ShardedStrategy):
                 if id(p) not in nested:
                     groups[id(p)] = fsdp.process_group
         return groups
+
+
+class _GradsAsideWithoutGrad:
+    """Set the gradients aside during a forward without autograd (`torch.no_grad()`, `loom.evaluate`) and give
+    them back after it. A compiled FSDP1 model (`torch.compile`, any backend) kept its gradients as zeros
+    (`zero_grad(set_to_none=False)`) then failed in such a forward with dynamo's "attempting to assign a gradient
+    of size [88] to a tensor of size [176]": in a forward without autograd FSDP1 unshards each flat parameter's
+    data but leaves its gradient the shard, and dynamo cannot build a fake tensor of that pair (found by the
+    scenario engine; raw FullyShardedDataParallel + torch.compile fails the same way, as in torch's issue
+    #139110 (a validation loop)). Without gradients there is nothing to pair; a forward without autograd does not
+    touch them, and they are given back as they were (the training after it is the eager one's, bit for bit).
+    The check of the grad mode is traced; only the setting aside runs outside the graph (a graph break in such
+    forwards only)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        module.register_forward_pre_hook(self._before)
+        module.register_forward_hook(self._after, always_call=True)
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            self._set_aside()
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            self._give_back()
+
+    @torch.compiler.disable
+    def _set_aside(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        flat = [u._flat_param for u in FSDP.fsdp_modules(self._module) if u._flat_param is not None]
+        for t in (*flat, *self._module.parameters()):
+            if t.grad is not None:
+                self._saved.append((t, t.grad))
+                t.grad = None
+
+    @torch.compiler.disable
+    def _give_back(self) -> None:
+        for t, grad in self._saved:
+            t.grad = grad
+        self._saved.clear()
 
 
 def _unsharded_offload_error(what: str) -> str:

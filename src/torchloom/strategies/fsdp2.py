@@ -13,11 +13,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchloom import _torch_compat
-from torchloom._layout import Layout, Unit
+from torchloom._layout import Layout, Unit, unit_flavour
 from torchloom._meta_init import materialize_meta, run_init
 from torchloom.errors import ConfigurationError
 from torchloom.strategies._policies import as_module_policy, tie_splitters
 from torchloom.strategies._sharded import ShardedStrategy
+from torchloom.strategies._unit_checks import full_precision_batchnorms
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -118,18 +119,38 @@ class FSDP2Strategy(ShardedStrategy):
         from torch.distributed.fsdp import fully_shard
 
         kwargs = self.unit_kwargs()
+        root_kwargs = self._full_precision_batchnorms(module, kwargs)
         if self.shard_policy is not None:
             # A module holding part of a tied weight's users is no unit: the weight goes to the unit above.
             skip = tie_splitters(module)
             # named_modules() lists parents before children; reversed, every block is sharded before what holds it.
             for name, sub in reversed(list(module.named_modules())):
-                if name and self.shard_policy(sub):
+                if name and unit_flavour(sub) is None and self.shard_policy(sub):
                     if id(sub) in skip:
                         self._tie_skipped.append(name)
                         continue
                     fully_shard(sub, **kwargs)
-        fully_shard(module, **kwargs)
+        fully_shard(module, **root_kwargs)
         return module
+
+    def _full_precision_batchnorms(self, module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Make each BatchNorm in `module` (outside the units it holds) that the units' mixed precision would
+        break (`needs_full_precision`) a unit of its own without mixed precision, before the units around it:
+        FSDP2 lets a nested unit have a policy of its own. Its input stays in the compute dtype and its
+        parameters and running statistics in float32, as under one process's autocast (and as FSDP1's auto-wrap
+        policy does it). Returns the keyword arguments for `module` itself (the full-precision ones if it is
+        such a BatchNorm)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = getattr(kwargs.get("mp_policy"), "param_dtype", None)
+        full = {**kwargs, "mp_policy": MixedPrecisionPolicy()}
+        own = kwargs
+        for path, bn in full_precision_batchnorms(module, dtype):
+            if path:
+                fully_shard(bn, **full)
+            else:
+                own = full
+        return own
 
     def _shard_root(self, module: nn.Module, layout: Layout) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -140,7 +161,8 @@ class FSDP2Strategy(ShardedStrategy):
             (p.device_mesh for u in layout.units for p in u.module.parameters() if isinstance(p, DTensor)),
             None,
         )
-        fully_shard(module, **self.unit_kwargs(mesh))
+        kwargs = self.unit_kwargs(mesh)
+        fully_shard(module, **self._full_precision_batchnorms(module, kwargs))
         return module
 
     def _set_unit_sync(self, stack: contextlib.ExitStack, units: list[Unit]) -> None:

@@ -321,13 +321,14 @@ class PipelineStrategy(ParallelStrategy):
         from torch.distributed.tensor import DTensor
 
         from torchloom._layout import analyze
-        from torchloom.strategies._unit_checks import check_split_ties
+        from torchloom.strategies._unit_checks import check_batchnorm_units, check_split_ties
 
         problems: list[str] = []
         _ties.collect(self._ties, stages)  # parallelize_fn may have replaced the copies
         try:
             for stage in stages.values():
                 check_split_ties(analyze(stage))
+                check_batchnorm_units(analyze(stage))
         except MisuseError as error:
             problems.append(str(error))
         unreduced = [
