@@ -248,6 +248,21 @@ for _phase in ("train", "resume"):
             "two stages of a rank meet",
             phase=_phase,
         ),
+        Refusal(
+            name="model.eval() on traced stages with a BatchNorm",
+            applies=lambda s, phase=_phase: (
+                s.pipelined(phase)
+                and s.split == "points"
+                and s.batchnorm
+                and s.evaluate
+                and (phase == "train" or s.save_step < EVALUATE_AFTER)
+            ),
+            error="MisuseError",
+            fragment="The model is in eval mode, but the traced pipeline stages run",
+            reason="torch's tracer fixes BatchNorm's training flag in the traced graph: under model.eval() the "
+            "stage would still update its running statistics and normalise with the batch's",
+            phase=_phase,
+        ),
     ]
 
 
