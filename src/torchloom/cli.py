@@ -134,6 +134,17 @@ def _add_plan_parser(sub: Any) -> None:
     plan.add_argument("--precision", default=None, help="as for `torchloom run`")
     plan.add_argument("--steps", type=int, default=2, help="training steps to simulate (default 2)")
     plan.add_argument(
+        "--device",
+        default=None,
+        help="plan a CUDA job on this GPU (h100, h200, a100, a100-40gb, l4): its memory bounds the simulated "
+        "caching allocator; a script's Loom(accelerator='cuda') is planned as a CUDA job without it too",
+    )
+    plan.add_argument(
+        "--device-memory",
+        default=None,
+        help="plan a CUDA job on a GPU of this much memory, e.g. 80GiB (instead of, or with, --device)",
+    )
+    plan.add_argument(
         "--budget",
         default=None,
         help="memory per device, e.g. 80GiB: say which ranks fit and, when one is over, the changes that fit",
@@ -189,7 +200,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _replan(args: argparse.Namespace, budget: int | None) -> Any:
     """The command's plan of the script, with a fit's changes (`torchloom.planning.fit`) when given."""
-    from torchloom.planning.plan import plan
+    from torchloom.planning.plan import parse_bytes, plan
 
     def replan(fit: dict[str, Any] | None, precision: str | None) -> dict[str, Any]:
         return plan(
@@ -203,6 +214,8 @@ def _replan(args: argparse.Namespace, budget: int | None) -> Any:
             budget=budget,
             fit=fit,
             assume=args.assumed,
+            device=args.device,
+            device_memory=parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None,
         )
 
     return replan

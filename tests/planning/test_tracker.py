@@ -114,3 +114,30 @@ def test_pipeline_trace_of_a_tensor_built_in_forward():
         # The data's integer work still runs for real (a sampler's permutation can be read).
         assert not _torch_compat.is_fake(torch.randperm(8))
     assert pipe.num_stages == 2
+
+
+def test_the_simulated_allocator_follows_the_account() -> None:
+    """Storages made, grown (as FSDP's `resize_`) and freed reach the simulated caching allocator, and a device
+    that is full stops the simulation where the real run would run out of memory."""
+    from torchloom.planning.allocator import CachingAllocator
+
+    MiB = 1 << 20
+    fake = _torch_compat.fake_tensor_mode()
+    account = MemoryAccount(fake=True)
+    allocator = CachingAllocator(capacity=40 * MiB)
+    account.use_allocator(allocator)
+    with fake, account:
+        a = torch.empty(2 * MiB)  # 8 MiB: a 20 MiB segment, 12 MiB left (split)
+        b = torch.empty(0)
+        # 13 MiB > the 12 MiB left: a segment of its own, 14 MiB, held whole (1 MiB left is not > 1 MiB)
+        b.untyped_storage().resize_(13 * MiB)
+        assert (allocator.allocated, allocator.reserved) == (8 * MiB + 14 * MiB, 34 * MiB)
+        b.untyped_storage().resize_(0)  # back to the cache: reserved stays
+        del a
+        assert (allocator.allocated, allocator.reserved) == (0, 34 * MiB)
+        c = torch.empty(6 * MiB)  # 24 MiB, no cached block holds it: 34 + 24 > 40, the cache released first
+        assert (allocator.reserved, allocator.retries) == (24 * MiB, 1)
+        d = torch.empty(5 * MiB)  # 20 MiB more: 44 > 40 with nothing cached: out of memory
+    assert account.allocator is None and account.out_of_memory is not None
+    assert account.out_of_memory["bytes"] == 20 * MiB and account.out_of_memory["reserved"] == 24 * MiB
+    del c, d

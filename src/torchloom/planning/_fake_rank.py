@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torchloom import _torch_compat
 from torchloom._run_protocol import publish
 from torchloom.planning import _fit_rank
+from torchloom.planning.allocator import CachingAllocator
 from torchloom.planning.tracker import MemoryAccount, user_frame, user_frames
 
 
@@ -280,6 +281,42 @@ def _note_compiles(found: list[dict[str, Any]]) -> Any:
     return original
 
 
+def _plan_loom_options(result: dict[str, Any], devices: int) -> Any:
+    """`Loom(...)` in the script, as the plan reads it: `accelerator="cuda"` (or "gpu") is planned as the CUDA job
+    it is, on the CPU's fake tensors (fake CUDA tensors abort a CPU-only torch once autograd records an op), with
+    the caching allocator simulated; options that disagree with the plan's command line are refused with
+    `torchloom plan`'s own options, not `torchloom run`'s."""
+    from torchloom import loom
+    from torchloom.errors import ConfigurationError
+
+    original = loom.command_line_defaults
+
+    def command_line_defaults(**given: Any) -> tuple[Any, ...]:
+        accelerator = given.get("accelerator")
+        name = accelerator.lower() if isinstance(accelerator, str) else None
+        if name in ("cuda", "gpu"):
+            result["cuda"] = True
+            given["accelerator"] = "auto"  # the plan's own: the CPU's fake tensors
+        elif name is not None and name not in ("auto", "cpu"):
+            raise ConfigurationError(
+                f"Loom(accelerator={accelerator!r}) in the script: `torchloom plan` plans CPU and CUDA jobs "
+                "only. Write accelerator='cuda' (or 'cpu') to plan the job as one of them."
+            )
+        wanted = given.get("devices")
+        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted != devices:
+            raise ConfigurationError(
+                f"Loom(devices={wanted}) in the script, but the plan simulates {devices} per node (`torchloom plan "
+                f"--devices`, 1 when not given): plan it with `torchloom plan --devices {wanted} ...`."
+            )
+        try:
+            return tuple(original(**given))
+        except ConfigurationError as error:  # the plan's command line, not `torchloom run`'s
+            raise ConfigurationError(str(error).replace("torchloom run", "torchloom plan")) from None
+
+    loom.command_line_defaults = command_line_defaults
+    return original
+
+
 def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any]:
     """The script's error, where in the user's code it happened (the innermost of the user's frames: torch's
     own frames do not say which line of the script to change) and its traceback from the user's frames on."""
@@ -336,6 +373,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     measure._PLANNING = True
     fake = _torch_compat.fake_tensor_mode()
     account = MemoryAccount(fake=True, assumed=config.get("assume"), fake_mode=fake)
+    device = config.get("device") or {}
+    allocator = CachingAllocator(bool(device.get("expandable_segments")), device.get("memory"))
+    account.use_allocator(allocator)
     fitting = _fit_rank.install(config.get("fit"), account)  # `plan --budget`: its changes and observations
     optimizers: list[Any] = []
     modules: dict[int, torch.nn.Module] = {}
@@ -362,7 +402,15 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         register_optimizer_step_post_hook(after_step),
         torch.nn.modules.module.register_module_forward_pre_hook(root_forward),
     ]
-    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None, "compiled": [], "user_line": None}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "error": None,
+        "stage": None,
+        "compiled": [],
+        "user_line": None,
+        "cuda": bool(device.get("name") or device.get("memory")),
+    }
+    original_defaults = _plan_loom_options(result, per_node)
     from torchloom.strategies import pipeline
 
     setup_stage = pipeline.PipelineStrategy.setup_module
@@ -393,6 +441,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         result.update(_error_report(error, account))
     finally:
         torch.compile = original_compile  # type: ignore[assignment]
+        from torchloom import loom
+
+        loom.command_line_defaults = original_defaults
         for hook in hooks:
             hook.remove()
         account.note(list(modules.values()), optimizers)
@@ -411,6 +462,13 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         timeline=account.timeline,
         fake_reads=list(account.fake_reads.values()),
     )
+    if result["cuda"]:
+        result["allocator"] = {
+            "allocated_peak": allocator.max_allocated,
+            "reserved_peak": allocator.max_reserved,
+            "retries": allocator.retries,
+            "out_of_memory": account.out_of_memory,
+        }
     if fitting is not None:
         result["fit"] = fitting.report()
     return result

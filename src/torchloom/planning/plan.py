@@ -32,12 +32,23 @@ class PlanError(TorchloomError):
         self.plan = plan
 
 
-def parse_bytes(text: str) -> int:
+#: `torchloom plan --device NAME`: the memory a device's driver reports (`nvidia-smi`'s total, of which the CUDA
+#: context takes a few hundred MiB) and its compute capability.
+DEVICES: dict[str, tuple[int, tuple[int, int]]] = {
+    "h100": (81559 * 2**20, (9, 0)),  # H100 SXM5 80GB
+    "h200": (143771 * 2**20, (9, 0)),
+    "a100": (81920 * 2**20, (8, 0)),  # A100 SXM4 80GB
+    "a100-40gb": (40960 * 2**20, (8, 0)),
+    "l4": (23034 * 2**20, (8, 9)),
+}
+
+
+def parse_bytes(text: str, option: str = "--budget") -> int:
     """'80GiB', '80 GB', '512MiB', '1e9' -> bytes."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ConfigurationError(
-            f"--budget {text!r} is not a size: write a number and a unit, such as 80GiB, 40GB or 512MiB."
+            f"{option} {text!r} is not a size: write a number and a unit, such as 80GiB, 40GB or 512MiB."
         )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
@@ -115,16 +126,23 @@ def plan(
     timeout: float = 1800.0,
     fit: dict[str, Any] | None = None,
     assume: dict[str, Any] | None = None,
+    device: str | None = None,
+    device_memory: int | None = None,
+    alloc_conf: str | None = None,
 ) -> dict[str, Any]:
     """Plan `script` on `devices` ranks per node and `num_nodes` nodes; returns the plan as a dict (what
     `--json` writes); `fit`: the changes a re-plan of `torchloom.planning.fit` applies; `assume`: what the
-    script's reads of fake values answer, by `FILE:LINE` (`--assume`). Raises `PlanError` (with what was planned
-    so far) when a simulated rank failed."""
+    script's reads of fake values answer, by `FILE:LINE` (`--assume`); `device` (a name of `DEVICES`) or
+    `device_memory` (bytes): plan a CUDA job on that device (a script's `Loom(accelerator="cuda")` is one without
+    them too), with the caching allocator simulated as `alloc_conf` configures it (default: the environment's
+    `PYTORCH_CUDA_ALLOC_CONF`, as the real run reads it). Raises `PlanError` (with what was planned so far) when a
+    simulated rank failed."""
     if not Path(script).is_file():
         raise ConfigurationError(f"The script {script!r} does not exist (looked in {os.getcwd()}).")
     if devices < 1 or num_nodes < 1 or steps < 1:
         raise ConfigurationError("--devices, --num-nodes and --steps must be at least 1.")
     world_size = devices * num_nodes
+    target = planned_device(device, device_memory, alloc_conf)
     options = {
         "accelerator": "cpu",
         "devices": str(devices),
@@ -148,6 +166,7 @@ def plan(
                 "fit": fit,
                 "assume": dict(assume or {}),
                 "mailbox": folder,
+                "device": target,
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:
@@ -198,6 +217,11 @@ def plan(
         "budget_bytes": budget,
         "ranks": entries,
     }
+    if any(entry.get("cuda") for entry in entries):
+        result_plan["device"] = target
+        result_plan["reserved_peak_bytes"] = max(
+            entry["allocator"]["reserved_peak"] for entry in entries if entry.get("allocator")
+        )
     result_plan["warnings"] = warnings(result_plan)
     for spot in assume or {}:  # a misspelt --assume would otherwise leave the guess it meant to replace
         if not any(
@@ -220,6 +244,27 @@ def plan(
             result_plan,
         )
     return result_plan
+
+
+def planned_device(name: str | None, memory: int | None, alloc_conf: str | None = None) -> dict[str, Any]:
+    """What a CUDA job is planned on: `--device` (a name of `DEVICES`) and/or `--device-memory`, and the
+    caching allocator's configuration (`PYTORCH_CUDA_ALLOC_CONF`, as the real run reads it)."""
+    from torchloom.planning.allocator import parse_config
+
+    target: dict[str, Any] = {"name": None, "memory": memory, "capability": None}
+    if name is not None:
+        key = name.lower()
+        if key not in DEVICES:
+            raise ConfigurationError(
+                f"--device {name!r} is not a device the plan knows: one of {', '.join(DEVICES)}, or give its "
+                "memory with --device-memory (such as 80GiB)."
+            )
+        target["name"] = key
+        target["memory"] = memory or DEVICES[key][0]
+        target["capability"] = list(DEVICES[key][1])
+    conf = alloc_conf if alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    target["expandable_segments"] = parse_config(conf)
+    return target
 
 
 def _where(spot: dict[str, Any]) -> str:
@@ -331,11 +376,41 @@ def _problem(entry: dict[str, Any], steps: int) -> str | None:
     return None
 
 
+def _device_line(allocator: dict[str, Any], device: dict[str, Any]) -> str:
+    """A CUDA job's rank: the caching allocator's simulated peaks, as `max_memory_allocated()` and
+    `max_memory_reserved()` would report them, against the device's memory."""
+    line = (
+        f"CUDA caching allocator (simulated{', expandable segments' if device.get('expandable_segments') else ''})"
+        f": max_memory_allocated {human(allocator['allocated_peak'])}, "
+        f"max_memory_reserved {human(allocator['reserved_peak'])}"
+    )
+    if device.get("memory"):
+        line += f" of the device's {human(device['memory'])}"
+    oom = allocator.get("out_of_memory")
+    if oom:
+        line += (
+            f"; OUT OF MEMORY at step {oom['step'] + 1}, {oom['phase']}"
+            + (f" of {_clean_module(oom['module'])}" if oom["module"] else "")
+            + f": {human(oom['bytes'])} more with {human(oom['reserved'])} reserved (the cache released first)"
+        )
+    return line
+
+
 def format_plan(result: dict[str, Any]) -> str:
+    device = result.get("device")
+    on = ""
+    if device is not None:
+        on = " as a CUDA job" + (
+            f" on {device['name']}"
+            if device.get("name")
+            else f" on a device of {human(device['memory'])}"
+            if device.get("memory")
+            else ""
+        )
     lines = [
         f"torchloom plan: {result['script']} on {result['world_size']} ranks "
         f"({result['devices']} per node, {result['num_nodes']} node{'s' if result['num_nodes'] > 1 else ''}), "
-        f"first {result['steps']} training steps on fake tensors",
+        f"first {result['steps']} training steps on fake tensors{on}",
     ]
     for warning in result.get("warnings", []):
         lines.append(f"WARNING: {warning}")
@@ -368,6 +443,8 @@ def format_plan(result: dict[str, Any]) -> str:
             f"{kind} {human(entry['breakdown'][kind])}" for kind in KINDS if entry["breakdown"].get(kind)
         ]
         lines.append("    " + ", ".join(parts))
+        if entry.get("allocator"):
+            lines.append("    " + _device_line(entry["allocator"], result.get("device") or {}))
     if budget:
         lines.append(
             f"budget {human(budget)} per rank: "

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from torchloom import _torch_compat
+from torchloom.planning.allocator import CachingAllocator, OutOfMemory
 
 #: The kinds of memory a plan reports, in this order.
 KINDS = (
@@ -195,6 +196,43 @@ class MemoryAccount(TorchDispatchMode):
         self._where: tuple[str, str, int] = ("setup", "", 0)  # (phase, module, step) of the peak as it rose
         self._modules = _torch_compat.module_tracker()
         self._original_resize: Any = None
+        # The CUDA caching allocator, simulated on this account's own allocations and frees (`use_allocator`).
+        self.allocator: CachingAllocator | None = None
+        self.out_of_memory: dict[str, Any] | None = None  # where the simulated device ran out, if it did
+        self._handles: dict[int, int] = {}  # storage key -> the allocator's handle
+
+    def use_allocator(self, allocator: CachingAllocator) -> None:
+        """Feed every storage made, resized and freed from now on into `allocator` (a CUDA job's reserved
+        memory). A storage grows as CUDA's `resize_` does: the new block is allocated before the old is freed."""
+        self.allocator = allocator
+
+    def _device_malloc(self, key: int, nbytes: int) -> None:
+        allocator = self.allocator
+        if allocator is None:
+            return
+        old = self._handles.pop(key, 0)
+        try:
+            if nbytes:
+                self._handles[key] = allocator.malloc(nbytes)
+        except OutOfMemory as error:
+            # The device's memory is spent: the real run stops here with CUDA's out-of-memory error; the plan
+            # says where, and goes on without the simulation (its peaks are those up to here).
+            self.out_of_memory = {
+                "bytes": error.nbytes,
+                "allocated": error.allocated,
+                "reserved": error.reserved,
+                "phase": self._phase_now(),
+                "module": self._module_now(),
+                "step": self.step,
+            }
+            self.allocator = None
+            return
+        allocator.free(old)
+
+    def _device_free(self, key: int) -> None:
+        handle = self._handles.pop(key, 0)
+        if self.allocator is not None:
+            self.allocator.free(handle)
 
     # ---- counting ----------------------------------------------------------------------------------------
     def _label(self, op: str, namespace: str) -> str:
@@ -226,6 +264,7 @@ class MemoryAccount(TorchDispatchMode):
                 self._settle()
                 self._sample()
             new_label = label if nbytes > before else old_label
+            self._device_malloc(key, nbytes)
             self.by_label[old_label] -= before
             self.by_label[new_label] += nbytes
             self.current += nbytes - before
@@ -235,6 +274,7 @@ class MemoryAccount(TorchDispatchMode):
             self.live[key] = (self._serial, nbytes, label)
             self.current += nbytes
             self.by_label[label] += nbytes
+            self._device_malloc(key, nbytes)
             weakref.finalize(storage, self._free, key, self._serial)
         self._up = self._up or nbytes > 0
         if self.current > self.peak.bytes:
@@ -251,6 +291,7 @@ class MemoryAccount(TorchDispatchMode):
         self._settle()
         self._sample()
         del self.live[key]
+        self._device_free(key)
         self.current -= entry[1]
         self.by_label[entry[2]] -= entry[1]
 

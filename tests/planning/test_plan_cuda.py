@@ -1,0 +1,90 @@
+"""`torchloom plan` of a script written for CUDA (`Loom(accelerator="cuda")`) on a machine without one: planned as
+the CUDA job it is, with the caching allocator simulated on the plan's own allocations (reserved figures that
+follow by hand from the allocator's rules), and the script's options that disagree with the plan's command line
+named with the plan's own options."""
+
+from __future__ import annotations
+
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from torchloom.planning.plan import PlanError, format_plan, plan
+
+MiB = 1 << 20
+
+# Two large tensors held through the steps (8 MiB and 12.5 MiB) and a model of one weight: everything else the
+# step makes is far under 1 MiB in all, in the small pool.
+_SCRIPT = """
+import torch
+from torchloom import Loom
+
+loom = Loom(accelerator="cuda"{devices})
+model = torch.nn.Linear(4, 1, bias=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = loom.setup(model, optimizer)
+held = [torch.empty(2 * 2**20, device=loom.device), torch.empty(25 * 2**17, device=loom.device)]
+for _ in range(2):
+    loss = model(torch.ones(2, 4, device=loom.device)).sum()
+    loom.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def _plan(folder, name, in_script="", **options):
+    script = folder / f"{name}.py"
+    script.write_text(textwrap.dedent(_SCRIPT.format(devices=in_script)))
+    try:
+        return plan(str(script), timeout=600, **options)
+    except PlanError as error:
+        return error
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cuda-plans")
+    calls = {
+        "default": dict(device_memory=80 << 30, alloc_conf=""),
+        "expandable": dict(device="h100", alloc_conf="expandable_segments:True"),
+        "devices": dict(devices=1, alloc_conf="", devices_in_script=", devices=2"),
+    }
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {
+            name: pool.submit(_plan, folder, name, options.pop("devices_in_script", ""), **options)
+            for name, options in calls.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_cuda_script_planned_with_the_allocator_simulated(plans):
+    result = plans["default"]
+    assert not isinstance(result, PlanError), str(result)
+    (rank,) = result["ranks"]
+    # 8 MiB: a 20 MiB segment, split (12 MiB left); 12.5 MiB (>= 10 MiB): a segment of its own rounded up to
+    # 2 MiB, 14 MiB; everything else: one 2 MiB segment of the small pool. 20 + 14 + 2 = 36 MiB.
+    assert rank["allocator"]["reserved_peak"] == 36 * MiB
+    # allocated: the tracked bytes rounded up to 512 B each, so at least the tracked peak
+    assert rank["peak_bytes"] <= rank["allocator"]["allocated_peak"] < rank["peak_bytes"] + MiB
+    assert result["reserved_peak_bytes"] == 36 * MiB
+    text = format_plan(result)
+    assert "as a CUDA job on a device of 80.00 GiB" in text
+    assert "max_memory_reserved 36.00 MiB of the device's 80.00 GiB" in text
+
+
+def test_expandable_segments_from_the_alloc_conf(plans):
+    result = plans["expandable"]
+    assert not isinstance(result, PlanError), str(result)
+    # 8 MiB: one 20 MiB page of the large pool's segment (12 MiB free at its end); 12.5 MiB: those 12 MiB and
+    # one more page, 40 MiB; the small pool: one 2 MiB page. 40 + 2 = 42 MiB.
+    assert result["ranks"][0]["allocator"]["reserved_peak"] == 42 * MiB
+    assert result["device"]["name"] == "h100" and result["device"]["capability"] == [9, 0]
+    assert "expandable segments" in format_plan(result)
+
+
+def test_devices_in_the_script_named_with_the_plans_option(plans):
+    error = plans["devices"]
+    assert isinstance(error, PlanError)
+    assert "torchloom plan --devices 2" in str(error)
+    assert "torchloom run" not in str(error) and "--accelerator" not in str(error)
