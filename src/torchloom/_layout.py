@@ -15,6 +15,11 @@ from torch import nn
 
 from torchloom import _torch_compat
 
+#: The attribute of a parameter that is a copy of another rank's (a weight tied across pipeline stages: each
+#: stage holds a copy, their gradients summed): its gradient is counted there, so gradient norms skip it. Set by
+#: `pipelining._ties`, read by `strategies._clipping`.
+COUNTED_ELSEWHERE = "_torchloom_counted_elsewhere"
+
 # Wrapper segments that FSDP1 and activation checkpointing insert into parameter names.
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 

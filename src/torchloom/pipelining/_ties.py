@@ -14,10 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchloom._layout import clean_name
-
-#: Set on a copy whose gradient another copy (the lowest stage's) already counts in the gradient norm.
-COUNTED_ELSEWHERE = "_torchloom_counted_elsewhere"
+from torchloom._layout import COUNTED_ELSEWHERE, clean_name
 
 
 @dataclass

@@ -30,9 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-# The attribute of a parameter whose gradient is counted on another rank (see the docstring above): set today on
-# the copies of a weight tied across pipeline stages, by the module that makes them.
-from torchloom.pipelining._ties import COUNTED_ELSEWHERE
+from torchloom._layout import COUNTED_ELSEWHERE
 
 #: id(parameter) -> the groups over which its gradient is sharded, one per mesh dim; absent: replicated.
 ShardGroups = dict[int, tuple[dist.ProcessGroup, ...]]

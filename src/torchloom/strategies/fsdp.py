@@ -351,6 +351,10 @@ class _GradsAsideWithoutGrad:
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Kept out of a compiled graph. Wrapped here, not with a decorator on the class: `torch.compiler.disable`
+        # imports dynamo (and DTensor), about a second that the launching process must not pay for `Loom(...)`.
+        self._set_aside = torch.compiler.disable(self._set_aside)  # type: ignore[method-assign]
+        self._give_back = torch.compiler.disable(self._give_back)  # type: ignore[method-assign]
         module.register_forward_pre_hook(self._before)
         module.register_forward_hook(self._after, always_call=True)
 
@@ -362,7 +366,6 @@ class _GradsAsideWithoutGrad:
         if not torch.is_grad_enabled():
             self._give_back()
 
-    @torch.compiler.disable
     def _set_aside(self) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -372,7 +375,6 @@ class _GradsAsideWithoutGrad:
                 self._saved.append((t, t.grad))
                 t.grad = None
 
-    @torch.compiler.disable
     def _give_back(self) -> None:
         for t, grad in self._saved:
             t.grad = grad
