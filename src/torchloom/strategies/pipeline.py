@@ -22,6 +22,7 @@ from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.pipelining import _grads, _schedule, _split, _state, _ties
 from torchloom.strategies import _clipping
 from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies._sharded import holds_tensors
 from torchloom.strategies.parallel import ParallelStrategy
 
 PIPELINE_PARALLEL = "pipeline_parallel"
@@ -520,8 +521,6 @@ class PipelineStrategy(ParallelStrategy):
     def optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, full: bool = True, template: bool = False
     ) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         if not full:
             state = super().optimizer_state_dict(module, optimizer, full=False, template=template)
             # Every copy of a tied weight under its first name: written once, read by every copy.
@@ -535,11 +534,9 @@ class PipelineStrategy(ParallelStrategy):
                 "param_groups"
             ]
             return state
-        had_state = bool(optimizer.state)
-        own: Any = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
-        if not had_state:
-            optimizer.state.clear()
-            own["state"] = {}
+        # The base's: an optimizer without state, which torch steps to make some, stepped with its groups' kinds
+        # apart (foreach SGD over plain and DTensor parameters fails otherwise), and its made state undone.
+        own: Any = super().optimizer_state_dict(module, optimizer, full=True, template=template)
         own = _ties.optimizer_to_model_names(own, self._tie_groups)
         pieces = self._gather_pieces(_state.optimizer_to_cpu(own))
         return _state.merge_optimizers(pieces) if pieces is not None else {}
@@ -551,7 +548,7 @@ class PipelineStrategy(ParallelStrategy):
         # The saved names are torch's (state-dict names: no `_checkpoint_wrapped_module.`, `_orig_mod.`).
         own = {clean_name(n) for n, _ in module.named_parameters()}
         state = _state.optimizer_of_stage(_ties.optimizer_to_stage_names(state, self._tie_groups, own), own)
-        super().load_optimizer_state_dict(module, optimizer, state, full=full and _holds_tensors(state))
+        super().load_optimizer_state_dict(module, optimizer, state, full=full and holds_tensors(state))
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
         """Saving and loading alike: full (whole tensors, DTensors distributed) or each rank's own. A full load
@@ -575,16 +572,6 @@ class PipelineStrategy(ParallelStrategy):
         if self.global_rank != 0:
             return None
         return [g for g in gathered if g is not None]
-
-
-def _holds_tensors(state: dict[str, Any]) -> bool:
-    """Whether an optimizer state dict holds a tensor to distribute (torch's full load asks for one, of at least
-    one dimension, to learn the device)."""
-    return any(
-        isinstance(v, torch.Tensor) and v.dim() > 0
-        for entry in state.get("state", {}).values()
-        for v in (entry.values() if isinstance(entry, dict) else ())
-    )
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:
