@@ -6,8 +6,10 @@
 
 Layouts: ddp; fsdp (FSDP1, every block a hand-made unit, the head a leftover); fsdp2-units (the same with
 `fully_shard(block)`); tp (ModelParallelStrategy, tensor parallel 2: each block's first layer split by columns,
-its second by rows); pp (PipelineStrategy, one stage per rank, 1F1B over 2 micro-batches). Options: --ac
-(activation checkpointing of every block), --offload (fsdp2-units: torch's CPUOffloadPolicy), --precision,
+its second by rows); pp (PipelineStrategy, one stage per rank, 1F1B over as many micro-batches as stages, at
+least 2). Options: --ac
+(activation checkpointing of every block), --positions (a position embedding indexed by `torch.arange` in the
+forward), --offload (fsdp2-units: torch's CPUOffloadPolicy), --precision,
 --micro-batch, --accumulate (micro-batches per optimizer step) and --more "OPTIONS" (another configuration
 measured after this one in the same launched ranks; `--out` then lists each under `configs`).
 """
@@ -38,13 +40,17 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, dim: int, blocks: int, ac: bool) -> None:
+    def __init__(self, dim: int, blocks: int, ac: bool, positions: int = 0) -> None:
         super().__init__()
+        # A GPT-style position embedding whose indices the forward builds (`torch.arange`), with --positions.
+        self.pos = nn.Embedding(positions, dim) if positions else None
         self.blocks = nn.ModuleList(Block(dim) for _ in range(blocks))
         self.head = nn.Linear(dim, 16)
         self.ac = ac
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.ac else block(x)
         return self.head(x)
@@ -67,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", default="ddp", choices=("ddp", "fsdp", "fsdp2-units", "tp", "pp"))
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--ac", action="store_true")
+    parser.add_argument(
+        "--positions", action="store_true", help="a position embedding indexed by torch.arange"
+    )
     parser.add_argument("--offload", action="store_true", help="fsdp, fsdp2-units: CPU offload of the shards")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=4)
@@ -104,15 +113,17 @@ def _measure(args: argparse.Namespace, baseline: list[int]) -> list[dict[str, in
     if args.layout == "pp":
         from torchloom.strategies import PipelineStrategy
 
-        # One stage per rank (the blocks cut evenly, the head on the last), 1F1B over 2 micro-batches per rank.
+        # One stage per rank (the blocks cut evenly, the head on the last), 1F1B over as many micro-batches as
+        # stages (2 at pp 2).
         world = int(os.environ.get("WORLD_SIZE", "2"))
         per_stage = max(args.blocks // world, 1)
+        micro_batches = max(world, 2) if args.micro_batch >= max(world, 2) else 1
         strategy = PipelineStrategy(
             pipeline_parallel_size=world,
             split_points=[f"blocks.{per_stage * s}" for s in range(1, world)],
-            example_input=torch.zeros(max(args.micro_batch // 2, 1), args.seq, args.dim),
-            schedule="1f1b",
-            n_microbatches=2 if args.micro_batch >= 2 else 1,
+            example_input=torch.zeros(args.micro_batch // micro_batches, args.seq, args.dim),
+            schedule="1f1b" if micro_batches >= world else "gpipe",
+            n_microbatches=micro_batches,
         )
     loom = Loom(accelerator="cpu", strategy=strategy, precision=args.precision)
     torch.manual_seed(0)
@@ -120,14 +131,14 @@ def _measure(args: argparse.Namespace, baseline: list[int]) -> list[dict[str, in
         from torch.distributed.fsdp.wrap import wrap
 
         with loom.init_module():
-            model = Net(args.dim, args.blocks, args.ac)
+            model = Net(args.dim, args.blocks, args.ac, args.seq if args.positions else 0)
             model.blocks = nn.ModuleList(wrap(block) for block in model.blocks)
     elif args.layout == "pp":
         with loom.init_module(empty_init=True):  # each rank allocates only its stage
-            model = Net(args.dim, args.blocks, args.ac)
+            model = Net(args.dim, args.blocks, args.ac, args.seq if args.positions else 0)
         torch.manual_seed(0)
     else:
-        model = Net(args.dim, args.blocks, args.ac)
+        model = Net(args.dim, args.blocks, args.ac, args.seq if args.positions else 0)
         if args.layout == "fsdp2-units":
             from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 

@@ -139,6 +139,14 @@ def _add_plan_parser(sub: Any) -> None:
         help="memory per device, e.g. 80GiB: say which ranks fit and, when one is over, the changes that fit",
     )
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON to FILE")
+    plan.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="FILE:LINE=VALUE",
+        help="what the script's reads of fake values at FILE:LINE answer (true, false or a number), where the "
+        "plan warns that it guessed; repeat for several lines",
+    )
     add_fit_options(plan)
     plan.add_argument(
         "--plot", default=None, metavar="FILE", help="draw each rank's memory over the steps: an HTML page"
@@ -149,9 +157,10 @@ def _add_plan_parser(sub: Any) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from torchloom.planning.fit import fit_for_command
-    from torchloom.planning.plan import PlanError, format_plan, parse_bytes
+    from torchloom.planning.plan import PlanError, format_plan, parse_assumptions, parse_bytes
 
     budget = parse_bytes(args.budget) if args.budget else None
+    args.assumed = parse_assumptions(args.assume)
     status = 0
     replan = _replan(args, budget)
     try:
@@ -193,6 +202,7 @@ def _replan(args: argparse.Namespace, budget: int | None) -> Any:
             precision=precision or args.precision,
             budget=budget,
             fit=fit,
+            assume=args.assumed,
         )
 
     return replan

@@ -51,7 +51,10 @@ def test_floor_when_nothing_fits(impossible):
     assert not any("offload" in c for c in floor["changes"]), floor
     checkpointed = _checkpointing(plan["fitting"]["tried"])
     assert floor["peak_bytes"] < checkpointed["peak_bytes"] < plan["peak_bytes"], (floor, checkpointed)
+    # The floor took a derived change (the micro-batch): it is derived, and says so.
+    assert floor["how"] == "derived", floor
     assert "no change the planner knows fits the budget of 1.00 MiB per rank: the floor is" in text, text
+    assert "MiB (derived), with" in text, text
     assert "activation checkpointing (full) of every Block (4 blocks)" in text, text
 
 
@@ -98,6 +101,10 @@ def test_fits_ordered_with_costs(impossible):
     assert by_kind["derived"]["change"].startswith("micro-batch") and "derived" in by_kind["derived"]["note"]
     text = format_fits(fit)
     assert "fastest first" in text and "(derived)" in text and "(planned)" in text, text
+    # The floor takes the smallest micro-batch (not the one listed as a fit): derived, with its code.
+    assert any(c.startswith("micro-batch 1 (from 8)") for c in fit["floor"]["changes"]), fit["floor"]
+    assert fit["floor"]["how"] == "derived", fit["floor"]
+    assert "(derived)" in text.split("floor (every change together)")[1], text
     json.dumps(fit)  # what --json writes
 
 
@@ -127,3 +134,30 @@ def test_applied_changes_measured_within_10_percent(impossible, tmp_path):
         predicted = {r: p["peak_bytes"] for p in entry["ranks"] for r in p["ranks"]}
         for rank, peak in enumerate(rank["peak_bytes"] for rank in measured["ranks"]):
             assert abs(predicted[rank] / peak - 1) <= 0.10, (entry["change"], rank, predicted[rank], peak)
+
+
+@pytest.mark.timeout(420)  # the fixture, when this test is the first to ask for it
+def test_selective_apply_code_is_what_was_planned(impossible):
+    """The `apply:` code of selective checkpointing names every operation the plan kept (the CPU attention
+    kernel as well as CUDA's), so that applying it gives the planned peak."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from torchloom.planning import _fit_rank
+
+    plan = impossible[2]
+    checkpointed = _checkpointing(plan["fitting"]["tried"])
+
+    def replan(fit, precision):  # the selective plan is not what this test checks: any peaks do
+        return {"ranks": checkpointed["ranks"], "peak_bytes": checkpointed["peak_bytes"]}
+
+    fit = fit_budget(plan, plan["peak_bytes"] - 1, replan, changes=("selective",))
+    entry = next(e for e in fit["tried"] if "(selective)" in e["change"])
+    printed = entry["apply"].split("create_selective_checkpoint_contexts, ")[1].split("]")[0] + "]"
+    planned = _fit_rank._selective_context()
+    assert planned.func is create_selective_checkpoint_contexts
+    assert eval(printed, {"torch": torch}) == planned.args[0], entry["apply"]
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in planned.args[0]
+    assert isinstance(planned, functools.partial)

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torchloom import _torch_compat
 from torchloom._run_protocol import publish
 from torchloom.planning import _fit_rank
-from torchloom.planning.tracker import MemoryAccount
+from torchloom.planning.tracker import MemoryAccount, user_frame, user_frames
 
 
 class _PlanDone(BaseException):
@@ -112,11 +112,12 @@ def _fake_new_groups() -> Any:
     return original
 
 
-def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -> None:
+def _object_mailbox(folder: str, timeout: float = 300.0) -> None:
     """Pipeline stages tell the next stage the shapes they send (torch's `PipelineStage` metadata inference,
-    `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks run side by
-    side and post the objects as files, addressed by the sender's and receiver's rank in the group (a pipeline's
-    stage numbers), so that one simulated rank per stage receives what its neighbour sent."""
+    `send_object_list`/`recv_object_list`), which the fake group cannot carry: the simulated ranks (one per
+    stage, see `_announce_stages`) run side by side and post the objects as files, addressed by the sender's
+    and receiver's rank in the group (a pipeline's stage numbers), so that one simulated rank per stage receives
+    what its neighbour sent."""
     import pickle
     import time
 
@@ -139,14 +140,6 @@ def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -
 
     def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None, **_: Any) -> int:
         source = int(src if src is not None else _["group_src"])
-        size = dist.get_world_size(group)
-        position = dist.get_group_rank(group, source) if group is not None else source
-        if position not in {rank // (dist.get_world_size() // size) for rank in simulated}:
-            raise NotImplementedError(
-                f"the plan simulates ranks {simulated} only, and none of them is at place {position} of the "
-                f"{size} ranks this rank receives from (a pipeline stage): `torchloom plan` covers pipelines of "
-                "at most 2 stages (pipeline_parallel_size=2)"
-            )
         path = _address(source, dist.get_rank(), group)
         deadline = time.monotonic() + timeout
         while not os.path.exists(path):
@@ -161,6 +154,21 @@ def _object_mailbox(folder: str, simulated: list[int], timeout: float = 300.0) -
 
     dist.send_object_list = distributed_c10d.send_object_list = send_object_list  # type: ignore[assignment]
     dist.recv_object_list = distributed_c10d.recv_object_list = recv_object_list  # type: ignore[assignment]
+
+
+def _announce_stages(folder: str, mesh: Any, dimension: str) -> None:
+    """Write `stages.json` into the mailbox: each pipeline stage's global ranks (the planner starts a
+    simulated rank for each stage it lacks)."""
+    assert mesh.mesh_dim_names is not None
+    with _torch_compat.unset_fake_temporarily():
+        layout = mesh.mesh.clone().cpu()
+    ranks = layout.movedim(mesh.mesh_dim_names.index(dimension), 0).reshape(
+        layout.shape[mesh.mesh_dim_names.index(dimension)], -1
+    )
+    path = os.path.join(folder, "stages.json")
+    with open(path + f".tmp{os.getpid()}", "w") as f:
+        json.dump(ranks.tolist(), f)
+    os.replace(path + f".tmp{os.getpid()}", path)
 
 
 def _a_peer_failed(folder: str) -> bool:
@@ -256,6 +264,54 @@ def _patch_ddp(account: MemoryAccount) -> dict[str, Any]:
     return originals
 
 
+def _note_compiles(found: list[dict[str, Any]]) -> Any:
+    """`torch.compile` (and `module.compile()`, which calls it) records where the script compiled: fake tensors
+    run torch's eager kernels (Dynamo does not compile under the planner's dispatch modes), so that part is
+    planned as eager, which the plan says."""
+    original = torch.compile
+
+    def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001  (torch.compile's own name)
+        where = user_frame(sys._getframe(1))
+        if where is not None and all((where[0], where[1]) != (f["file"], f["line"]) for f in found):
+            found.append({"file": where[0], "line": where[1], "code": where[3]})
+        return original(*args, **kwargs)
+
+    torch.compile = compile  # type: ignore[assignment]
+    return original
+
+
+def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any]:
+    """The script's error, where in the user's code it happened (the innermost of the user's frames: torch's
+    own frames do not say which line of the script to change) and its traceback from the user's frames on."""
+    frames = user_frames(error)
+    lines = traceback.format_exception(error)
+    report: dict[str, Any] = {
+        "fake_tensor_error": type(error).__module__.startswith("torch._subclasses")
+        or ("fake" in str(error).lower()),
+        "user_line": None,
+    }
+    message = str(error).strip()
+    cause = error.__cause__ or error.__context__
+    while cause is not None:  # what torch wrapped ("Failed to run stage backward"): the error itself
+        message += f" (from {type(cause).__name__}: {str(cause).strip()[:1000]})"
+        cause = cause.__cause__ or cause.__context__
+    if frames:
+        path, line, function, code = frames[-1]
+        report["user_line"] = {"file": path, "line": line, "function": function, "code": code}
+        summary = traceback.StackSummary.from_list(
+            [traceback.FrameSummary(p, n, f, line=c) for p, n, f, c in frames]
+        )
+        lines = ["Traceback, the script's frames:\n", *summary.format()]
+    else:  # torch's last frames (the message is the first line already)
+        lines = lines[-8:-1]
+    report["error"] = (
+        f"{type(error).__name__} in operation {account.last_op or '(none)'}: {message}".strip()
+        + "\n"
+        + "".join(lines)
+    )
+    return report
+
+
 def simulate(config: dict[str, Any]) -> dict[str, Any]:
     rank, world_size, per_node = config["rank"], config["world_size"], config["devices"]
     _world_environment(rank, world_size, per_node)
@@ -263,7 +319,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     _torch_compat.init_fake_process_group(rank, world_size)
     _fake_new_groups()
     _fake_object_collectives()
-    _object_mailbox(config["mailbox"], config["simulated"])
+    _object_mailbox(config["mailbox"])
     _tolerate_grad_of_leaves()
     from torchloom.strategies import _tp_leftovers
 
@@ -278,7 +334,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     from torchloom.planning import measure
 
     measure._PLANNING = True
-    account = MemoryAccount(fake=True)
+    fake = _torch_compat.fake_tensor_mode()
+    account = MemoryAccount(fake=True, assumed=config.get("assume"), fake_mode=fake)
     fitting = _fit_rank.install(config.get("fit"), account)  # `plan --budget`: its changes and observations
     optimizers: list[Any] = []
     modules: dict[int, torch.nn.Module] = {}
@@ -305,21 +362,24 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         register_optimizer_step_post_hook(after_step),
         torch.nn.modules.module.register_module_forward_pre_hook(root_forward),
     ]
-    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None}
+    result: dict[str, Any] = {"rank": rank, "error": None, "stage": None, "compiled": [], "user_line": None}
     from torchloom.strategies import pipeline
 
     setup_stage = pipeline.PipelineStrategy.setup_module
 
     def setup_module(self: pipeline.PipelineStrategy, *args: Any, **kwargs: Any) -> Any:
-        # Each pipeline stage is a role of its own: the plan names the stage a simulated rank runs.
-        result["stage"] = self.device_mesh[pipeline.PIPELINE_PARALLEL].get_local_rank()
+        # Each pipeline stage is a role of its own: the plan names the stage a simulated rank runs, and tells
+        # the planner every stage's ranks, so that it simulates a rank of each stage the others wait for.
+        mesh = self.device_mesh
+        result["stage"] = mesh[pipeline.PIPELINE_PARALLEL].get_local_rank()
+        _announce_stages(config["mailbox"], mesh, pipeline.PIPELINE_PARALLEL)
         return setup_stage(self, *args, **kwargs)
 
     pipeline.PipelineStrategy.setup_module = setup_module  # type: ignore[method-assign]
     sys.argv = [config["script"], *config["script_args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
-    fake = _torch_compat.fake_tensor_mode()
     original_swap = _fake_swaps()
+    original_compile = _note_compiles(result["compiled"])
     ddp_originals = _patch_ddp(account)
     try:
         with fake, account:
@@ -330,15 +390,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         if exit_.code not in (None, 0):
             result["error"] = f"the script exited with status {exit_.code} before {config['steps']} steps"
     except BaseException as error:  # noqa: BLE001  (reported with what was planned until then)
-        result["fake_tensor_error"] = type(error).__module__.startswith("torch._subclasses") or (
-            "fake" in str(error).lower()
-        )
-        result["error"] = (
-            f"{type(error).__name__} in operation {account.last_op or '(none)'}: {error}".strip()
-            + "\n"
-            + "".join(traceback.format_exception(error)[-8:])
-        )
+        result.update(_error_report(error, account))
     finally:
+        torch.compile = original_compile  # type: ignore[assignment]
         for hook in hooks:
             hook.remove()
         account.note(list(modules.values()), optimizers)
@@ -355,6 +409,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         step=account.peak.step + (1 if account.peak.phase != "setup" else 0),
         breakdown=account.breakdown(),
         timeline=account.timeline,
+        fake_reads=list(account.fake_reads.values()),
     )
     if fitting is not None:
         result["fit"] = fitting.report()

@@ -68,15 +68,25 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return best
 
 
-def _selective_context() -> Any:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    ops = []
+def saved_ops() -> list[str]:
+    """The names in `SAVED_OPS` that this torch has: what the plan keeps, and what the fit's `apply:` code
+    prints (`torch.ops.aten.mm.default`, ...), so that the code applied is the plan."""
+    found = []
     for name in SAVED_OPS:
         _, op, overload = name.split(".")
         packet = getattr(torch.ops.aten, op, None)
         if packet is not None and hasattr(packet, overload):
-            ops.append(getattr(packet, overload))
+            found.append(f"torch.ops.{name}")
+    return found
+
+
+def _selective_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    ops = []
+    for name in saved_ops():
+        op, overload = name.split(".")[-2:]
+        ops.append(getattr(getattr(torch.ops.aten, op), overload))
     return functools.partial(create_selective_checkpoint_contexts, ops)
 
 

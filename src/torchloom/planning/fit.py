@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torchloom.planning._fit_rank import saved_ops
 from torchloom.planning.plan import PlanError, human
 
 #: The changes `--fit-changes` chooses from, in the order they are tried.
@@ -150,8 +151,7 @@ class _Fitter:
         pick = f"blocks[:{chosen}]" if chosen < len(blocks) else "blocks"
         wrapper = (
             "partial(checkpoint_wrapper, context_fn=partial(create_selective_checkpoint_contexts, "
-            "[torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, "
-            "torch.ops.aten._scaled_dot_product_flash_attention.default]))"
+            f"[{', '.join(saved_ops())}]))"  # the operations the plan kept, every one
             if selective
             else "checkpoint_wrapper"
         )
@@ -392,6 +392,7 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
     breakdown."""
     fit: dict[str, Any] = {}
     took: list[str] = []
+    derived = False  # a derived change is part of the floor: the floor is derived too
     planned = [e for e in tried if e["how"] == "planned"]
     checkpointing = [e for e in planned if e["change"].startswith("activation checkpointing")]
     best_ac = min(checkpointing, key=lambda e: e["peak_bytes"], default=None)
@@ -404,9 +405,10 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
     if best_precision is not None and best_precision["peak_bytes"] < fitter.base["peak_bytes"]:
         precision = best_precision["change"].split()[-1]
         took.append(best_precision["change"])
-    if any(e["change"].startswith("reshard_after_forward") for e in planned):
+    reshard = next((e for e in planned if e["change"].startswith("reshard_after_forward")), None)
+    if reshard is not None:
         fit["reshard_after_forward"] = True
-        took.append("reshard_after_forward=True")
+        took.append(reshard["change"])
     same = [e for e in planned if e["change"] in took]
     combined: dict[str, Any] | None = fitter.base
     if took:
@@ -418,6 +420,7 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
     flops = sum(e["recompute_flops"] for e in same)
     comm = sum(e["extra_comm_bytes"] - e["host_copy_bytes"] for e in same)
     host = 0
+    applies = [e["apply"] for e in tried if e["change"] in took]
     for name, derive in (
         ("micro-batch", fitter.micro_batch),
         ("hsdp", fitter.full_shard),
@@ -434,6 +437,8 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
         if entry is None or entry["peak_bytes"] >= _largest(peaks):
             continue
         took.append(entry["change"])
+        applies.append(entry["apply"])
+        derived = derived or entry["how"] == "derived"
         cut = {
             tuple(p["ranks"]): _largest([p]) - q["peak_bytes"]
             for p, q in zip(peaks, entry["ranks"], strict=True)
@@ -449,8 +454,8 @@ def _floor(fitter: _Fitter, changes: tuple[str, ...], tried: list[dict[str, Any]
         host += entry["host_copy_bytes"]
     entry = fitter._entry(
         "all of: " + "; ".join(took) if took else "no change",
-        " and ".join(e["apply"] for e in tried if e["change"] in took) or "-",
-        "planned" if all(e["how"] == "planned" for e in tried if e["change"] in took) else "derived",
+        " and ".join(applies) or "-",
+        "derived" if derived else "planned",
         peaks,
         flops,
         comm,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import ConfigurationError, TorchloomError
-from torchloom.planning.tracker import KINDS
+from torchloom.planning.tracker import KINDS, same_spot
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20}
 _UNITS.update({"g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40})
@@ -42,6 +42,27 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_assumptions(items: list[str]) -> dict[str, bool | int | float]:
+    """`--assume train.py:42=false` (repeated) -> {'train.py:42': False}."""
+    found: dict[str, bool | int | float] = {}
+    for item in items:
+        spot, _, text = item.partition("=")
+        file, _, line = spot.rpartition(":")
+        value: bool | int | float | None = {"true": True, "false": False}.get(text.strip().lower())
+        if value is None:
+            try:
+                value = float(text) if any(c in text for c in ".eE") else int(text)
+            except ValueError:
+                value = None
+        if not file or not line.isdigit() or value is None:
+            raise ConfigurationError(
+                f"--assume {item!r}: write FILE:LINE=VALUE, such as train.py:42=false or model.py:17=0.5 (VALUE: "
+                "true, false or a number), with the file and line a WARNING of the plan names."
+            )
+        found[f"{file}:{line}"] = value
+    return found
+
+
 def human(nbytes: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
@@ -59,7 +80,9 @@ def simulated_ranks(world_size: int) -> list[tuple[int, list[int]]]:
 def rank_label(entry: dict[str, Any]) -> str:
     """Who a simulated rank stands for: 'rank 0', 'ranks 1-7 (as rank 7)', with its pipeline stage if any."""
     ranks = entry["ranks"]
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} (as rank {entry['rank']})"
+    together = ranks == list(range(ranks[0], ranks[-1] + 1))
+    many = f"ranks {ranks[0]}-{ranks[-1]}" if together else "ranks " + ",".join(map(str, ranks))
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"{many} (as rank {entry['rank']})"
     if entry.get("stage") is not None:
         who += f", pipeline stage {entry['stage']}"
     return who
@@ -91,9 +114,12 @@ def plan(
     budget: int | None = None,
     timeout: float = 1800.0,
     fit: dict[str, Any] | None = None,
+    assume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan `script` on `devices` ranks per node and `num_nodes` nodes; returns the plan as a dict (what
-    `--json` writes); `fit`: the changes a re-plan of `torchloom.planning.fit` applies. Raises `PlanError` (with what was planned so far) when a simulated rank failed."""
+    `--json` writes); `fit`: the changes a re-plan of `torchloom.planning.fit` applies; `assume`: what the
+    script's reads of fake values answer, by `FILE:LINE` (`--assume`). Raises `PlanError` (with what was planned
+    so far) when a simulated rank failed."""
     if not Path(script).is_file():
         raise ConfigurationError(f"The script {script!r} does not exist (looked in {os.getcwd()}).")
     if devices < 1 or num_nodes < 1 or steps < 1:
@@ -108,8 +134,8 @@ def plan(
     }
     entries: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="torchloom-plan-") as folder:
-        children = []
-        for rank, stands_for in simulated_ranks(world_size):
+
+        def start(rank: int) -> subprocess.Popen[str]:
             config: dict[str, Any] = {
                 "rank": rank,
                 "world_size": world_size,
@@ -120,24 +146,31 @@ def plan(
                 "script_args": list(script_args or []),
                 "out": os.path.join(folder, f"rank{rank}.json"),
                 "fit": fit,
+                "assume": dict(assume or {}),
                 "mailbox": folder,
-                "simulated": [simulated for simulated, _ in simulated_ranks(world_size)],
             }
             path = os.path.join(folder, f"config{rank}.json")
             with open(path, "w") as f:
                 json.dump(config, f)
             env = dict(os.environ)
             env.setdefault("OMP_NUM_THREADS", "1")
-            child = subprocess.Popen(
-                [sys.executable, "-m", "torchloom.planning._fake_rank", path],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            children.append((rank, stands_for, config["out"], child))
-        for rank, stands_for, out, child in children:
-            _, stderr = child.communicate(timeout=timeout)
+            # Into a file, not a pipe: the planner polls its ranks (to start a pipeline's missing stages), and a
+            # full pipe would stop a rank that writes much.
+            with open(os.path.join(folder, f"stderr{rank}.txt"), "w") as stderr:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "torchloom.planning._fake_rank", path],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    text=True,
+                )
+
+        children = {rank: (stands_for, start(rank)) for rank, stands_for in simulated_ranks(world_size)}
+        stages = _wait(children, folder, start, timeout)
+        for rank, (stands_for, child) in sorted(children.items()):
+            out = os.path.join(folder, f"rank{rank}.json")
+            with open(os.path.join(folder, f"stderr{rank}.txt")) as f:
+                stderr = f.read()
             if not os.path.exists(out):
                 raise PlanError(
                     f"the simulated rank {rank} ended (exit status {child.returncode}) without a plan:\n"
@@ -147,6 +180,9 @@ def plan(
             with open(out) as f:
                 result = json.load(f)
             result["ranks"] = stands_for
+            if stages is not None and result.get("stage") is not None:
+                # A pipeline stage is a role of its own: each simulated rank stands for its stage's ranks.
+                result["ranks"] = stages[result["stage"]]
             result["module"] = _clean_module(result["module"]) if result["module"] else ""
             entries.append(result)
     result_plan: dict[str, Any] = {
@@ -162,35 +198,134 @@ def plan(
         "budget_bytes": budget,
         "ranks": entries,
     }
-    problems = [problem for entry in entries if (problem := _problem(entry, steps))]
+    result_plan["warnings"] = warnings(result_plan)
+    for spot in assume or {}:  # a misspelt --assume would otherwise leave the guess it meant to replace
+        if not any(
+            same_spot(spot, read["file"], read["line"])
+            for entry in entries
+            for read in entry.get("fake_reads", [])
+        ):
+            result_plan["warnings"].append(f"--assume {spot}: no read of a fake value happened at that line")
+    problems: dict[str, list[int]] = {}  # the same problem on several simulated ranks is said once
+    for entry in entries:
+        problem = _problem(entry, steps)
+        if problem is not None:
+            problems.setdefault(problem, []).append(entry["rank"])
     if problems:
-        raise PlanError("\n".join(problems), result_plan)
+        raise PlanError(
+            "\n".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {problem}"
+                for problem, ranks in problems.items()
+            ),
+            result_plan,
+        )
     return result_plan
 
 
+def _where(spot: dict[str, Any]) -> str:
+    return f"{spot['file']}:{spot['line']}" + (f" (`{spot['code']}`)" if spot.get("code") else "")
+
+
+def _guessed(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reads of fake values the plan answered with a guess (the user said nothing of them)."""
+    return [read for read in entry.get("fake_reads", []) if not read.get("assumed")]
+
+
+def warnings(result: dict[str, Any]) -> list[str]:
+    """What the plan guessed or could not model, once for all the simulated ranks: each line of the script that
+    read a fake value (answered without knowing it), each `torch.compile` (planned as eager)."""
+    found: list[str] = []
+    for entry in result["ranks"]:
+        for read in _guessed(entry):
+            answers = " or ".join(repr(a) for a in read["answers"])
+            text = (
+                f"{_where(read)} read the value of a fake tensor {read['count']} time"
+                f"{'s' if read['count'] > 1 else ''} (in {read['function']}); the plan answered {answers} "
+                "without knowing it, so a branch there may go another way than on real data. Say what it is: "
+                f"--assume {os.path.basename(read['file'])}:{read['line']}=VALUE, or "
+                "`with torchloom.planning.assume(VALUE):` around the read"
+            )
+            if text not in found:
+                found.append(text)
+        for compiled in entry.get("compiled", []):
+            text = (
+                f"{_where(compiled)}: torch.compile is planned as eager (fake tensors run torch's eager "
+                "kernels): a compiled run's activations and temporaries can differ (fused kernels hold fewer "
+                "intermediates; the compiler's own buffers are not counted)"
+            )
+            if text not in found:
+                found.append(text)
+    return found
+
+
+def _wait(
+    children: dict[int, tuple[list[int], Any]], folder: str, start: Any, timeout: float
+) -> list[list[int]] | None:
+    """Wait for the simulated ranks; when a pipeline's ranks say which ranks each stage has (`stages.json`),
+    start a simulated rank for each stage no simulated rank runs (its last rank), which the others' stages wait
+    for. Returns the stages' ranks (None: no pipeline)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    stages: list[list[int]] | None = None
+    path = os.path.join(folder, "stages.json")
+    while any(child.poll() is None for _, child in children.values()):
+        if stages is None and os.path.exists(path):
+            with open(path) as f:
+                stages = json.load(f)
+            assert stages is not None
+            covered = {next(i for i, ranks in enumerate(stages) if rank in ranks) for rank in children}
+            for stage, ranks in enumerate(stages):
+                if stage not in covered:
+                    children[ranks[-1]] = (ranks, start(ranks[-1]))
+        if time.monotonic() > deadline:
+            for _, child in children.values():
+                child.kill()
+            raise PlanError(f"the simulated ranks did not finish within {timeout:.0f} s", {"ranks": []})
+        time.sleep(0.05)
+    return stages
+
+
 def _problem(entry: dict[str, Any], steps: int) -> str | None:
-    rank = entry["rank"]
+    """What stopped a simulated rank short of the planned steps, without its rank (said once for all)."""
     if entry["error"]:
-        first = entry["error"].splitlines()[0]
+        first, _, rest = entry["error"].partition("\n")
+        at = f" at {_where(entry['user_line'])}" if entry.get("user_line") else ""
         why = (
             "The operation it names cannot run on fake tensors (they have no values: a result whose shape "
             "depends on the values, or a kernel without a fake implementation)"
             if entry.get("fake_tensor_error")
             else "The script raised this error during the run on fake tensors"
         )
+        if "into pipeline stages" in first:
+            why += (
+                ". torch's pipeline tracer ran on the plan's fake tensors here: if `torchloom run` sets this model "
+                "up, the failure is the planner's limit, not the model's (please report it with this message)"
+            )
+        guessed = _guessed(entry)
+        if guessed:
+            lines = ", ".join(_where(read) for read in guessed)
+            unused = "unused parameters" in first or "finished reduction" in first
+            why += (
+                f". A read of a fake value caused it: the script read fake values at {lines}, and the branch "
+                "there went the way the plan's guess sent it, leaving parameters unused that the real run uses"
+                if unused
+                else f". The script read fake values before it (at {lines}): if a branch there went another "
+                "way than on real data, the error may be the plan's"
+            ) + " (say what each value is with --assume FILE:LINE=VALUE or torchloom.planning.assume)"
         return (
-            f"rank {rank}: the run on fake tensors stopped after {entry['steps']} of {steps} training steps: "
-            f"{first}\n{why}; the plan below covers what ran before it. Details:\n{entry['error']}"
+            f"the run on fake tensors stopped after {entry['steps']} of {steps} training "
+            f"steps{at}: {first}\n{why}; the plan below covers what ran before it. Details:\n{rest}"
         )
     if entry["steps"] == 0:
         return (
-            f"rank {rank}: the script ended without reaching a training step (no optimizer.step() ran), so "
+            "the script ended without reaching a training step (no optimizer.step() ran), so "
             "there is no step to plan. `torchloom plan` plans the first steps of a training loop: check that the "
             "script trains with these arguments (a --steps 0, a dry-run flag or an empty data set stop it)."
         )
     if entry["steps"] < steps:
         return (
-            f"rank {rank}: the script ended after {entry['steps']} training steps, fewer than the {steps} "
+            f"the script ended after {entry['steps']} training steps, fewer than the {steps} "
             f"planned; the plan covers those (give --steps {entry['steps']} to plan only those)."
         )
     return None
@@ -202,6 +337,14 @@ def format_plan(result: dict[str, Any]) -> str:
         f"({result['devices']} per node, {result['num_nodes']} node{'s' if result['num_nodes'] > 1 else ''}), "
         f"first {result['steps']} training steps on fake tensors",
     ]
+    for warning in result.get("warnings", []):
+        lines.append(f"WARNING: {warning}")
+    for entry in result["ranks"]:
+        for read in entry.get("fake_reads", []):
+            answers = " or ".join(repr(a) for a in read["answers"])
+            line = f"assumed ({read['assumed']}): {_where(read)} read as {answers}"
+            if read.get("assumed") and line not in lines:
+                lines.append(line)
     budget = result.get("budget_bytes")
     for entry in result["ranks"]:
         who = rank_label(entry)

@@ -5,13 +5,25 @@ Runs as a dispatch mode above FakeTensorMode: every operation's new storages are
 they die, FSDP's storage resizes (its gather and free of units) move the count, and each storage is labelled
 when it is made (an all-gather's output: a gathered unit; a collective's: a communication buffer; made in
 forward: an activation; in backward or the optimizer step: a temporary) and re-labelled at the end when it turns
-out to hold parameters, gradients or optimizer state. The labels at the peak are the breakdown.
+out to hold parameters, gradients or optimizer state. The labels at the peak are the breakdown. The peak's place
+(phase, module, step) is recorded as memory rises to it, what it held before memory first falls again (a free,
+or a storage shrinking in place).
+
+A read of a fake value (`.item()`, `bool()`, `.tolist()`) has no answer: the account answers a guess, or what the
+user said (`assume`, `--assume FILE:LINE=VALUE`), and records the user's line that read it, for the plan to warn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import linecache
+import os
+import sys
+import sysconfig
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -43,6 +55,73 @@ _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "fsdp"}
 _INTEGER_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
+_ASSUMED: list[Any] = []  # the values of the `assume` blocks the script is in, innermost last
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCHLOOM = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_PLANNING = os.path.dirname(__file__) + os.sep
+_LIBRARY = tuple(
+    {sysconfig.get_paths()[name] + os.sep for name in ("stdlib", "platstdlib")} | {_TORCH, "<frozen"}
+)
+
+
+@contextlib.contextmanager
+def assume(value: bool | int | float) -> Iterator[None]:
+    """In `torchloom plan`, every read of a fake tensor's value inside the block (`.item()`, `bool()`, an `if` on
+    a comparison, `.tolist()`) answers `value`: say what a value is, or which way a branch goes, where the fake
+    run cannot know it. In a real run it does nothing (the values are real).
+
+        with torchloom.planning.assume(False):
+            diverged = bool(h.abs().max() > 1e6)
+    """
+    _ASSUMED.append(value)
+    try:
+        yield
+    finally:
+        _ASSUMED.pop()
+
+
+def user_frame(frame: FrameType | None) -> tuple[str, int, str, str] | None:
+    """The innermost frame, from `frame` outwards, that is the user's code (not torch's, not Python's library and
+    not the planner's), as (file, line, function, source line); None when it is torchloom's own code."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_TORCHLOOM) and not path.startswith(_PLANNING):
+            return None  # torchloom's own read (before the library test: torchloom may be installed there)
+        if not path.startswith(_LIBRARY) and not path.startswith(_PLANNING):
+            return path, frame.f_lineno, frame.f_code.co_name, linecache.getline(path, frame.f_lineno).strip()
+        frame = frame.f_back
+    return None
+
+
+def user_frames(error: BaseException) -> list[tuple[str, int, str, str]]:
+    """The user's frames (not torch's, Python's or torchloom's) of `error`'s traceback, outermost first."""
+    found = []
+    tb = error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith(_LIBRARY) and not path.startswith(_TORCHLOOM):
+            found.append(
+                (
+                    path,
+                    tb.tb_lineno,
+                    tb.tb_frame.f_code.co_name,
+                    linecache.getline(path, tb.tb_lineno).strip(),
+                )
+            )
+        tb = tb.tb_next
+    return found
+
+
+def _answer(value: Any, dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return bool(value)
+    if dtype.is_floating_point:
+        return float(value)
+    if dtype.is_complex:
+        return complex(value)
+    return int(value)
+
+
 def _flat_tensors(value: Any, into: list[torch.Tensor]) -> None:
     if not isinstance(value, torch.Tensor):
         return
@@ -72,14 +151,30 @@ class Peak:
     held: dict[int, tuple[int, str]] = field(default_factory=dict)  # serial -> (bytes, label when made)
 
 
+def same_spot(spot: str, path: str, line: int) -> bool:
+    """`--assume`'s `FILE:LINE` names this line: FILE is the path or its last components (`train.py`)."""
+    file, _, number = spot.rpartition(":")
+    return number == str(line) and (path == file or path.endswith(os.sep + file.lstrip("./" + os.sep)))
+
+
 class MemoryAccount(TorchDispatchMode):
     """Live storage bytes by kind, with the peak. `fake=True`: the run is on fake tensors; scalar reads of fake
-    values (`loss.item()`) answer 0 (True for booleans), and integer work without fake inputs (samplers, seeds)
+    values (`loss.item()`) answer 0 (True for booleans) unless told (`assume`), each recorded where the
+    script made it, and integer work without fake inputs (samplers, seeds)
     runs for real so that data pipelines keep their order."""
 
-    def __init__(self, fake: bool = True) -> None:
+    def __init__(
+        self, fake: bool = True, assumed: dict[str, Any] | None = None, fake_mode: Any = None
+    ) -> None:
         super().__init__()
         self.fake = fake
+        # The run's own fake mode: only its tensors' integer work runs for real. Another fake mode's (the one
+        # torch.export traces a pipeline's model with) must stay fake: a real tensor in its graph breaks it.
+        self.fake_mode = fake_mode
+        # `torchloom plan --assume FILE:LINE=VALUE`: what the script's reads of fake values at a line answer
+        self.assumed = dict(assumed or {})
+        # (file, line) -> where the script read a fake value, how often and what the plan answered
+        self.fake_reads: dict[tuple[str, int], dict[str, Any]] = {}
         self.live: dict[int, tuple[int, int, str]] = {}  # storage key -> (serial, bytes, label)
         self.current = 0
         self.peak = Peak()
@@ -94,6 +189,10 @@ class MemoryAccount(TorchDispatchMode):
         self._up = False  # memory rose since it last fell
         self._serial = 0
         self._rising = False
+        self._in_step = (
+            False  # a forward of this step began (the loss, the script's code after it: forward too)
+        )
+        self._where: tuple[str, str, int] = ("setup", "", 0)  # (phase, module, step) of the peak as it rose
         self._modules = _torch_compat.module_tracker()
         self._original_resize: Any = None
 
@@ -123,7 +222,8 @@ class MemoryAccount(TorchDispatchMode):
             serial, before, old_label = self.live[key]
             if nbytes == before:
                 return
-            if nbytes < before:
+            if nbytes < before:  # a storage shrinking in place (FSDP's reshard, `resize_(0)`) ends a peak too
+                self._settle()
                 self._sample()
             new_label = label if nbytes > before else old_label
             self.by_label[old_label] -= before
@@ -138,8 +238,11 @@ class MemoryAccount(TorchDispatchMode):
             weakref.finalize(storage, self._free, key, self._serial)
         self._up = self._up or nbytes > 0
         if self.current > self.peak.bytes:
+            # Where the peak is, recorded as it rises: by the time memory falls (or an error unwinds the
+            # script's frames) the phase and module may be others.
             self._rising = True
             self.peak.bytes = self.current
+            self._where = (self._phase_now(), self._module_now(), self.step)
 
     def _free(self, key: int, serial: int) -> None:
         entry = self.live.get(key)
@@ -161,26 +264,62 @@ class MemoryAccount(TorchDispatchMode):
         )
 
     def _settle(self) -> None:
-        """Memory is about to fall after rising to a new peak: keep what the peak held."""
+        """Memory is about to fall (a free, a storage shrinking) after rising to a new peak: keep what the peak
+        held, which is what is live now."""
         if not self._rising:
             return
         self._rising = False
         self.peak = Peak(
-            self.current,
-            self._phase_now(),
-            self._module_now(),
-            self.step,
+            self.peak.bytes,
+            *self._where,
             {serial: (nbytes, label) for serial, nbytes, label in self.live.values()},
         )
 
     def _phase_now(self) -> str:
         if self.in_optimizer_step:
+            self._in_step = False
             return "optimizer step"
         if _torch_compat.current_graph_task_id() != -1:
             return "backward"
         if len(self._modules.parents) > 1:
+            self._in_step = True
+            return "forward"
+        if self._in_step:  # between the model's forward and the backward: the loss, the script's own code
             return "forward"
         return "between steps" if self.step else "setup"
+
+    # ---- reads of fake values ----------------------------------------------------------------------------
+    def _read(self, tensor: torch.Tensor) -> Any:
+        """A read of a fake tensor's value: it has none, so the answer is a guess (0; True for a boolean), or
+        what the user said it is (`assume`, `--assume`). Every read of the user's code is recorded where it
+        happened: the branch it decides may go another way than on real data."""
+        where = user_frame(sys._getframe(1))
+        if where is None:  # torchloom's own code (its checks that compare values across ranks are off)
+            return _answer(
+                _ASSUMED[-1] if _ASSUMED else 0 if tensor.dtype != torch.bool else True, tensor.dtype
+            )
+        path, line, function, code = where
+        how = None
+        if _ASSUMED:
+            value, how = _ASSUMED[-1], "assume()"
+        else:
+            value = next(
+                (v for spot, v in self.assumed.items() if same_spot(spot, path, line)),
+                None,
+            )
+            how = None if value is None else "--assume"
+            if value is None:
+                value = True if tensor.dtype == torch.bool else 0
+        answer = _answer(value, tensor.dtype)
+        entry = self.fake_reads.setdefault(
+            (path, line),
+            {"file": path, "line": line, "function": function, "code": code, "count": 0, "answers": []},
+        )
+        entry["count"] += 1
+        entry["assumed"] = how
+        if answer not in entry["answers"] and len(entry["answers"]) < 4:
+            entry["answers"].append(answer)
+        return answer
 
     def _module_now(self) -> str:
         parents = [name for name in self._modules.parents if name != "Global"]
@@ -192,7 +331,7 @@ class MemoryAccount(TorchDispatchMode):
         op = func._overloadpacket.__name__
         self.last_op = f"{namespace}.{op}"
         if self.fake and op == "_local_scalar_dense" and _torch_compat.is_fake(args[0]):
-            return True if args[0].dtype == torch.bool else 0
+            return self._read(args[0])
         inputs: list[torch.Tensor] = []
         for value in tree_flatten((args, kwargs))[0]:
             _flat_tensors(value, inputs)
@@ -207,7 +346,12 @@ class MemoryAccount(TorchDispatchMode):
                 outputs: list[torch.Tensor] = []
                 for value in tree_flatten(out)[0]:
                     _flat_tensors(value, outputs)
-                if outputs and all(t.dtype in _INTEGER_DTYPES and t.numel() <= 1 << 24 for t in outputs):
+                if outputs and all(
+                    t.dtype in _INTEGER_DTYPES
+                    and t.numel() <= 1 << 24
+                    and (self.fake_mode is None or getattr(t, "fake_mode", None) is self.fake_mode)
+                    for t in outputs
+                ):
                     # Index and seed work (a sampler's permutation, a worker seed): real, so it can be read.
                     with _torch_compat.unset_fake_temporarily():
                         out = func(*args, **kwargs)
@@ -228,6 +372,7 @@ class MemoryAccount(TorchDispatchMode):
 
     # ---- entering and leaving -----------------------------------------------------------------------------
     def __enter__(self) -> MemoryAccount:
+        self._hold_no_gradients(True)
         self._original_resize = _torch_compat.storage_resize()
         original, account = self._original_resize, self
 
@@ -245,7 +390,27 @@ class MemoryAccount(TorchDispatchMode):
         super().__exit__(*exc)
         self._modules.__exit__(*exc)
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        self._hold_no_gradients(False)
         self._settle()
+
+    def _hold_no_gradients(self, on: bool) -> None:
+        """The module tracker's backward hooks fire at a module's first gradient instead of its last: its
+        hooks that wait for all of them (torch's `register_multi_grad_hook(mode="all")`) hold each gradient that
+        came until the last one does, or for good where one never comes (a pipeline stage's input under
+        `torch.autograd.grad`). The real run holds none of them: counted, they were 0.38 MiB of a 6 MiB
+        pipeline stage's peak. The tracker only names the module where memory peaks; entering a module's
+        backward at its first gradient names it as well."""
+        from torch.autograd import graph
+        from torch.distributed._tools import mod_tracker
+
+        if not on:
+            mod_tracker.register_multi_grad_hook = graph.register_multi_grad_hook  # type: ignore[attr-defined]
+            return
+
+        def first_gradient(tensors: Any, fn: Any, *, mode: str = "all") -> Any:
+            return graph.register_multi_grad_hook(tensors, fn, mode="any")
+
+        mod_tracker.register_multi_grad_hook = first_gradient  # type: ignore[attr-defined]
 
     # ---- the report --------------------------------------------------------------------------------------
     def serial_of(self, tensor: torch.Tensor) -> list[int]:
