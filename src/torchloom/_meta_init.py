@@ -175,8 +175,9 @@ def _keep_first(mod: nn.Module, slots: list[tuple[str, int]], first_draws: dict[
     user's initialiser still runs, so that the random numbers after it are drawn as a real build draws them, and
     its draw into the shared weight is undone."""
     for name, key in slots:
-        param = mod._parameters[name]
-        assert param is not None
+        param = mod._parameters.get(name)
+        if param is None:  # taken over by a unit (FSDP1 flattens what it wraps): its unit initialised it
+            continue
         local = param.to_local() if hasattr(param, "to_local") else param
         if key in first_draws:
             local.copy_(first_draws[key])
