@@ -16,7 +16,7 @@ from harness import run_ranks
 from torch import nn
 
 from torchloom import Loom, describe
-from torchloom.errors import MisuseError
+from torchloom.errors import CheckpointError, MisuseError
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy, PipelineStrategy
 
 DIM, LAYERS = 8, 4
@@ -225,6 +225,19 @@ def _pipeline_checks(rank: int, world: int, tmp: str) -> dict:
     out["stateless->pp2"] = run(
         pipeline(world), steps=range(2, STEPS), ckpt=f"{tmp}/stateless.pt", momentum=0.0
     )["state"]
+    # An optimizer state that does not fit one stage only (the head's bias left out of its group): every rank
+    # raises, none trains on into a collective that the failed rank never joins
+    if rank == 0:
+        broken = torch.load(f"{tmp}/stateless.pt", weights_only=False)
+        broken["opt"]["param_groups"][0]["params"].remove("head.bias")
+        torch.save(broken, f"{tmp}/broken.pt")
+    loom = pipeline(world)
+    loom.barrier()
+    try:
+        run(loom, steps=range(0), ckpt=f"{tmp}/broken.pt", momentum=0.0)
+        out["broken"] = None
+    except CheckpointError as error:
+        out["broken"] = str(error)
     ddp = Loom(strategy="ddp", accelerator="cpu", devices=world)
     ddp.launch()
     res = run(ddp, steps=range(2))
@@ -393,6 +406,13 @@ def test_pipeline_checkpoints_resume_at_other_degrees(results, folder) -> None:
 def test_pipeline_resumes_a_tied_weight_of_an_optimizer_without_state(results) -> None:
     expected = reference(momentum=0.0)["state"]
     assert close(merged(results, "pipeline", "stateless->pp2"), expected) <= TOL
+
+
+def test_pipeline_load_that_fails_on_one_stage_raises_on_every_rank(results) -> None:
+    for r in results:
+        message = r["pipeline"]["broken"]
+        assert message is not None and "failed on 1 rank of 2" in message, message
+        assert "rank 1: ValueError" in message and "param groups" in message, message
 
 
 def test_pipeline_refuses_copies_laid_out_unlike(results) -> None:
