@@ -135,12 +135,51 @@ def materialize(
             runs[-1][1].append((name, mod))
         else:
             runs.append((distributed, [(name, mod)]))
+    tied = _tied_slots(pending)
+    first_draws: dict[int, torch.Tensor] = {}
     for distributed, modules in runs:
-        if distributed:
-            materialize_units(module, modules)
+        # One module at a time where it holds a tied weight, which keeps its first user's draw (see `_keep_first`).
+        batches = [[m] for m in modules] if tied else [modules]
+        for batch in batches:
+            if distributed:
+                materialize_units(module, batch)
+            else:
+                with torch.no_grad():
+                    for _, mod in batch:
+                        # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
+                        materialize_meta(mod, device)
+                        run_init(mod)
+            for _, mod in batch:
+                _keep_first(mod, tied.get(id(mod), []), first_draws)
+
+
+def _tied_slots(pending: PendingModules) -> dict[int, list[tuple[str, int]]]:
+    """For each pending module that holds a weight shared with another module (tied embeddings): its attribute
+    names of such weights, with the meta parameter's identity (before it is allocated)."""
+    users: dict[int, int] = {}
+    for _, mod in pending:
+        for p in mod.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    slots: dict[int, list[tuple[str, int]]] = {}
+    for _, mod in pending:
+        for name, p in mod.named_parameters(recurse=False):
+            if users[id(p)] > 1:
+                slots.setdefault(id(mod), []).append((name, id(p)))
+    return slots
+
+
+@torch.no_grad()
+def _keep_first(mod: nn.Module, slots: list[tuple[str, int]], first_draws: dict[int, torch.Tensor]) -> None:
+    """A tied weight keeps the value its first user's initialiser drew, as the model built for real does (the
+    head's `weight = embedding.weight` keeps the embedding's draw) and as the pipeline's stages do: each later
+    user's initialiser still runs, so that the random numbers after it are drawn as a real build draws them, and
+    its draw into the shared weight is undone."""
+    for name, key in slots:
+        param = mod._parameters.get(name)
+        if param is None:  # taken over by a unit (FSDP1 flattens what it wraps): its unit initialised it
             continue
-        with torch.no_grad():
-            for _, mod in modules:
-                # Leftovers are replicated: initialise locally, then _replicate_leftovers broadcasts rank 0's.
-                materialize_meta(mod, device)
-                run_init(mod)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if key in first_draws:
+            local.copy_(first_draws[key])
+        else:
+            first_draws[key] = local.detach().clone()

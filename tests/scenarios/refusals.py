@@ -311,59 +311,8 @@ KNOWN_FAILURES: list[KnownFailure] = [
 ]
 
 
-# New defects the engine found (not items of issue 44; reported with a reproduction).
-KNOWN_FAILURES += [
-    KnownFailure(
-        name="a frozen parameter in a fully_shard unit under the pipeline, saved",
-        applies=lambda s: (
-            s.strategy == "pipeline"
-            and s.frozen
-            and s.units == "hand"
-            and not s.leftovers
-            and s.saves
-            and s.ckpt_state != "partial"
-            and declared(s, "train") is None  # not run: a refusal at setup comes before the save
-        ),
-        reason="new (found by this engine): under PipelineStrategy, an optimizer over a frozen parameter (the "
-        "position embedding) that sits in a fully_shard unit of its own: loom.save (full or sharded) raises "
-        "CheckpointError 'Entry optimizer0 is an optimizer over sharded parameters that belong to no one module' "
-        "on one rank while the others wait for the collective timeout (fsdp2 and ModelParallelStrategy save it)",
-        runs=False,
-    ),
-    KnownFailure(
-        name="a weight tied inside one pipeline stage, built with empty_init",
-        applies=lambda s: (
-            s.strategy == "pipeline"
-            and s.tied
-            and s.empty_init
-            and s.split == "fn"
-            and any(s.pipelined(p) and s.num_stages(p) == 1 for p in ("train", "resume"))
-        ),
-        reason="new (found by this engine): PipelineStrategy, a stage holding both ends of a tied weight, the model "
-        "built under init_module(empty_init=True): the materialisation makes two tensors of the tied one, trained "
-        "apart silently (0.63 off one process after 4 steps; the optimizer holds state for both names); without "
-        "empty_init, and under fsdp2 and ModelParallelStrategy, the tie holds",
-    ),
-]
-
-
-KNOWN_FAILURES.append(
-    KnownFailure(
-        name="evaluate with two adjacent stages on one rank",
-        applies=lambda s: (
-            s.evaluate
-            and s.schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
-            and any(
-                s.pipelined(p) and s.pp_degree(p) == 1 and (p == "train" or s.save_step < EVALUATE_AFTER)
-                for p in (("train", "resume") if s.saves and declared(s, "resume") is None else ("train",))
-            )
-        ),
-        reason="new (found by this engine): loom.evaluate under a schedule with 2 stages per rank at pipeline "
-        "degree 1 (stages 0 and 1 on one rank) raises torch's AssertionError 'can't steal_bwd_input if this "
-        "stage doesn't have backward' from schedule.eval, the failure PipelineStrategy refuses by name for "
-        "'zbv_zero_bubble' only; at pipeline degree 2 it evaluates right",
-    )
-)
+# The defects the engine found beside issue 44's items (reports/scenarios-issue44/) are fixed; a new one goes
+# here with its reproduction until it is.
 
 
 def _load_strategy(s: Scenario) -> str:

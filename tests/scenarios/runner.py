@@ -262,10 +262,17 @@ def _build_model(loom, scenario: Scenario) -> torch.nn.Module:
             model = Net(**options)
         if empty and loom.strategy.name in ("single_device", "ddp"):
             # Fabric's rule there: empty_init skips torch.nn.init (uninitialised memory); the user resets.
+            # A tied weight keeps its first user's draw (the input projection's), as a model built for real and
+            # every strategy's meta initialisation keep it: the output projection's reset draws into it too.
             torch.manual_seed(0)
             for module in model.modules():
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
+                if module is model.inp:
+                    first = module.weight.detach().clone()
+            if scenario.tied:
+                with torch.no_grad():
+                    model.inp.weight.copy_(first)
         if scenario.act_ckpt and scenario.strategy in ("single", "ddp"):  # no strategy option: the user wraps
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -371,7 +378,7 @@ def _full_params(loom, model, diverged: list[str]) -> dict[str, torch.Tensor]:
     return _whole(loom, {k: v.detach().float().clone() for k, v in state.items()}, diverged)
 
 
-def _full_optim(loom, model, optimizers, diverged: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def _full_optim(loom, scenario, model, optimizers, diverged: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Each optimizer's per-parameter state, gathered whole by torch's own state-dict API, keyed by name."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for opt in optimizers:
@@ -392,7 +399,25 @@ def _full_optim(loom, model, optimizers, diverged: list[str]) -> dict[str, dict[
                 .clone()
                 for k, v in state.items()
             }
+    if loom.strategy.name == "pipeline":
+        # A tied weight's copies on several stages each have state under the stage's name for it (the head's
+        # copy: `out.weight`); one process, and every other strategy, hold one state under the model's first name.
+        # Renamed, `_whole` checks that the copies' states are equal.
+        first = _first_names(scenario)
+        out = {first.get(name, name): state for name, state in out.items()}
     return _whole(loom, out, diverged)
+
+
+def _first_names(scenario: Scenario) -> dict[str, str]:
+    """Each later name of a tied weight -> the first, as `named_parameters()` of the whole model orders them (the
+    stages hold copies: the names come from the scenario's model itself)."""
+    with torch.device("meta"):
+        whole = Net(**net_options(scenario))
+    first: dict[int, str] = {}
+    names = {}
+    for name, p in whole.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(p), name)
+    return {n: f for n, f in names.items() if n != f}
 
 
 def _setup(loom, scenario: Scenario, phase: str):
@@ -487,7 +512,7 @@ def _one(scenario: Scenario, phase: str, world_size: int, workdir: str) -> dict:
             loom, scenario, phase, model, optimizers, schedulers, loaders, counters, save_to
         )
         out["params"] = _full_params(loom, model, diverged)
-        out["optim"] = _full_optim(loom, model, optimizers, diverged)
+        out["optim"] = _full_optim(loom, scenario, model, optimizers, diverged)
         out["diverged"] = sorted(set(diverged))
         scaler = getattr(loom.strategy.precision, "scaler", None)
         out["scale"] = scaler.get_scale() if scaler is not None else None

@@ -17,7 +17,7 @@ from harness import run_ranks
 from torch import nn
 
 from torchloom import Loom
-from torchloom.errors import MisuseError
+from torchloom.errors import CheckpointError, MisuseError
 from torchloom.strategies import PipelineStrategy
 
 VOCAB, SEQ, DIM, LAYERS = 11, 6, 8, 4
@@ -98,6 +98,64 @@ class BNStage(nn.Module):
         for layer in self.layers.values():
             x = layer(x)
         return self.head(x) if self.head is not None else x
+
+
+class UnitNet(nn.Module):
+    """A frozen input layer, then a layer whose output is transposed where stage 0 ends (non-contiguous)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.a, self.b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(SEQ, SEQ)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.emb.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(torch.tanh(self.emb(x)) * self.gain).transpose(1, 2))
+
+
+class TiedNet(nn.Module):
+    """The output layer's weight tied to the input layer's, both on one stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.emb(x)))))
+
+
+class Half(nn.Module):
+    """split_fn's stage of TiedNet at two stages: its layers at their paths in the model."""
+
+    def __init__(self, model: TiedNet, index: int, num_stages: int) -> None:
+        super().__init__()
+        names = [("emb", "mid", "head")] if num_stages == 1 else [("emb",), ("mid", "head")]
+        for name in names[index]:
+            setattr(self, name, getattr(model, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in ("emb", "mid", "head"):
+            if hasattr(self, name):
+                x = getattr(self, name)(x)
+                x = torch.tanh(x) if name != "head" else x
+        return x
+
+
+def unit_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(STEPS, GLOBAL, SEQ, DIM, generator=g), torch.randn(
+        STEPS, GLOBAL, DIM, SEQ, generator=g
+    )
+
+
+def tied_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(STEPS, GLOBAL, DIM, generator=g), torch.randn(STEPS, GLOBAL, DIM, generator=g)
+
+
+def momentum(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def gpt_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +320,153 @@ def _crossings_body(rank: int, world: int, tmp: str) -> dict:
     model = loom.setup_module(ConstGPT())
     out["const_keys"] = sorted(model.state_dict())
     out["const_full_keys"] = sorted(loom.strategy.module_state_dict(model) or {})
+    out.update(_units_and_stage_ends(world, tmp))
+    return out
+
+
+def _one_process(make, data, steps: int) -> dict:
+    """One process on the global batch (SGD with momentum): the states after each step, and the evaluation loss
+    of each state on the next batch."""
+    torch.manual_seed(0)
+    model = make()
+    opt = momentum(model.parameters())
+    x, y = data()
+    states, evals = [_state(model)], []
+    for step in range(steps):
+        F.mse_loss(model(x[step]), y[step]).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(_state(model))
+        with torch.no_grad():
+            evals.append(F.mse_loss(model(x[step + 1]), y[step + 1]).item())
+    return {"states": states, "evals": evals}
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    """The state with every shard gathered (a collective over each unit's data-parallel ranks)."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _stateless_full_resume(name: str, world: int, path: str) -> dict:
+    from torchloom.strategies import FSDP2Strategy, ModelParallelStrategy
+
+    states = []
+    for load in (False, True):
+        if name == "fsdp2":
+            strategy = FSDP2Strategy(state_dict_type="full")
+        else:
+            strategy = ModelParallelStrategy(lambda m, mesh: m, save_distributed_checkpoint=False)
+        loom = Loom(strategy=strategy, accelerator="cpu", devices=world)
+        loom.launch()
+        torch.manual_seed(1 if load else 0)  # the loaded run starts elsewhere
+        model = loom.setup_module(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)))
+        opt = loom.setup_optimizers(sgd(model.parameters()))
+        if load:
+            loom.load(path, {"model": model, "opt": opt})
+        else:
+            loss = F.mse_loss(model(torch.ones(2, DIM)), torch.zeros(2, DIM))
+            loom.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            loom.save(path, {"model": model, "opt": opt})
+        states.append(_full_state(model))
+    return {"states": states, "state": len(opt.optimizer.state)}
+
+
+def _rows(loom: Loom) -> slice:
+    split = loom.strategy.distributed_sampler_kwargs
+    per = GLOBAL // split["num_replicas"]
+    return slice(split["rank"] * per, (split["rank"] + 1) * per)
+
+
+def _units_and_stage_ends(world: int, tmp: str) -> dict:
+    """The crossings the scenario engine found beyond issue 44's list, each against one process."""
+    out: dict = {}
+    # A frozen layer in a fully_shard unit of its own on stage 0 (stage 1 plain), stage 0's output transposed
+    # (non-contiguous), at pp 2 x dp 2: trained, evaluated, saved (full format).
+    holder: list[PipelineStrategy] = []
+
+    def shard_emb(stage: nn.Module, mesh) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        if hasattr(stage, "emb"):  # `gain` stays plain
+            fully_shard(stage.emb, **holder[0].unit_kwargs())
+            fully_shard(stage.a, **holder[0].unit_kwargs())
+        return stage
+
+    holder.append(
+        PipelineStrategy(
+            shard_emb,
+            pipeline_parallel_size=2,
+            data_parallel_size=2,
+            split_points=["b"],
+            example_input=torch.zeros(GLOBAL // 2 // MICRO, SEQ, DIM),
+            n_microbatches=MICRO,
+            save_distributed_checkpoint=False,
+        )
+    )
+    loom = Loom(strategy=holder[0], accelerator="cpu", devices=world)
+    loom.launch()
+    torch.manual_seed(0)
+    model = loom.setup_module(UnitNet())
+    opt = loom.setup_optimizers(momentum(model.parameters()))
+    x, y = unit_data()
+    rows = _rows(loom)
+    states, evals, kinds = [_full_state(model)], [], set()
+    for step in range(2):
+        loom.forward_backward(model, x[step, rows], y[step, rows], F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+        kinds |= {type(p).__name__ for n, p in model.named_parameters() if n.startswith("emb.")}
+        states.append(_full_state(model))
+        evals.append(loom.evaluate(model, x[step + 1, rows], y[step + 1, rows], F.mse_loss).item())
+        kinds |= {type(p).__name__ for n, p in model.named_parameters() if n.startswith("emb.")}
+    loom.save(f"{tmp}/unit.ckpt", {"model": model, "opt": opt})
+    # An optimizer no module owns, over sharded parameters on stage 0's ranks only: refused on every rank
+    # together (stage 1's ranks would otherwise wait in the save's collectives).
+    stray = momentum([*model.parameters(), nn.Parameter(torch.zeros(1))])
+    with pytest.raises(CheckpointError) as refused:
+        loom.save(f"{tmp}/stray.ckpt", {"model": model, "opt": stray})
+    out["unit"] = {"states": states, "evals": evals, "kinds": sorted(kinds), "refused": str(refused.value)}
+    # A stateless foreach SGD over plain and DTensor parameters (stage 0), saved in the full format (torch makes
+    # state for it with a step) and loaded back.
+    sgd_foreach = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, foreach=True))
+    loom.save(f"{tmp}/foreach.ckpt", {"model": model, "opt": sgd_foreach})
+    loom.load(f"{tmp}/foreach.ckpt", {"model": model, "opt": sgd_foreach})
+    out["foreach"] = {"state": len(sgd_foreach.optimizer.state), "after": _full_state(model)}
+    # The same optimizer without state, a full checkpoint loaded under the sharded strategies (as under ddp)
+    for name in ("fsdp2", "model_parallel"):
+        out[name] = _stateless_full_resume(name, world, f"{tmp}/{name}.ckpt")
+    # A weight tied inside one stage (pp 1 x dp 4), the model built with empty_init; then at two adjacent
+    # stages on each rank (interleaved_1f1b at pp 1), evaluated between the steps.
+    for key, kwargs in (
+        ("tied_meta", {"schedule": "gpipe", "n_microbatches": 1}),
+        ("adjacent", {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "n_microbatches": MICRO}),
+    ):
+        strategy = PipelineStrategy(
+            pipeline_parallel_size=1, data_parallel_size=world, split_fn=Half, **kwargs
+        )
+        loom = Loom(strategy=strategy, accelerator="cpu", devices=world)
+        loom.launch()
+        torch.manual_seed(0)
+        with loom.init_module(empty_init=True) if key == "tied_meta" else contextlib.nullcontext():
+            net = TiedNet()
+        model = loom.setup_module(net)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        opt = loom.setup_optimizers(momentum(model.parameters()))
+        x, y = tied_data()
+        rows = _rows(loom)
+        states, evals = [_state(model)], []
+        for step in range(2):
+            loom.forward_backward(model, x[step, rows], y[step, rows], F.mse_loss)
+            opt.step()
+            opt.zero_grad()
+            states.append(_state(model))
+            evals.append(loom.evaluate(model, x[step + 1, rows], y[step + 1, rows], F.mse_loss).item())
+        out[key] = {"states": states, "evals": evals, "tied": params["emb.weight"] is params["head.weight"]}
     return out
 
 
@@ -337,3 +542,43 @@ def test_batchnorm_statistics_match_one_process(crossings) -> None:
         _close(got, want["states"][phase], phase)
         tracked = [k for k in got if k.endswith("num_batches_tracked")]
         assert tracked and all(int(got[k]) == (phase + 1) // 2 for k in tracked), phase
+
+
+def _mean_evals(results: list[dict], key: str) -> list[float]:
+    """Each data-parallel rank evaluates its share of the batch: their mean is the batch's loss."""
+    return [
+        sum(r[key]["evals"][i] for r in results) / len(results) for i in range(len(results[0][key]["evals"]))
+    ]
+
+
+def test_frozen_unit_and_non_contiguous_stage_output(crossings) -> None:
+    want = _one_process(UnitNet, unit_data, 2)
+    for step in range(3):
+        _close(_merged(crossings, "unit", step), want["states"][step], step)
+    assert _mean_evals(crossings, "unit") == pytest.approx(want["evals"], abs=TOL)
+    # the frozen unit stays sharded after a training batch and an evaluation (the optimizer's parameters)
+    assert {k for r in crossings for k in r["unit"]["kinds"]} == {"DTensor"}
+    for r in crossings:  # refused on every rank (none left waiting), naming the problem
+        assert "belong to no one module" in r["unit"]["refused"]
+
+
+@pytest.mark.parametrize("key", ["tied_meta", "adjacent"])
+def test_tie_inside_a_stage_and_adjacent_stages_evaluated(crossings, key: str) -> None:
+    want = _one_process(TiedNet, tied_data, 2)
+    for step in range(3):
+        _close(_merged(crossings, key, step), want["states"][step], (key, step))
+    assert _mean_evals(crossings, key) == pytest.approx(want["evals"], abs=TOL)
+    # one tensor where the stage holds both ends (at two stages each holds a copy, kept equal: the states above)
+    assert key != "tied_meta" or all(r[key]["tied"] for r in crossings)
+
+
+def test_stateless_optimizers_full_checkpoints(crossings) -> None:
+    for r in crossings:
+        assert r["foreach"]["state"] == 0  # saved without the state torch made, and loaded so
+        for name in ("fsdp2", "model_parallel"):
+            saved, loaded = r[name]["states"]
+            _close(loaded, saved, name, tol=0.0)
+            assert r[name]["state"] == 0
+    _close(
+        _merged(crossings, "unit", 2), {k: v for r in crossings for k, v in r["foreach"]["after"].items()}, ""
+    )

@@ -16,7 +16,7 @@ from harness import run_ranks
 from torch import nn
 
 from torchloom import Loom, describe
-from torchloom.errors import MisuseError
+from torchloom.errors import CheckpointError, MisuseError
 from torchloom.strategies import FSDP2Strategy, FSDPStrategy, PipelineStrategy
 
 DIM, LAYERS = 8, 4
@@ -82,12 +82,12 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, GLOBAL, DIM, generator=g), torch.randn(STEPS, GLOBAL, DIM, generator=g)
 
 
-def reference(steps: int = STEPS, third: bool = False, frozen: bool = False) -> dict:
+def reference(steps: int = STEPS, third: bool = False, frozen: bool = False, momentum: float = 0.9) -> dict:
     """One process on the global batch: the state after `steps`, the losses and the norms."""
     torch.manual_seed(0)
     model = TiedNet(third)
     model.embed.weight.requires_grad_(not frozen)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2, momentum=momentum)
     x, y = data()
     losses, norms = [], []
     for step in range(steps):
@@ -154,14 +154,19 @@ def build(loom: Loom, third: bool = False, frozen: bool = False, meta: bool = Fa
 
 
 def run(
-    loom: Loom, steps: range = range(STEPS), ckpt: str | None = None, initial: bool = True, **options
+    loom: Loom,
+    steps: range = range(STEPS),
+    ckpt: str | None = None,
+    initial: bool = True,
+    momentum: float = 0.9,
+    **options,
 ) -> dict:
     """`build`'s model trained for `steps` (from the checkpoint `ckpt`): initial and final states, losses, norms."""
     model = build(loom, **options)
     # (FSDP1's state_dict before the first forward leaves its nested units marked as roots)
     first = full_state(loom, model) if initial else {}
     opt = loom.setup_optimizers(
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.2, momentum=momentum)
     )
     if ckpt is not None:
         loom.load(ckpt, {"model": model, "opt": opt})
@@ -212,6 +217,27 @@ def _pipeline_checks(rank: int, world: int, tmp: str) -> dict:
         pp1 = pipeline(world, pipeline_parallel_size=1, data_parallel_size=2, split_points=[])
         out[f"{name}->pp1"] = run(pp1, steps=range(2, STEPS), ckpt=path)["state"]
         out[f"{name}->pp2"] = run(pipeline(world), steps=range(2, STEPS), ckpt=path)["state"]
+    # An optimizer without state (SGD without momentum) saves the tied weight in its param group only: the head's
+    # copy on stage 1 must still be listed in its group at the load (it was left out, and only that rank raised)
+    res = run(pipeline(world, split_fn=Stage), steps=range(2), momentum=0.0)
+    res["loom"].strategy.save_distributed_checkpoint = False
+    res["loom"].save(f"{tmp}/stateless.pt", {"model": res["model"], "opt": res["opt"]})
+    out["stateless->pp2"] = run(
+        pipeline(world), steps=range(2, STEPS), ckpt=f"{tmp}/stateless.pt", momentum=0.0
+    )["state"]
+    # An optimizer state that does not fit one stage only (the head's bias left out of its group): every rank
+    # raises, none trains on into a collective that the failed rank never joins
+    if rank == 0:
+        broken = torch.load(f"{tmp}/stateless.pt", weights_only=False)
+        broken["opt"]["param_groups"][0]["params"].remove("head.bias")
+        torch.save(broken, f"{tmp}/broken.pt")
+    loom = pipeline(world)
+    loom.barrier()
+    try:
+        run(loom, steps=range(0), ckpt=f"{tmp}/broken.pt", momentum=0.0)
+        out["broken"] = None
+    except CheckpointError as error:
+        out["broken"] = str(error)
     ddp = Loom(strategy="ddp", accelerator="cpu", devices=world)
     ddp.launch()
     res = run(ddp, steps=range(2))
@@ -254,6 +280,11 @@ def _sharded_checks(rank: int, world: int) -> dict:
         res["summary"] = describe(res["model"])
         res["skipped"] = list(loom.strategy._tie_skipped)
         out[name] = {k: res[k] for k in ("initial", "losses", "norms", "state", "summary", "skipped")}
+    # Built on the meta device: each user's reset_parameters draws into the one tied weight, which must keep the
+    # first user's draw (the embedding's, as the model built for real keeps it), the later draws still made.
+    loom = Loom(strategy=FSDP2Strategy(shard_policy={nn.Linear}), accelerator="cpu", devices=world)
+    loom.launch()
+    out["fsdp2_meta"] = _results(run(loom, meta=True))
     return out
 
 
@@ -372,6 +403,18 @@ def test_pipeline_checkpoints_resume_at_other_degrees(results, folder) -> None:
         assert close(merged(results, "pipeline", case), expected) <= TOL, case
 
 
+def test_pipeline_resumes_a_tied_weight_of_an_optimizer_without_state(results) -> None:
+    expected = reference(momentum=0.0)["state"]
+    assert close(merged(results, "pipeline", "stateless->pp2"), expected) <= TOL
+
+
+def test_pipeline_load_that_fails_on_one_stage_raises_on_every_rank(results) -> None:
+    for r in results:
+        message = r["pipeline"]["broken"]
+        assert message is not None and "failed on 1 rank of 2" in message, message
+        assert "rank 1: ValueError" in message and "param groups" in message, message
+
+
 def test_pipeline_refuses_copies_laid_out_unlike(results) -> None:
     for r in results:
         message = r["pipeline"]["unlike_copies"]
@@ -395,6 +438,13 @@ def test_sharded_policy_places_a_tied_weight_in_the_unit_of_both_users(results, 
         ), got["summary"]
         assert "0.00 MiB per rank at rest" in got["summary"], got["summary"]
         assert {"embed", "head"} <= set(got["skipped"]), got["skipped"]
+
+
+def test_sharded_meta_init_keeps_the_first_users_draw_of_a_tied_weight(results) -> None:
+    for r in results:
+        got = r["sharded"]["fsdp2_meta"]
+        assert close(got["initial"], reference(0)["state"]) == 0
+        assert close(got["state"], reference()["state"]) <= TOL
 
 
 @pytest.fixture(scope="module")

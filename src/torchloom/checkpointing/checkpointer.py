@@ -77,8 +77,15 @@ class Checkpointer:
         """Every rank calls it. `modules` are the set-up modules an optimizer of `state` may belong to."""
         self.finish_pending_save()
         fmt = self._io.checkpoint_format
-        entries = resolve(state, modules)
-        self._check_same_on_every_rank("save", entries, filter)
+        # A `state` this rank cannot save (an optimizer no module owns) is refused on every rank at the check
+        # that all ranks enter anyway: raising here alone would leave the others waiting in the save's
+        # collectives until the timeout.
+        failure: CheckpointError | None = None
+        try:
+            entries = resolve(state, modules)
+        except CheckpointError as exc:
+            entries, failure = {}, exc
+        self._check_same_on_every_rank("save", entries, filter, failure)
         if filter:
             entries = self._filtered(entries, filter, fmt)
         with torch_internal_warnings_filtered():
@@ -146,7 +153,11 @@ class Checkpointer:
         return {k: v for k, v in values.items() if k not in entries}
 
     def _check_same_on_every_rank(
-        self, call: str, entries: dict[str, Entry], filter: dict[str, Filter] | None = None
+        self,
+        call: str,
+        entries: dict[str, Entry],
+        filter: dict[str, Filter] | None = None,
+        failure: CheckpointError | None = None,
     ) -> None:
         """Refuse, on every rank, a `state` (or `filter`) whose entries differ between ranks: which entries hold
         modules, optimizers and other objects decides which collectives a save runs (gathering a model,
@@ -155,10 +166,20 @@ class Checkpointer:
         known to have entered the call (`loom.save` checks it first). Not in `load`, which under DDP loads
         without any collective and may be called on some ranks only."""
         if not self._io.is_distributed:
+            if failure is not None:
+                raise failure
             return
         shown = {key: entry.kind for key, entry in entries.items() if entry.kind != VALUE}
         filtered = sorted(k for k in filter if k in shown) if isinstance(filter, dict) else filter is not None
-        answers = self._io.all_gather_object((shown, filtered))
+        gathered = self._io.all_gather_object(
+            (shown, filtered, describe_failure(str(failure), failure) if failure is not None else None)
+        )
+        # `failure` of the first rank that failed, raised on every rank (chained to its traceback elsewhere).
+        failed = next(((r, f) for r, (_, _, f) in enumerate(gathered) if f is not None), None)
+        if failed is not None:
+            own = failure if failed[0] == self._io.global_rank else None
+            raise_shared_failure(failed[1], failed[0], own, CheckpointError)
+        answers = [(shown_, filtered_) for shown_, filtered_, _ in gathered]
         for rank, answer in enumerate(answers):
             if answer != answers[0]:
                 raise MisuseError(

@@ -108,6 +108,10 @@ class Runner:
         cls = getattr(pipelining, SCHEDULES[self.schedule][0])
         for i, module in self.stages.items():
             module.register_forward_pre_hook(functools.partial(self._before_forward, i))
+            if i != self.num_stages - 1:
+                # torch's receive needs a contiguous buffer, which it shapes after the sender's output (its
+                # strides too): a stage ending in a transpose would fail the next stage's receive.
+                module.register_forward_hook(_contiguous_output)
         stages = [
             pipelining.PipelineStage(module, i, self.num_stages, self.device, group=self.pp_group)
             for i, module in sorted(self.stages.items())
@@ -156,6 +160,8 @@ class Runner:
                 "runs its backward actions. Evaluate with another schedule (e.g. 'interleaved_zero_bubble' or "
                 "'interleaved_1f1b'), or save a checkpoint and evaluate it in a Loom of its own."
             )
+        if not train and len(self.stages) == self.num_stages:
+            return self._evaluate_in_order(inputs, target, loss_fn)
         if self._torch_schedule is None:
             self._torch_schedule = self._build()
         # At its first batch and at each switch between training and evaluation, torch infers the stages'
@@ -187,6 +193,7 @@ class Runner:
             self._loss_fn = None
             self._give_back(kept)
             self._restore_buffers()
+            self._reshard()
         if inferring:
             self._check_inference_seen()
         if self.holds_last:
@@ -196,6 +203,29 @@ class Runner:
         self._losses = {}
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
+
+    def _evaluate_in_order(
+        self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """An evaluation on a rank that holds every stage (pipeline degree 1): each micro-batch through the
+        stages' forwards in order, as torch's schedule would pass it on. torch 2.13's `schedule.eval` of a
+        multi-stage schedule fails where two stages of a rank meet ("can't steal_bwd_input if this stage doesn't
+        have backward"); with no peer to wait for, no schedule is needed, and the stages' metadata (inferred per
+        mode) is left as the training batches need it."""
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+        n = self.n_microbatches
+        chunks, _ = split_args_kwargs_into_chunks(inputs, {}, n)
+        targets = split_args_kwargs_into_chunks((target,), {}, n)[0] if target is not None else [(None,)] * n
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for args, (tgt,) in zip(chunks, targets, strict=True):
+                output: Any = args
+                for i in sorted(self.stages):
+                    output = self.stages[i](*(output if isinstance(output, tuple) else (output,)))
+                total += (loss_fn(output, tgt) / n).detach().float()
+        self._reshard()
+        return total
 
     def _before_forward(self, stage: int, module: nn.Module, args: Any) -> None:
         """Kept aside before the inference's forward; put back before the stage's first real forward (not at the
@@ -234,6 +264,19 @@ class Runner:
                 "undo a real buffer update. Use a torch version the README lists as tested, or report it."
             )
 
+    def _reshard(self) -> None:
+        """Every `fully_shard` unit of the stages back to its sharded parameters. Each unit of a stage is a root of
+        its own, which FSDP keeps unsharded after the forward and reshards in the backward's final callback; a
+        unit no gradient reaches (frozen, before any parameter that trains) and every unit after an evaluation
+        would otherwise stay unsharded, its full parameters registered in place of the DTensors the optimizer
+        and the checkpoints know."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for stage in self.stages.values():
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def _take_grads(self) -> dict[nn.Parameter, torch.Tensor]:
         kept = {}
         for stage in self.stages.values():
@@ -249,6 +292,14 @@ class Runner:
                     p.grad = grad
                 else:
                     p.grad.add_(grad)
+
+
+def _contiguous_output(module: nn.Module, args: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.contiguous()
+    if isinstance(output, (tuple, list)):
+        return type(output)(t.contiguous() if isinstance(t, torch.Tensor) else t for t in output)
+    return output
 
 
 def _identity(loss: torch.Tensor) -> torch.Tensor:

@@ -248,11 +248,15 @@ def optimizer_to_stage_names(state: dict[str, Any], groups: list[list[str]], own
     """A whole model's optimizer state dict, saved under each weight's first name, with the state a stage's copy
     needs under the name the stage holds it by (e.g. the head's copy of a tied embedding)."""
     out = {**state, "state": dict(state["state"]), "param_groups": [dict(g) for g in state["param_groups"]]}
+    listed = {n for g in out["param_groups"] for n in g["params"]}
     for names in groups:
-        saved = next((n for n in names if n in out["state"]), None)
+        # Found by its param group too: an optimizer without state (SGD without momentum) saves none for it.
+        saved = next((n for n in names if n in out["state"]), None) or next(
+            (n for n in names if n in listed), None
+        )
         mine = [n for n in names if n in own and n != saved]
         for name in mine:
-            if saved is not None:  # a copy of its own: two copies on one rank step their own state
+            if saved in out["state"]:  # a copy of its own: two copies on one rank step their own state
                 out["state"][name] = {
                     k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in out["state"][saved].items()
                 }

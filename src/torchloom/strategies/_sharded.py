@@ -520,6 +520,8 @@ class ShardedStrategy(ParallelStrategy):
     def load_optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool = True
     ) -> None:
+        # A full state without tensors (SGD without momentum) loads as each rank's own: see `holds_tensors`.
+        full = full and holds_tensors(state)
         with on_one_device_for_full_load(module, full, optimizer):
             super().load_optimizer_state_dict(module, optimizer, state, full=full)
 
@@ -527,3 +529,14 @@ class ShardedStrategy(ParallelStrategy):
     def _warn(self, message: str) -> None:
         if self.global_rank == 0:
             warn_user(message)
+
+
+def holds_tensors(state: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict holds a tensor to distribute. torch's full load asks for one, of at least
+    one dimension, to learn the device (`Expected device to be set` without); a state of param groups only (SGD
+    without momentum) has nothing to distribute, and loads as each rank's own, as under DDP."""
+    return any(
+        isinstance(v, torch.Tensor) and v.dim() > 0
+        for entry in state.get("state", {}).values()
+        for v in (entry.values() if isinstance(entry, dict) else ())
+    )

@@ -18,10 +18,11 @@ from torch.optim import Optimizer
 
 from torchloom._layout import clean_name
 from torchloom._text import count
-from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.errors import CheckpointError, ConfigurationError, MisuseError
 from torchloom.pipelining import _grads, _schedule, _split, _state, _ties
 from torchloom.strategies import _clipping
 from torchloom.strategies._replicated import broadcast_tensors
+from torchloom.strategies._sharded import holds_tensors
 from torchloom.strategies.parallel import ParallelStrategy
 
 PIPELINE_PARALLEL = "pipeline_parallel"
@@ -521,8 +522,6 @@ class PipelineStrategy(ParallelStrategy):
     def optimizer_state_dict(
         self, module: nn.Module, optimizer: Optimizer, full: bool = True, template: bool = False
     ) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         if not full:
             state = super().optimizer_state_dict(module, optimizer, full=False, template=template)
             # Every copy of a tied weight under its first name: written once, read by every copy.
@@ -536,11 +535,9 @@ class PipelineStrategy(ParallelStrategy):
                 "param_groups"
             ]
             return state
-        had_state = bool(optimizer.state)
-        own: Any = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
-        if not had_state:
-            optimizer.state.clear()
-            own["state"] = {}
+        # The base's: an optimizer without state, which torch steps to make some, stepped with its groups' kinds
+        # apart (foreach SGD over plain and DTensor parameters fails otherwise), and its made state undone.
+        own: Any = super().optimizer_state_dict(module, optimizer, full=True, template=template)
         own = _ties.optimizer_to_model_names(own, self._tie_groups)
         pieces = self._gather_pieces(_state.optimizer_to_cpu(own))
         return _state.merge_optimizers(pieces) if pieces is not None else {}
@@ -551,8 +548,30 @@ class PipelineStrategy(ParallelStrategy):
         # Saved for the whole model (both formats): this stage's part.
         # The saved names are torch's (state-dict names: no `_checkpoint_wrapped_module.`, `_orig_mod.`).
         own = {clean_name(n) for n, _ in module.named_parameters()}
-        state = _state.optimizer_of_stage(_ties.optimizer_to_stage_names(state, self._tie_groups, own), own)
-        super().load_optimizer_state_dict(module, optimizer, state, full=full and _holds_tensors(state))
+        failure = None
+        try:
+            state = _state.optimizer_of_stage(
+                _ties.optimizer_to_stage_names(state, self._tie_groups, own), own
+            )
+            super().load_optimizer_state_dict(module, optimizer, state, full=full and holds_tensors(state))
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
+            failure = error
+        # Each stage loads its own part, which may not fit on one stage only: that rank alone would raise, and the
+        # others would train on until they wait for it in their next collective (found with a tied weight whose
+        # head's copy was missing from its param group: rank 0 timed out in the data sampler's broadcast).
+        self._raise_together(failure, "the optimizer's state")
+
+    def _raise_together(self, failure: BaseException | None, what: str) -> None:
+        everyone = self.all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}")
+        failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
+        if not failed:
+            return
+        where = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        raise CheckpointError(
+            f"Loading {what} failed on {count(len(failed), 'rank')} of {self.world_size} (each stage loads its "
+            f"own part; every rank raises together): {where}. The checkpoint's optimizer does not fit this one on "
+            "those stages: build the optimizer (its parameters and param groups) as the run that saved it did"
+        ) from failure
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
         """Saving and loading alike: full (whole tensors, DTensors distributed) or each rank's own. A full load
@@ -576,16 +595,6 @@ class PipelineStrategy(ParallelStrategy):
         if self.global_rank != 0:
             return None
         return [g for g in gathered if g is not None]
-
-
-def _holds_tensors(state: dict[str, Any]) -> bool:
-    """Whether an optimizer state dict holds a tensor to distribute (torch's full load asks for one, of at least
-    one dimension, to learn the device)."""
-    return any(
-        isinstance(v, torch.Tensor) and v.dim() > 0
-        for entry in state.get("state", {}).values()
-        for v in (entry.values() if isinstance(entry, dict) else ())
-    )
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:
