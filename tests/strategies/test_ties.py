@@ -117,15 +117,26 @@ def full_state(loom: Loom, model) -> dict[str, torch.Tensor]:
     }
 
 
-def train(loom: Loom, model, opt, steps: range) -> tuple[list[float], list[float]]:
-    """The user's loop, the same under every strategy (`forward_backward` is the plain forward elsewhere)."""
+def _half_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 0.5 * F.mse_loss(output, target)
+
+
+def train(loom: Loom, model, opt, steps: range, accumulate: bool = False) -> tuple[list[float], list[float]]:
+    """The user's loop, the same under every strategy (`forward_backward` is the plain forward elsewhere); with
+    `accumulate`, each step's batch in two halves, each backward synchronising (no `no_backward_sync`)."""
     x, y = data()
     split = loom.strategy.distributed_sampler_kwargs
     per = GLOBAL // split["num_replicas"]
-    rows = slice(split["rank"] * per, (split["rank"] + 1) * per)
+    first = split["rank"] * per
+    halves = [slice(first, first + per // 2), slice(first + per // 2, first + per)]
     losses, norms = [], []
     for step in steps:
-        loss = loom.forward_backward(model, x[step, rows], y[step, rows], F.mse_loss)
+        if accumulate:
+            loss = sum(loom.forward_backward(model, x[step, h], y[step, h], _half_mse) for h in halves)
+        else:
+            loss = loom.forward_backward(
+                model, x[step, first : first + per], y[step, first : first + per], F.mse_loss
+            )
         losses.append(float(loom.all_reduce(loss.detach(), reduce_op="mean")))
         norms.append(float(loom.clip_gradients(model, opt, max_norm=MAX_NORM)))
         opt.step()
@@ -159,6 +170,7 @@ def run(
     ckpt: str | None = None,
     initial: bool = True,
     momentum: float = 0.9,
+    accumulate: bool = False,
     **options,
 ) -> dict:
     """`build`'s model trained for `steps` (from the checkpoint `ckpt`): initial and final states, losses, norms."""
@@ -170,7 +182,7 @@ def run(
     )
     if ckpt is not None:
         loom.load(ckpt, {"model": model, "opt": opt})
-    losses, norms = train(loom, model, opt, steps)
+    losses, norms = train(loom, model, opt, steps, accumulate)
     return {
         "initial": first,
         "losses": losses,
@@ -204,6 +216,8 @@ def _pipeline_checks(rank: int, world: int, tmp: str) -> dict:
         )
     )
     out["frozen"] = _results(run(pipeline(world, split_fn=Stage), frozen=True))
+    # accumulation over two halves, each backward synchronising: the copies' sum counts each batch once
+    out["accumulate"] = _results(run(pipeline(world, split_fn=Stage), accumulate=True))
     # ---- checkpoints: saved at pp 2 after 2 steps, resumed at pp 1, under ddp, and at pp 2 from ddp's --------------
     res = run(pipeline(world, split_fn=Stage), steps=range(2))
     state = {"model": res["model"], "opt": res["opt"]}
@@ -375,7 +389,7 @@ def merged(results: list[dict], *keys: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", ["split_fn", "traced_meta", "three_users", "frozen"])
+@pytest.mark.parametrize("case", ["split_fn", "traced_meta", "three_users", "frozen", "accumulate"])
 def test_pipeline_trains_a_tied_weight_as_one_process(results, case) -> None:
     expected = reference(third=case == "three_users", frozen=case == "frozen")
     got = merged(results, "pipeline", case, "state")

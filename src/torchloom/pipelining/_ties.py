@@ -159,11 +159,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+Bases = list[list[torch.Tensor | None]]
+
+
 @torch.no_grad()
-def sum_grads(ties: list[Tie]) -> None:
-    """Each copy's gradient becomes the sum of every copy's: what the one tied parameter of one process gets
-    (a copy without a gradient adds zeros, so every rank of the group issues the same all-reduce)."""
-    for tie in ties:
+def window_start(ties: list[Tie]) -> Bases:
+    """Each copy's gradient as an accumulation window starts (the first batch after a sum): the last sum's (equal
+    on every copy), zeros, or none. `sum_grads` adds up only what the batches since then brought: summing the
+    accumulated gradients themselves would count an earlier batch's sum once per copy again (accumulation
+    without `no_backward_sync` syncs, and sums, at every batch)."""
+    return [
+        [_local(p.grad).clone() if p.grad is not None else None for _, p in tie.copies]
+        if tie.trainable
+        else []
+        for tie in ties
+    ]
+
+
+@torch.no_grad()
+def sum_grads(ties: list[Tie], bases: Bases) -> None:
+    """Each copy's gradient becomes its window's start plus the sum of every copy's increment since: what the one
+    tied parameter of one process gets (a copy without a gradient adds zeros, so every rank of the group issues
+    the same all-reduce)."""
+    for tie, start in zip(ties, bases, strict=True):
         if not tie.trainable or not tie.copies:
             continue
         grads = []
@@ -171,13 +189,18 @@ def sum_grads(ties: list[Tie]) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(_local(p.grad))
-        total = grads[0].clone()
-        for g in grads[1:]:
+        total = torch.zeros_like(grads[0])
+        for g, base in zip(grads, start, strict=True):
             total.add_(g)
+            if base is not None:
+                total.sub_(base)
         if tie.group is not None:
             dist.all_reduce(total, group=tie.group)
-        for g in grads:
-            g.copy_(total)
+        for g, base in zip(grads, start, strict=True):
+            if base is None:
+                g.copy_(total)
+            else:
+                torch.add(base, total, out=g)
 
 
 def layout_problems(ties: list[Tie]) -> list[tuple[int, int, str]]:

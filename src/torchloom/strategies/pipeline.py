@@ -147,6 +147,7 @@ class PipelineStrategy(ParallelStrategy):
         self._syncing = True
         self._tie_groups: list[list[str]] = []
         self._ties: list[_ties.Tie] = []
+        self._tie_bases: _ties.Bases | None = None
         self._mode_bound: list[str] = []
 
     @property
@@ -396,13 +397,16 @@ class PipelineStrategy(ParallelStrategy):
     ) -> torch.Tensor:
         """One batch's forward and backward through the schedule; the loss on every rank."""
         precision = self.precision
+        if self._tie_bases is None:  # the first batch of an accumulation window
+            self._tie_bases = _ties.window_start(self._ties)
         loss = self._run(module, inputs, target, loss_fn, precision.scale_for_backward(self.root_device))
         if self._syncing:
             if not self._checked_tp:
                 self._check_plain_grads_agree_over_tp()
             self._average_plain_grads()
             # Before clipping and the step: every copy of a tied weight takes the sum of their gradients.
-            _ties.sum_grads(self._ties)
+            _ties.sum_grads(self._ties, self._tie_bases)
+            self._tie_bases = None
         return loss
 
     def evaluate(
