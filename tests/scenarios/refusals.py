@@ -249,24 +249,6 @@ for _phase in ("train", "resume"):
             phase=_phase,
         ),
         Refusal(
-            name="a tied weight on several stages under a zero-bubble schedule or a '-true' low precision",
-            # model.split_fn's stages and the traced ones alike: "inp" opens the first, "out" closes the last
-            applies=lambda s, phase=_phase: (
-                s.pipelined(phase)
-                and s.tied
-                and s.num_stages(phase) > 1
-                and (
-                    s.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble") or s.precision == "bf16-true"
-                )
-            ),
-            error="MisuseError",
-            fragment="are held on several pipeline stages, and",
-            reason="found by the long runs of issue 44 (copies of a tied weight trained 0.03 to 0.36 off one "
-            "process under the zero-bubble schedules, and with a gradient norm 1.3 times one process's in "
-            "bf16-true): refused at setup_module until each is fixed",
-            phase=_phase,
-        ),
-        Refusal(
             name="split_points through a model built empty with a BatchNorm",
             applies=lambda s, phase=_phase: (
                 s.pipelined(phase) and s.split == "points" and s.batchnorm and s.empty_init
@@ -343,6 +325,18 @@ KNOWN_FAILURES: list[KnownFailure] = [
 
 # The defects the engine found beside issue 44's items (reports/scenarios-issue44/) are fixed; a new one goes
 # here with its reproduction until it is.
+KNOWN_FAILURES.append(
+    KnownFailure(
+        name="ModelParallelStrategy, compiled blocks with activation checkpointing",
+        applies=lambda s: s.strategy == "model_parallel" and s.compile and s.act_ckpt,
+        reason="found by issue 44's long run (seeds 44-46), torch's: blocks compiled (aot_eager) and checkpointed "
+        "in parallelize_fn fail in torch, at dp 2 x tp 2 with 'RecursionError: maximum recursion depth exceeded' "
+        "in aot_eager, and on a resume at tp 2 with torch.utils.checkpoint's 'Recomputed values ... have "
+        "different metadata' (the recomputation picked another compiled graph: torch's issue 166926). One "
+        "rank group runs many compiled scenarios in one process, so dynamo's caches may carry over; not "
+        "reduced outside the engine yet",
+    )
+)
 
 
 def _load_strategy(s: Scenario) -> str:

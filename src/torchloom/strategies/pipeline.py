@@ -275,7 +275,6 @@ class PipelineStrategy(ParallelStrategy):
             )
         }
         self._ties = _ties.plan(ties, trainable, [holdings for _, holdings in everyone], pp_rank_of)
-        self._refuse_untested_ties()
         _ties.make_groups(self._ties, mesh, self.backend)
         # The stage's data- and tensor-parallel ranks start from one set of values (their first rank's).
         self._stage_group = self._make_stage_groups(mesh)
@@ -313,28 +312,6 @@ class PipelineStrategy(ParallelStrategy):
             [int(r) for r in _along_pp(mesh)],
         )
         return module
-
-    def _refuse_untested_ties(self) -> None:
-        """Copies of a tied weight on several stages train wrongly, without an error, in two settings the scenario
-        engine found (torch 2.13, CPU): under the zero-bubble schedules (0.03 to 0.36 off one process) and with
-        parameters in a low precision ("bf16-true", "16-true": the gradient norm about 1.3 times one process's).
-        Refused there, on every rank alike (the ties are planned from every rank's holdings), until each is
-        fixed and proven."""
-        if not self._ties:
-            return
-        names = [t.names for t in self._ties]
-        if self.schedule in _ZERO_BUBBLE:
-            raise MisuseError(
-                f"The tied weight(s) {names} are held on several pipeline stages, and schedule={self.schedule!r} "
-                "does not train such copies correctly yet (their weight gradients come from a pass of their own). "
-                "Use schedule='1f1b', 'gpipe', 'interleaved_1f1b' or 'looped_bfs', or untie the weight."
-            )
-        if self.precision.param_dtype in (torch.bfloat16, torch.float16):
-            raise MisuseError(
-                f"The tied weight(s) {names} are held on several pipeline stages, and copies whose parameters live "
-                f"in {self.precision.param_dtype} (a '-true' precision) do not train correctly yet. Use "
-                "precision='bf16-mixed' (fp32 parameters, bf16 compute) or '32-true', or untie the weight."
-            )
 
     def _check_parallelized(self, stages: dict[int, nn.Module]) -> None:
         """What parallelize_fn made that cannot train correctly (found by the scenario engine), refused on every
