@@ -9,6 +9,7 @@ import faulthandler
 import io
 import os
 import queue as queue_module
+import random
 import shutil
 import signal
 import socket
@@ -24,16 +25,37 @@ END_TIMEOUT = timedelta(seconds=30)
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a job that binds it itself (torchrun's
+    `--master-port`). Drawn at random below the kernel's ephemeral range: a port the kernel handed out (bind to
+    port 0) is handed out again to the next outgoing connection, and with dozens of gloo ranks connecting at
+    once one of them took it before the job bound it (EADDRINUSE, 1 run of the suite in a few)."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def rank_environment(rank: int, world_size: int, port: int, agent_store: bool = False) -> dict[str, str]:
     """The variables torchrun sets for a rank of a one-node job, so `Loom(...).launch()` (or
-    `init_process_group("gloo")`) joins the job's process group."""
+    `init_process_group("gloo")`) joins the job's process group. `agent_store`: the store at `port` is hosted
+    by the launcher (as torchrun's agent does), so every rank connects to it as a client."""
     return {
+        **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if agent_store else {}),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -99,7 +121,7 @@ def _rank_main(
     # inside `fn` joins this job's process group.
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(rank_environment(rank, world_size, port))
+    os.environ.update(rank_environment(rank, world_size, port, agent_store=True))
     # multiprocessing makes the method that started this rank its default; a rank that torchrun starts has the
     # platform's, with which its DataLoader workers start: fork on Linux, not a fork server of the rank's own or
     # an interpreter each (seconds per worker).
@@ -181,7 +203,12 @@ def run_ranks(
         # Read when the server starts (once per caller process); later calls change nothing.
         ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
     results = ctx.Queue()
-    port = free_port()
+    # The job's store is hosted here, on a port the kernel picks and that stays bound for the whole job, as
+    # torchrun's agent does: a port picked, released and bound again by rank 0 could be taken in between.
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     environ = dict(os.environ)
     stacks = tempfile.mkdtemp(prefix="torchloom-stacks-")
     procs = [
