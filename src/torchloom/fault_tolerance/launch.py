@@ -21,6 +21,7 @@ from pathlib import Path
 
 from torchloom._run_protocol import FT_RECORD_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, REPLICA_GROUPS_ENV
 from torchloom.errors import ConfigurationError
+from torchloom.fault_tolerance import _start
 from torchloom.fault_tolerance._torchft import require_torchft
 
 #: The embedded lighthouse's settings (milliseconds). A group whose heartbeats stop for `HEARTBEAT_TIMEOUT_MS`
@@ -91,6 +92,7 @@ def run_embedded(args: argparse.Namespace, command: list[str]) -> int:
     )
     record = Path(args.ft_record or DEFAULT_RECORD).resolve()
     record.write_text("")  # a new job: a new record
+    start_store, start_address = _start.host()
     children: list[subprocess.Popen[bytes]] = []
     try:
         for group in range(args.replica_groups):
@@ -100,6 +102,7 @@ def run_embedded(args: argparse.Namespace, command: list[str]) -> int:
                     LIGHTHOUSE_ENV: lighthouse.address(),
                     REPLICA_GROUP_ENV: str(group),
                     FT_RECORD_ENV: str(record),
+                    _start.START_ENV: start_address,
                 },
             )
             children.append(subprocess.Popen([sys.executable, "-m", "torchloom", *command], env=env))
@@ -114,6 +117,7 @@ def run_embedded(args: argparse.Namespace, command: list[str]) -> int:
             if child.poll() is None:
                 child.kill()
         lighthouse.shutdown()
+        del start_store
 
 
 def _wait(children: list[subprocess.Popen[bytes]]) -> int:

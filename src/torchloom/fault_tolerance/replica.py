@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from torchloom.data.loader import LoomDataLoader
 from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.fault_tolerance import _start
 from torchloom.fault_tolerance import record as _record
 from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
 
@@ -123,6 +124,8 @@ class ReplicaGroup:
             return
         if self._manager is None:
             self._manager = self._start_manager()
+            # After the manager is up: its heartbeats tell the lighthouse to wait for this group's quorum request.
+            _start.wait_for_groups(self.groups, self._group_rank)
         self._in_step = True
         try:
             self._manager.start_quorum()
