@@ -288,7 +288,11 @@ def _pp2_body(rank: int, world: int, tmp: str) -> dict:
     torch.manual_seed(0)
     model = loom.setup_module(Net())
     x, y = data()
+    # A state that lacks a key of the second stage only: the load fails there, and must fail on every rank
+    # (the first stage would otherwise train on and wait for the second in its next collective).
+    lacking = {k: v for i, (k, v) in enumerate(model.state_dict().items()) if rank == 0 or i > 0}
     for name, call in [
+        ("lacks", lambda: loom.strategy.load_module_state_dict(model.module, lacking)),
         ("call", lambda: model(x[0, 0])),
         ("backward", lambda: loom.backward(torch.zeros((), requires_grad=True))),
         ("indivisible", lambda: loom.forward_backward(model, x[0, 0, :3], y[0, 0, :3], loss_fn)),
@@ -441,6 +445,8 @@ def test_pp2_schedules_checkpoints_and_refusals(tmp_path) -> None:
     after_two = reference(steps=2)[0]
     assert close(read_hf(tmp_path / "hf"), after_two) <= TOL
     assert close(from_pretrained(tmp_path / "hf"), after_two) <= TOL
+    for r in results:
+        assert "failed on 1 rank of 2" in r["lacks"] and "rank 1: MisuseError" in r["lacks"], r["lacks"]
     r = results[0]
     assert "loom.forward_backward" in r["call"] and "loom.forward_backward" in r["backward"]
     assert "3 samples" in r["indivisible"] and "n_microbatches=2" in r["indivisible"]

@@ -516,8 +516,17 @@ class PipelineStrategy(ParallelStrategy):
         # A checkpoint that holds a tied weight under one of its names (Hugging Face's) serves every copy.
         state = _ties.alias_names(dict(state), self._tie_groups)
         missing = sorted(own - set(state))
-        if strict and missing:
-            raise MisuseError(f"The checkpoint lacks this stage's keys {missing[:5]}.")
+        # Agreed before torch's load, whose collectives (distributing DTensors) the other stages would wait in.
+        failure = (
+            MisuseError(f"the checkpoint lacks this stage's keys {missing[:5]}")
+            if strict and missing
+            else None
+        )
+        self._raise_together(
+            failure,
+            "the model's state",
+            "The checkpoint does not hold the whole model: load one saved from it",
+        )
         mine = {k: v for k, v in state.items() if k in own}
         return set_model_state_dict(
             module, mine, options=StateDictOptions(full_state_dict=True, strict=strict)
@@ -563,9 +572,14 @@ class PipelineStrategy(ParallelStrategy):
         # Each stage loads its own part, which may not fit on one stage only: that rank alone would raise, and the
         # others would train on until they wait for it in their next collective (found with a tied weight whose
         # head's copy was missing from its param group: rank 0 timed out in the data sampler's broadcast).
-        self._raise_together(failure, "the optimizer's state")
+        self._raise_together(
+            failure,
+            "the optimizer's state",
+            "The checkpoint's optimizer does not fit this one on those stages: build the optimizer (its "
+            "parameters and param groups) as the run that saved it did",
+        )
 
-    def _raise_together(self, failure: BaseException | None, what: str) -> None:
+    def _raise_together(self, failure: BaseException | None, what: str, fix: str | None = None) -> None:
         everyone = self.all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}")
         failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
         if not failed:
@@ -573,8 +587,7 @@ class PipelineStrategy(ParallelStrategy):
         where = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
         raise CheckpointError(
             f"Loading {what} failed on {count(len(failed), 'rank')} of {self.world_size} (each stage loads its "
-            f"own part; every rank raises together): {where}. The checkpoint's optimizer does not fit this one on "
-            "those stages: build the optimizer (its parameters and param groups) as the run that saved it did"
+            f"own part; every rank raises together): {where}. {fix}"
         ) from failure
 
     def _state_dict_options(self, full: bool, loading: bool = False, **kwargs: Any) -> Any:
