@@ -233,11 +233,17 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
     )
     flat_unit = FSDP(torch.nn.Linear(3, 4), device_id=cpu, use_orig_params=True)
     out["originals1"] = [tuple(p.shape) for p in _torch_compat.fsdp1_flat_param_originals(flat_unit)]
+    out["flat"] = [t.numel() for t in _torch_compat.fsdp1_flat_params(torch.nn.Sequential(flat_unit))]
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = fully_shard(torch.nn.Linear(3, 4), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    out["param_dtype"] = [_torch_compat.fsdp2_param_dtype(u) for u in (bf16, default)]
     out["no_params"] = _torch_compat.fsdp1_flat_param_numels(
         FSDP(torch.nn.ReLU(), device_id=cpu, use_orig_params=True)
     )
     for name, fn in (
         ("fsdp2_missing", _torch_compat.fsdp2_auto_reshard_after_forward),
+        ("fsdp2_dtype_missing", _torch_compat.fsdp2_param_dtype),
         ("fsdp1_missing", _torch_compat.fsdp1_flat_param_numels),
         ("fsdp1_originals_missing", _torch_compat.fsdp1_flat_param_originals),
         ("fsdp2_originals_missing", _torch_compat.fsdp2_unit_originals),
@@ -255,6 +261,8 @@ def test_fsdp_private_state():
     (got,) = run_ranks(_fsdp_body, 1, timeout=100)
     assert got["auto_default"] is True and got["auto_explicit"] is False
     assert got["numels"] == [12, 4] and got["no_params"] is None
+    assert got["flat"] == [16] and got["param_dtype"] == [torch.bfloat16, None]
+    assert "_mp_policy" in got["fsdp2_dtype_missing"]
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
     # FSDP2 marks the parameters it replaced (torch 2.13; 2.9 does not, and there nothing can be told).

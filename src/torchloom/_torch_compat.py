@@ -146,6 +146,27 @@ def fsdp2_auto_reshard_after_forward(unit: Any) -> bool:
     return bool(state._auto_reshard_after_forward)
 
 
+def fsdp2_param_dtype(unit: Any) -> torch.dtype | None:
+    """The dtype an FSDP2 unit's mixed precision computes its parameters in (None: their own). torch keeps the
+    policy only on the unit's private state."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    state = get_state() if get_state is not None else None
+    if state is None or not hasattr(state, "_mp_policy"):
+        raise _missing("FSDP2's FSDPState._mp_policy (through FSDPModule._get_fsdp_state())")
+    return state._mp_policy.param_dtype
+
+
+def fsdp1_flat_params(module: Any) -> list[torch.Tensor]:
+    """The flat parameters of every FSDP1 unit in `module` (whose gradients the units' own `.grad` does not
+    show)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = FSDP.fsdp_modules(module)
+    if any(not hasattr(u, "_flat_param") for u in units):
+        raise _missing("FullyShardedDataParallel._flat_param")
+    return [u._flat_param for u in units if u._flat_param is not None]
+
+
 def fsdp1_flat_param_numels(unit: Any) -> list[int] | None:
     """The element counts of the original parameters an FSDP1 unit flattened (None: it manages none)."""
     if not hasattr(unit, "_flat_param"):

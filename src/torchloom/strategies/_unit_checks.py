@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchloom import _torch_compat
 from torchloom._layout import Layout, Unit, clean_name, unit_flavour
 from torchloom.errors import MisuseError
 
@@ -122,9 +123,8 @@ def full_precision_batchnorms(
 def unit_param_dtype(unit: Unit) -> torch.dtype | None:
     """The dtype a unit's mixed precision computes its parameters in (None: their own)."""
     if unit.flavour == "fsdp2":
-        policy = unit.module._get_fsdp_state()._mp_policy  # type: ignore[operator]
-    else:
-        policy = getattr(unit.module, "mixed_precision", None)
+        return _torch_compat.fsdp2_param_dtype(unit.module)
+    policy = getattr(unit.module, "mixed_precision", None)
     return getattr(policy, "param_dtype", None)
 
 

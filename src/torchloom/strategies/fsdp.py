@@ -367,10 +367,7 @@ class _GradsAsideWithoutGrad:
             self._give_back()
 
     def _set_aside(self) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        flat = [u._flat_param for u in FSDP.fsdp_modules(self._module) if u._flat_param is not None]
-        for t in (*flat, *self._module.parameters()):
+        for t in (*_torch_compat.fsdp1_flat_params(self._module), *self._module.parameters()):
             if t.grad is not None:
                 self._saved.append((t, t.grad))
                 t.grad = None
