@@ -223,21 +223,50 @@ class PipelineStrategy(ParallelStrategy):
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
+        """Cut the model into this rank's stages, place them, share tied weights across stages, start each stage's
+        replicas from one set of values, apply `parallelize_fn`, and hand the stages to the schedule."""
         self._require_group("setup_module with PipelineStrategy")
         if self._runner is not None:
             raise MisuseError(
                 "PipelineStrategy sets up one model per Loom: make a Loom for each pipelined model."
             )
-        mesh = self.device_mesh
-        pp_mesh = mesh[PIPELINE_PARALLEL]
-        pp_rank = pp_mesh.get_local_rank()
+        ties = _split.tie_groups(module)
+        trainable = _split.tie_trainable(module, ties)
+        stages, holdings = self._cut(module, ties)
+        self._place(stages, module)
+        self._share_ties(stages, ties, trainable, holdings)
+        self._start_replicas_alike(stages)
+        stages = self._parallelize(stages)
+        self._named_plain = [
+            (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
+        ]
+        self._plain = [p for _, p in self._named_plain]
+        _split.graft(module, [stages[i] for i in sorted(stages)])
+        module.register_forward_pre_hook(_refuse_forward)
+        pp_mesh = self.device_mesh[PIPELINE_PARALLEL]
+        self._runner = _schedule.Runner(
+            stages,
+            self.num_stages,
+            self.schedule,
+            self.n_microbatches,
+            self.root_device,
+            pp_mesh.get_group(),
+            [int(r) for r in _along_pp(self.device_mesh)],
+        )
+        return module
+
+    def _cut(self, module: nn.Module, ties: Any) -> tuple[dict[int, nn.Module], list[Any]]:
+        """This rank's stages (traced at `split_points`, or the user's `split_fn`), and which tied weights every
+        rank's stages hold. Every rank learns every rank's problems, so all raise together instead of some
+        waiting in a collective."""
         ids = _schedule.stage_ids_of(
-            pp_rank, self.pipeline_parallel_size, self.stages_per_rank, self.schedule
+            self.device_mesh[PIPELINE_PARALLEL].get_local_rank(),
+            self.pipeline_parallel_size,
+            self.stages_per_rank,
+            self.schedule,
         )
         problems: list[str] = []
         stages: dict[int, nn.Module] = {}
-        ties = _split.tie_groups(module)
-        trainable = _split.tie_trainable(module, ties)
         try:
             if self.split_points is not None:
                 _split.check_split_points(module, self.split_points, self.num_stages)
@@ -252,11 +281,15 @@ class PipelineStrategy(ParallelStrategy):
         except MisuseError as error:
             problems = [str(error)]
         _ties.drop_unused(stages, ties)
-        # Every rank learns every rank's problems, so all raise together instead of some waiting in a collective.
         everyone = self.all_gather_object((problems, _split.tie_holdings(stages, ties)))
         found = sorted({p for rank_problems, _ in everyone for p in rank_problems})
         if found:
             raise MisuseError("Cannot cut the model into pipeline stages: " + "; ".join(found))
+        return stages, [holdings for _, holdings in everyone]
+
+    def _place(self, stages: dict[int, nn.Module], module: nn.Module) -> None:
+        """The stages' tensors made real (a model built on the meta device gets one process's draw) on this
+        rank's device."""
         _split.materialize(stages, module, self.root_device)
         # Every rank learns which traced modules of the whole pipeline ignore eval(), to refuse it together.
         self._mode_bound = sorted(
@@ -264,7 +297,12 @@ class PipelineStrategy(ParallelStrategy):
         )
         for stage in stages.values():
             stage.to(self.root_device)
-        # A weight tied across stages: a copy on each stage that uses it, kept equal by summing their gradients.
+
+    def _share_ties(
+        self, stages: dict[int, nn.Module], ties: Any, trainable: Any, holdings: list[Any]
+    ) -> None:
+        """A weight tied across stages: a copy on each stage that uses it, kept equal by summing their gradients
+        over a group of exactly the ranks that hold a copy."""
         _ties.retie(stages, ties)
         self._tie_groups = ties
         pp_rank_of = {
@@ -274,10 +312,13 @@ class PipelineStrategy(ParallelStrategy):
                 r, self.pipeline_parallel_size, self.stages_per_rank, self.schedule
             )
         }
-        self._ties = _ties.plan(ties, trainable, [holdings for _, holdings in everyone], pp_rank_of)
-        _ties.make_groups(self._ties, mesh, self.backend)
-        # The stage's data- and tensor-parallel ranks start from one set of values (their first rank's).
-        self._stage_group = self._make_stage_groups(mesh)
+        self._ties = _ties.plan(ties, trainable, holdings, pp_rank_of)
+        _ties.make_groups(self._ties, self.device_mesh, self.backend)
+
+    def _start_replicas_alike(self, stages: dict[int, nn.Module]) -> None:
+        """The stage's data- and tensor-parallel ranks start from one set of values (their first rank's), and
+        the copies of a tied weight from one value."""
+        self._stage_group = self._make_stage_groups(self.device_mesh)
         for stage in stages.values() if self._stage_group is not None else ():
             broadcast_tensors(
                 [t for t in (*stage.parameters(), *stage.buffers()) if type(t.data) is torch.Tensor],
@@ -286,9 +327,12 @@ class PipelineStrategy(ParallelStrategy):
             )
         _ties.collect(self._ties, stages)
         _ties.sync_values(self._ties)
+
+    def _parallelize(self, stages: dict[int, nn.Module]) -> dict[int, nn.Module]:
+        """The user's `parallelize_fn` applied to each stage, and what it made checked."""
         if self.parallelize_fn is not None:
             for i in sorted(stages):
-                result = self.parallelize_fn(stages[i], mesh)
+                result = self.parallelize_fn(stages[i], self.device_mesh)
                 if not isinstance(result, nn.Module):
                     raise MisuseError(
                         f"parallelize_fn returned {type(result).__name__} for stage {i}, not the stage module: it "
@@ -296,22 +340,7 @@ class PipelineStrategy(ParallelStrategy):
                     )
                 stages[i] = result
         self._check_parallelized(stages)
-        self._named_plain = [
-            (n, p) for s in stages.values() for n, p in s.named_parameters() if type(p.data) is torch.Tensor
-        ]
-        self._plain = [p for _, p in self._named_plain]
-        _split.graft(module, [stages[i] for i in sorted(stages)])
-        module.register_forward_pre_hook(_refuse_forward)
-        self._runner = _schedule.Runner(
-            stages,
-            self.num_stages,
-            self.schedule,
-            self.n_microbatches,
-            self.root_device,
-            pp_mesh.get_group(),
-            [int(r) for r in _along_pp(mesh)],
-        )
-        return module
+        return stages
 
     def _check_parallelized(self, stages: dict[int, nn.Module]) -> None:
         """What parallelize_fn made that cannot train correctly (found by the scenario engine), refused on every
