@@ -541,6 +541,8 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
+        if self._strategy.replicas is not None and not self._strategy.replicas.writes_checkpoints:
+            return  # replica groups hold one state: one group writes it (torchloom.fault_tolerance.replica)
         met = False
         try:
             with _record("save"):

@@ -97,6 +97,14 @@ _SCRIPT = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+    def full_state():
+        full = {}
+        for name, value in net.state_dict().items():
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            full[name] = value.detach().clone()
+        return full
+
+
     done = 0
     for x, y in loader:
         before = rg.step
@@ -119,12 +127,15 @@ _SCRIPT = textwrap.dedent(
                 time.sleep(0.5)  # alone: slow down until the other group is back
             if where == "between" and done == after:
                 die()
+            if int(net.streak) == 2 and not plan:
+                # Every group calls loom.save (one writes the job's checkpoint), and keeps what it held then.
+                loom.save(os.path.join(out, "checkpoint"), {"model": model, "optimizer": opt})
+                held = full_state()
+                if loom.global_rank == 0:
+                    torch.save(held, os.path.join(out, f"group{rg.group}.at_save.pt"))
             if int(net.streak) >= 4:
                 break
-    full = {}
-    for name, value in net.state_dict().items():
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        full[name] = value.detach().clone()
+    full = full_state()
     if loom.global_rank == 0:
         torch.save({"state": full, "step": rg.step}, os.path.join(out, f"group{rg.group}.pt"))
     """
@@ -181,6 +192,21 @@ def jobs(
         return {key: (base / "_".join(key), future.result()) for key, future in futures.items()}
 
 
+class _Net(nn.Module):
+    """The script's model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("streak", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x))))) * self.scale
+
+
+
+
 def _shards(data: TensorDataset, readers: int) -> list[list[int]]:
     return [list(DistributedSampler(data, num_replicas=readers, rank=r, shuffle=False)) for r in range(readers)]
 
@@ -190,18 +216,9 @@ def _replayed(record: Path, kind: str) -> tuple[dict[str, torch.Tensor], int]:
     its readers read together: under "fsdp2" its 2 processes read shards 2g and 2g + 1 of 4 (their batches'
     mean losses averaged is the loss of the concatenation); under tensor parallel both read shard g of 2."""
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp, self.mid, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
-            self.scale = nn.Parameter(torch.tensor(1.5))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x))))) * self.scale
-
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4800, 4), torch.randn(4800, 1))
-    net = Net()
+    net = _Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     per_group = 2 if kind == "fsdp2" else 1
     shards = _shards(data, 2 * per_group)
@@ -241,6 +258,23 @@ def test_run_equals_the_replay_and_groups_end_bit_identical(jobs, key: tuple[str
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "model_parallel"])
+def test_loom_save_writes_the_job_state_once(jobs, kind: str) -> None:
+    """Both groups called `loom.save` at the same step: one wrote the checkpoint, whole, and it loads in one
+    process to what every group held then, bit for bit."""
+    from torchloom import Loom
+
+    folder, done = jobs[(kind, "healthy")]
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".checkpoint")] == []  # no temporaries left
+    held = [torch.load(folder / f"group{g}.at_save.pt") for g in range(2)]
+    loom = Loom(accelerator="cpu", devices=1)
+    net = _Net()
+    loom.load(folder / "checkpoint", {"model": net})
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, held[0][name]) and torch.equal(value, held[1][name]), name
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "model_parallel"])
 def test_the_killed_group_came_back_and_healed(jobs, kind: str) -> None:
     """Group 1 was started three times (two kills, then a run to the end) and group 0 once, and group 1 came
     back into the steps: the last committed steps had both groups, after steps without group 1. The number of
@@ -275,3 +309,29 @@ def test_strategies_that_cannot_run_in_a_group_are_refused_by_name(
     assert main(["run", "--replica-groups", "2", "--strategy", strategy, str(script)]) == 2
     err = capsys.readouterr().err
     assert f"--strategy {strategy}" in err and words in err
+
+
+def _split(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    return model
+
+
+def test_a_script_whose_strategy_cannot_run_in_a_group_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Loom(strategy=...)` in a rank of a replica group: the strategies without a data-parallel dimension that
+    the groups can average piece by piece say so, and what to use, before any process group is made."""
+    from torchloom import Loom, _run_protocol
+    from torchloom.errors import ConfigurationError
+    from torchloom.strategies import FSDPStrategy, PipelineStrategy
+
+    monkeypatch.setenv(_run_protocol.REPLICA_GROUPS_ENV, "2")
+    monkeypatch.setenv(_run_protocol.REPLICA_GROUP_ENV, "0")
+    monkeypatch.setenv(_run_protocol.LIGHTHOUSE_ENV, "127.0.0.1:1")
+    refused = {
+        PipelineStrategy(split_fn=_split): "use ModelParallelStrategy",
+        FSDPStrategy(): "use strategy='fsdp2'",
+    }
+    for strategy, words in refused.items():
+        with pytest.raises(ConfigurationError, match=f"cannot run {type(strategy).__name__} inside") as caught:
+            Loom(accelerator="cpu", devices=2, strategy=strategy)
+        assert words in str(caught.value)

@@ -115,6 +115,13 @@ class ReplicaGroup:
         self._loaders.append(loader)
 
     @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints (`loom.save`): every group that committed the last step
+        holds the same state, so one of them writes it, the lowest-numbered (group 0 before the first commit).
+        Several groups writing one path at once would remove each other's temporary files."""
+        return self.group == min(self.participants or [0])
+
+    @property
     def step(self) -> int:
         """Committed steps of the job (torchft's step count, carried to a group that heals)."""
         return 0 if self._manager is None else int(self._manager.current_step())
@@ -211,6 +218,7 @@ class ReplicaGroup:
             "loaders": [loader.position_at_step_start() for loader in self._loaders],
             "rng": torch.get_rng_state(),
             "chain": self._chain,
+            "participants": self.participants,
         }
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -222,6 +230,7 @@ class ReplicaGroup:
             loader.heal_to(position)
         torch.set_rng_state(state["rng"])
         self._chain = state["chain"]
+        self.participants = list(state["participants"])
         self.retrying = False
 
     def _start_manager(self) -> Any:
