@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
 from torchloom import _run_protocol
 from torchloom.errors import ConfigurationError
