@@ -334,3 +334,40 @@ def test_a_script_whose_strategy_cannot_run_in_a_group_is_refused_by_name(
         ) as caught:
             Loom(accelerator="cpu", devices=2, strategy=strategy)
         assert words in str(caught.value)
+
+
+class _QuorumOnly:
+    """torchft's Manager as far as a refused step reaches it: a quorum, and never a commit vote."""
+
+    def start_quorum(self) -> None:
+        pass
+
+    def should_commit(self) -> bool:
+        raise AssertionError("a step without the cross-group average must not reach the commit vote")
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def test_a_step_whose_gradients_were_not_averaged_across_groups_is_refused() -> None:
+    """`optimizer.step()` after a plain `loss.backward()` (or only backwards under `no_backward_sync`): the groups
+    would step with their own gradients and part silently, so the step is refused, naming `loom.backward`."""
+    from torchloom.errors import MisuseError
+    from torchloom.fault_tolerance import ReplicaGroup
+
+    group = ReplicaGroup(
+        2,
+        0,
+        "127.0.0.1:1",
+        None,
+        group_rank=0,
+        group_size=1,
+        all_gather_object=lambda x: [x],
+        device=torch.device("cpu"),
+    )
+    group._manager = _QuorumOnly()
+    try:
+        with pytest.raises(MisuseError, match=r"call loom\.backward\(loss\)"):
+            group.should_commit()
+    finally:
+        group.close()
