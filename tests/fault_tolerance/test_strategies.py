@@ -4,8 +4,13 @@ rank to SIGKILL between steps and then in backward.
 
 - "fsdp2": HSDP across the groups: units made by hand (`fully_shard` of two layers) and replicated leftovers (a
   layer and a scalar outside every unit), sharded over the 2 processes of a group;
-- "model_parallel": `ModelParallelStrategy` with tensor parallel inside a group (a column- then a row-parallel
-  layer, tp 2, plain leftovers after them), data parallel across the groups only.
+- "model_parallel_tp": `ModelParallelStrategy` with tensor parallel inside a group (a column- then a row-parallel
+  layer, tp 2, plain leftovers after them), data parallel across the groups only;
+- "model_parallel_dp": `ModelParallelStrategy` with dp 2 inside a group (`fully_shard` of two layers over
+  `device_mesh["data_parallel"]` in `parallelize_fn`), data parallel inside and across the groups.
+
+fsdp2 and tensor parallel run healthy and with faults; dp inside runs healthy (its gradients and state are
+fsdp2's: the same exchange).
 
 Every step clips the gradients to a norm of 0.05 with `loom.clip_gradients` (always active on this data), so the
 run equals the replay only if the groups clip the average over the groups, not their own gradients. The oracle is
@@ -69,7 +74,7 @@ _SCRIPT = textwrap.dedent(
         loom = Loom(accelerator="cpu", strategy="fsdp2")
         for block in (net.inp, net.mid):
             fully_shard(block, **loom.strategy.unit_kwargs())
-    else:
+    elif kind == "model_parallel_tp":
         from torchloom.strategies import ModelParallelStrategy
 
         def parallelize(model, mesh):
@@ -80,6 +85,17 @@ _SCRIPT = textwrap.dedent(
             )
 
         strategy = ModelParallelStrategy(parallelize, data_parallel_size=1, tensor_parallel_size=2)
+        loom = Loom(accelerator="cpu", strategy=strategy)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        from torchloom.strategies import ModelParallelStrategy
+
+        def parallelize(model, mesh):
+            for block in (model.inp, model.mid):
+                fully_shard(block, mesh=mesh["data_parallel"])
+            return model
+
+        strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
         loom = Loom(accelerator="cpu", strategy=strategy)
     model = loom.setup_module(net)
     opt = loom.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
@@ -146,8 +162,8 @@ _FAULTS = "between:2:1,backward:2:0"
 _JOBS = {
     ("fsdp2", "healthy"): "",
     ("fsdp2", "faults"): _FAULTS,
-    ("model_parallel", "healthy"): "",
-    ("model_parallel", "faults"): _FAULTS,
+    ("model_parallel_dp", "healthy"): "",
+    ("model_parallel_tp", "faults"): _FAULTS,
 }
 
 
@@ -211,13 +227,14 @@ def _shards(data: TensorDataset, readers: int) -> list[list[int]]:
 def _replayed(record: Path, kind: str) -> tuple[dict[str, torch.Tensor], int]:
     """The record replayed on the script's model, data and optimizer in one process. Each group's batch is what
     its readers read together: under "fsdp2" its 2 processes read shards 2g and 2g + 1 of 4 (their batches'
-    mean losses averaged is the loss of the concatenation); under tensor parallel both read shard g of 2."""
+    mean losses averaged is the loss of the concatenation), as under dp 2 inside a group; under tensor parallel
+    both read shard g of 2."""
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4800, 4), torch.randn(4800, 1))
     net = _Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
-    per_group = 2 if kind == "fsdp2" else 1
+    per_group = 1 if kind == "model_parallel_tp" else 2
     shards = _shards(data, 2 * per_group)
 
     def batch(group: int, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +271,7 @@ def test_run_equals_the_replay_and_groups_end_bit_identical(jobs, key: tuple[str
         torch.testing.assert_close(ends[0]["state"][name], value.detach(), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "model_parallel"])
+@pytest.mark.parametrize("kind", ["fsdp2", "model_parallel_dp"])
 def test_loom_save_writes_the_job_state_once(jobs, kind: str) -> None:
     """Both groups called `loom.save` at the same step: one wrote the checkpoint, whole, and it loads in one
     process to what every group held then, bit for bit."""
@@ -271,7 +288,7 @@ def test_loom_save_writes_the_job_state_once(jobs, kind: str) -> None:
         assert torch.equal(value, held[0][name]) and torch.equal(value, held[1][name]), name
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "model_parallel"])
+@pytest.mark.parametrize("kind", ["fsdp2", "model_parallel_tp"])
 def test_the_killed_group_came_back_and_healed(jobs, kind: str) -> None:
     """Group 1 was started three times (two kills, then a run to the end) and group 0 once, and group 1 came
     back into the steps: the last committed steps had both groups, after steps without group 1. The number of
