@@ -325,6 +325,13 @@ def test_strategies_that_cannot_run_in_a_group_are_refused_by_name(
     assert f"--strategy {strategy}" in err and words in err
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp_spawn", "auto"])
+def test_strategies_that_run_in_a_group_pass_the_command_line_check(strategy: str) -> None:
+    from torchloom.fault_tolerance.launch import _strategy_refusal
+
+    assert _strategy_refusal(strategy) is None
+
+
 def _split(model: nn.Module, stage: int, stages: int) -> nn.Module:
     return model
 
