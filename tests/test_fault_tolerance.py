@@ -196,7 +196,7 @@ def test_without_torchft_replica_groups_name_the_extra(tmp_path: Path) -> None:
         (["--replica-groups", "2", "--replica-group", "0"], "--replica-group needs --lighthouse"),
         (["--replica-groups", "2", "--lighthouse", "127.0.0.1:1"], "--lighthouse needs --replica-group"),
         (["--replica-groups", "2", "--lighthouse", "h:1", "--replica-group", "2"], "must be in 0..1"),
-        (["--replica-groups", "2", "--strategy", "fsdp2"], "--strategy ddp"),
+        (["--replica-groups", "2", "--strategy", "fsdp"], "use strategy='fsdp2'"),
         (["--replica-groups", "0"], "--replica-groups 0 is not valid"),
     ],
 )

@@ -73,3 +73,15 @@ def replica_groups() -> tuple[int, int, str, str | None] | None:
     if groups is None or group is None or lighthouse is None:
         return None
     return int(groups), int(group), lighthouse, os.environ.get(FT_RECORD_ENV) or None
+
+
+def split_over_replica_groups(split: dict[str, int]) -> dict[str, int]:
+    """A strategy's data split (`distributed_sampler_kwargs`) made the job's: under `torchloom run
+    --replica-groups G`, each group reads its own shard, so the data is split over the G groups' readers, group g
+    reading parts g x R .. g x R + R - 1 of the R readers inside each group. Unchanged outside replica groups."""
+    spec = replica_groups()
+    if spec is None:
+        return split
+    groups, group = spec[0], spec[1]
+    readers = split["num_replicas"]
+    return {"num_replicas": groups * readers, "rank": group * readers + split["rank"]}

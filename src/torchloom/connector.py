@@ -195,14 +195,12 @@ def configure(
 
 
 def _check_replica_groups(instance: Strategy) -> None:
-    """Under `torchloom run --replica-groups`, only DDP joins the groups' quorum (torchloom.fault_tolerance); any
-    other strategy would train without fault tolerance, silently."""
-    from torchloom.strategies.ddp import DDPStrategy
-
-    if replica_groups() is not None and not isinstance(instance, DDPStrategy):
+    """Under `torchloom run --replica-groups`, only a strategy whose model is data-parallel across the groups
+    joins the groups' quorum (torchloom.fault_tolerance); any other would train without fault tolerance, silently."""
+    if replica_groups() is not None and instance.replica_groups_refusal is not None:
         raise ConfigurationError(
-            f"torchloom run --replica-groups runs strategy 'ddp' inside each group in this version, but the script "
-            f"asks for {type(instance).__name__}. Remove strategy= from Loom(...) (the command passes 'ddp')."
+            f"torchloom run --replica-groups cannot run {type(instance).__name__} inside a replica group: "
+            f"{instance.replica_groups_refusal}."
         )
 
 
@@ -220,7 +218,8 @@ def _select_strategy(strategy: Any, world_size: int) -> Strategy:
     elif isinstance(strategy, str) and strategy.lower() in STRATEGIES:
         name = strategy.lower()
         if name == "auto":
-            name = "single_device" if world_size == 1 else "ddp"
+            # A replica group of one process is still data-parallel with the other groups.
+            name = "single_device" if world_size == 1 and replica_groups() is None else "ddp"
         instance = strategy_class(name)()
     else:
         raise ConfigurationError(

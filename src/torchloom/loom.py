@@ -541,6 +541,8 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
+        if self._strategy.replicas is not None and not self._strategy.replicas.writes_checkpoints:
+            return  # replica groups hold one state: one group writes it (torchloom.fault_tolerance.replica)
         met = False
         try:
             with _record("save"):
@@ -633,6 +635,8 @@ class Loom:
         everything else already there (a tokenizer, subfolders, other weights files) is kept, and only the
         previous weights (the old index, the shards it names, the old model.safetensors) are dropped."""
         self._require_launch("save_raw")
+        if self._strategy.replicas is not None and not self._strategy.replicas.writes_checkpoints:
+            return  # one replica group writes (see `save`)
         with _record("save_raw"):
             self._checkpointer.save_raw(Path(out_dir), state_module(model), dtype, max_shard_size, config)
 

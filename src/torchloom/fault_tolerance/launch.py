@@ -45,12 +45,12 @@ def check(args: argparse.Namespace) -> None:
     require_torchft()
     if args.replica_groups < 1:
         raise ConfigurationError(f"--replica-groups {args.replica_groups} is not valid: pass a number >= 1.")
-    if args.strategy not in (None, "ddp"):
-        raise ConfigurationError(
-            f"--replica-groups works with --strategy ddp inside each group in this version, not "
-            f"{args.strategy!r}. Pass --strategy ddp (or leave --strategy out)."
-        )
-    args.strategy = "ddp"
+    if args.strategy is not None:
+        refusal = _strategy_refusal(args.strategy)
+        if refusal is not None:
+            raise ConfigurationError(
+                f"--replica-groups cannot run --strategy {args.strategy} inside each group: {refusal}."
+            )
     if args.max_restarts is None:
         args.max_restarts = DEFAULT_GROUP_RESTARTS
     if args.replica_group is not None and args.lighthouse is None:
@@ -67,6 +67,20 @@ def check(args: argparse.Namespace) -> None:
             f"--replica-group {args.replica_group} must be in 0..{args.replica_groups - 1} for "
             f"--replica-groups {args.replica_groups}."
         )
+
+
+def _strategy_refusal(name: str) -> str | None:
+    """Why `--strategy NAME` cannot run inside a replica group (the strategy's own `replica_groups_refusal`), or
+    None; a name `Loom()` does not know is left to its own error."""
+    from torchloom.connector import FABRIC_STRATEGIES, REFUSED_STRATEGIES, STRATEGIES, strategy_class
+
+    key = name.lower()
+    if key in REFUSED_STRATEGIES:
+        return REFUSED_STRATEGIES[key]
+    key = FABRIC_STRATEGIES.get(key, (key, {}))[0]
+    if key == "auto" or key not in STRATEGIES:
+        return None
+    return strategy_class(key).replica_groups_refusal
 
 
 def publish_group(args: argparse.Namespace) -> None:

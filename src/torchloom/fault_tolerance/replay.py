@@ -25,6 +25,7 @@ def replay(
     optimizer: Optimizer,
     batch: Callable[[int, int, int], Any],
     loss: Callable[[nn.Module, Any], torch.Tensor],
+    before_step: Callable[[nn.Module], Any] | None = None,
 ) -> int:
     """Replay the record at `path` on `model` (as it was before the job's first step) and `optimizer`; return the
     number of steps replayed.
@@ -34,6 +35,9 @@ def replay(
             own shard of the data: sample `i` of a group's shard is sample `i * groups + group` of the dataset
             when unshuffled, as torch's `DistributedSampler` splits it over groups x processes per group).
         loss: `loss(model, batch)`: the scalar the script called `loom.backward` on.
+        before_step: `before_step(model)`, called with the step's averaged gradients before the optimizer steps:
+            what the script did between `loom.backward` and `optimizer.step()` (e.g. `loom.clip_gradients`,
+            replayed as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`).
     """
     steps = record.read(path)
     for entry in steps:
@@ -41,5 +45,7 @@ def replay(
         share = 1.0 / len(entry.participants)
         for p in entry.participants:
             (loss(model, batch(p.group, p.epoch, p.batch)) * share).backward()
+        if before_step is not None:
+            before_step(model)
         optimizer.step()
     return len(steps)

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from torchloom.data.loader import LoomDataLoader
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.fault_tolerance import _start
+from torchloom.fault_tolerance import _start, exchange
 from torchloom.fault_tolerance import record as _record
 from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
 
@@ -87,6 +87,8 @@ class ReplicaGroup:
         self._optimizers: list[Optimizer] = []
         self._loaders: list[ReplicaLoader] = []
         self._in_step = False
+        # Whether this step's gradients went through `average_gradients` (a step without it is refused).
+        self._averaged = False
         #: The last step did not commit: the survivors retry it on the same batches.
         self.retrying = False
         # (epoch, batch) of the batch this step reads, (-1, -1) when no set-up loader hands it out.
@@ -111,6 +113,13 @@ class ReplicaGroup:
     def add_loader(self, loader: ReplicaLoader) -> None:
         loader._replicas = self
         self._loaders.append(loader)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints (`loom.save`): every group that committed the last step
+        holds the same state, so one of them writes it, the lowest-numbered (group 0 before the first commit).
+        Several groups writing one path at once would remove each other's temporary files."""
+        return self.group == min(self.participants or [0])
 
     @property
     def step(self) -> int:
@@ -141,22 +150,20 @@ class ReplicaGroup:
         self._source = (epoch, batch)
 
     def average_gradients(self) -> None:
-        """After backward: average the set-up modules' gradients over the quorum's groups (and learn which groups
-        and batches the average holds). A failure (a group died) is recorded by torchft; the step will not
-        commit. Nothing under `no_backward_sync` (gradient accumulation): DDP does not sync there either."""
+        """After a backward that synchronised the group's gradients (the strategy's own, inside the group): average
+        the set-up modules' gradients over the quorum's groups (and learn which groups and batches the average
+        holds). Each rank averages its local pieces with the same rank of the other groups (see `exchange`), so
+        a sharded strategy's clipping, after this, clips the average over every group. A failure (a group
+        died) is recorded by torchft; the step will not commit."""
         from torch.distributed import ReduceOp
 
-        if not all(getattr(m, "require_backward_grad_sync", True) for m in self._modules):
-            return
         self.begin_step()
-        params = [p for m in self._modules for p in m.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # every group must send the same layout
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)  # type: ignore[union-attr]
-        flats = {dtype: torch.cat([p.grad.reshape(-1) for p in ps]) for dtype, ps in by_dtype.items()}  # type: ignore[union-attr]
+        self._averaged = True
+        grads = exchange.gradients(self._modules)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        flats = {dtype: torch.cat([g.reshape(-1) for g in gs]) for dtype, gs in by_dtype.items()}
         works = [self._manager.allreduce(flat) for flat in flats.values()]
         # One slot per group: 1 from each group in the average, with the epoch and batch it read.
         sources = torch.zeros(3 * self.groups, dtype=torch.float64, device=self._device)
@@ -168,17 +175,25 @@ class ReplicaGroup:
             work.wait()
         if self._manager.errored() is not None:
             return  # the step will not commit; the gradients may be partial, and are not used
-        for dtype, ps in by_dtype.items():
-            offset = 0
-            for p in ps:
-                n = p.numel()
-                p.grad.copy_(flats[dtype][offset : offset + n].view_as(p.grad))  # type: ignore[union-attr]
-                offset += n
+        with torch.no_grad():
+            for dtype, gs in by_dtype.items():
+                offset = 0
+                for g in gs:
+                    n = g.numel()
+                    g.copy_(flats[dtype][offset : offset + n].view_as(g))
+                    offset += n
         self._sources = sources.cpu()
 
     def should_commit(self) -> bool:
         """At `optimizer.step()`: whether every group of the quorum finished this step (then the step runs)."""
         self.begin_step()
+        if not self._averaged:
+            raise MisuseError(
+                f"optimizer.step() in replica group {self.group} without a backward that averaged the gradients "
+                "over the groups: with replica groups, call loom.backward(loss) (outside loom.no_backward_sync for "
+                "the last micro-batch), so that every group steps with the same gradients."
+            )
+        self._averaged = False
         committed = bool(self._manager.should_commit())
         self._in_step = False
         self.retrying = not committed
@@ -197,24 +212,27 @@ class ReplicaGroup:
 
     # ---- healing ---------------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        """What a peer that heals receives (called by torchft while this group sends it)."""
+        """What a peer that heals receives (called by torchft while this group sends it): this rank's local
+        pieces, which the peer's same rank holds too (see `exchange`)."""
         return {
-            "modules": [m.state_dict() for m in self._modules],
-            "optimizers": [o.state_dict() for o in self._optimizers],
+            "modules": [exchange.module_state(m) for m in self._modules],
+            "optimizers": [exchange.optimizer_state(o) for o in self._optimizers],
             "loaders": [loader.position_at_step_start() for loader in self._loaders],
             "rng": torch.get_rng_state(),
             "chain": self._chain,
+            "participants": self.participants,
         }
 
     def _load(self, state: dict[str, Any]) -> None:
         for module, module_state in zip(self._modules, state["modules"], strict=True):
-            module.load_state_dict(module_state)
+            exchange.load_module_state(module, module_state)
         for optimizer, optimizer_state in zip(self._optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
+            exchange.load_optimizer_state(optimizer, optimizer_state)
         for loader, position in zip(self._loaders, state["loaders"], strict=True):
             loader.heal_to(position)
         torch.set_rng_state(state["rng"])
         self._chain = state["chain"]
+        self.participants = list(state["participants"])
         self.retrying = False
 
     def _start_manager(self) -> Any:

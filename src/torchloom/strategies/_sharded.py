@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from torchloom import _run_protocol
 from torchloom._describe import summary
 from torchloom._layout import Layout, Unit, analyze
 from torchloom._meta_init import PendingModules, materialize, meta_modules
@@ -164,6 +165,15 @@ class ShardedStrategy(ParallelStrategy):
         self._warned_policy = False
         #: Modules the wrapping policy picked but that were made no unit: each holds part of a tied weight's users.
         self._tie_skipped: list[str] = []
+
+    # In a replica group (torchloom.fault_tolerance), HSDP across the groups: sharded inside a group, each rank's
+    # local pieces (shards, replicated leftovers) averaged with the same rank of the other groups after every
+    # backward that synchronised inside the group, before any clipping.
+    replica_groups_refusal: str | None = None
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return _run_protocol.split_over_replica_groups(super().distributed_sampler_kwargs)
 
     def validate(self) -> None:
         if self.cpu_offload and self.root_device.type == "cpu":
@@ -332,6 +342,8 @@ class ShardedStrategy(ParallelStrategy):
         self._sync_leftover_buffers(forward_module, layout)
         if self.global_rank == 0:
             log.info("%s", summary(forward_module, self.world_size, self._tie_skipped))
+        if self.replicas is not None:
+            self.replicas.add_module(forward_module)
         return forward_module
 
     def _check_flavours(self, layout: Layout) -> None:
@@ -463,6 +475,8 @@ class ShardedStrategy(ParallelStrategy):
         if errors:
             raise errors[0]
         self._check_unit_grads()
+        if self.replicas is not None and not self._accumulating:
+            self.replicas.average_gradients()
 
     @contextlib.contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
@@ -484,6 +498,8 @@ class ShardedStrategy(ParallelStrategy):
             if sync is not None:
                 sync.enabled = False
                 stack.callback(setattr, sync, "enabled", True)
+            self._accumulating += 1
+            stack.callback(setattr, self, "_accumulating", self._accumulating - 1)
             yield
 
     def _norm_groups(self, module: nn.Module) -> _clipping.NormGroups:

@@ -81,6 +81,12 @@ class Strategy:
     #: This rank's replica group under `torchloom run --replica-groups` (a `torchloom.fault_tolerance.ReplicaGroup`,
     #: set by the strategies that support it), else None.
     replicas: Any = None
+    #: Why this strategy cannot run inside a replica group, and what to use instead; None where it can (its model
+    #: is data-parallel across the groups, and rank r of every group holds the same pieces of it, which
+    #: `torchloom.fault_tolerance.exchange` averages and heals piece by piece).
+    replica_groups_refusal: str | None = (
+        "it runs one process; a replica group runs strategy 'ddp' (the default), 'fsdp2' or ModelParallelStrategy"
+    )
 
     def __init__(self, timeout: timedelta | None = None) -> None:
         if timeout is not None and not isinstance(timeout, timedelta):

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
 from torchloom import _run_protocol
 from torchloom.errors import ConfigurationError
@@ -45,48 +44,18 @@ class DDPStrategy(ParallelStrategy):
         )
         self.ddp_kwargs = ddp_kwargs
 
-    # ---- replica groups (`torchloom run --replica-groups`, torchloom.fault_tolerance) ---------------------------
-    # DDP averages the gradients inside this rank's group; its `ReplicaGroup` averages them across groups, heals
-    # the group from a peer, and lets the optimizer step only when the step commits.
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        spec = _run_protocol.replica_groups()
-        if spec is not None and self.replicas is None:
-            from torchloom.fault_tolerance.replica import ReplicaGroup
-
-            self.replicas = ReplicaGroup(
-                *spec,
-                group_rank=self.global_rank,
-                group_size=self.world_size,
-                all_gather_object=self.all_gather_object,
-                device=self.root_device,
-            )
+    # In a replica group (torchloom.fault_tolerance): DDP averages the gradients inside the group, the group's
+    # `ReplicaGroup` across the groups after each backward that synchronised.
+    replica_groups_refusal = None
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        spec = _run_protocol.replica_groups()
-        if spec is None:
-            return super().distributed_sampler_kwargs
-        # Every group reads its own shard: the data is split over groups x ranks per group.
-        groups, group = spec[0], spec[1]
-        return {"num_replicas": groups * self.world_size, "rank": group * self.world_size + self.global_rank}
-
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.replicas is not None:
-            self.replicas.add_optimizer(optimizer)
-        return super().setup_optimizer(optimizer)
+        return _run_protocol.split_over_replica_groups(super().distributed_sampler_kwargs)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, **kwargs: Any) -> None:
         super().backward(tensor, module, **kwargs)
-        if self.replicas is not None:
+        if self.replicas is not None and not self._accumulating:
             self.replicas.average_gradients()
-
-    def teardown(self) -> None:
-        if self.replicas is not None:
-            self.replicas.close()
-            self.replicas = None
-        super().teardown()
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> nn.Module:
         self._require_group("setup_module with strategy='ddp'")
@@ -104,8 +73,12 @@ class DDPStrategy(ParallelStrategy):
         if not enabled or not isinstance(module, DistributedDataParallel):
             yield
             return
-        with module.no_sync():
-            yield
+        self._accumulating += 1
+        try:
+            with module.no_sync():
+                yield
+        finally:
+            self._accumulating -= 1
 
     def __repr__(self) -> str:
         return f"DDPStrategy({', '.join(f'{k}={v!r}' for k, v in self.ddp_kwargs.items())})"

@@ -53,6 +53,11 @@ class FSDPStrategy(ShardedStrategy):
 
     name = "fsdp"
     flavour = "fsdp"
+    replica_groups_refusal = (
+        "FSDP1's flat parameters hold each rank's shard as a slice of one flat tensor, and its state dicts gather "
+        "over the group, so a peer's shards cannot be averaged or healed piece by piece; use strategy='fsdp2' "
+        "(the same sharding, on DTensors: HSDP across the groups)"
+    )
     # FSDP1 wraps modules; checkpoint wrappers go around the units afterwards, as PyTorch recommends.
     _checkpoint_before_sharding = False
     _mixed_precision_type = "MixedPrecision"

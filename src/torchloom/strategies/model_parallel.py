@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchloom import diagnostics
+from torchloom import _run_protocol, diagnostics
 from torchloom._layout import Layout, unit_flavour
 from torchloom._text import count
 from torchloom.errors import ConfigurationError, MisuseError, MisuseTypeError, MisuseValueError
@@ -206,7 +206,8 @@ class ModelParallelStrategy(FSDP2Strategy):
         """Data is split over the data-parallel ranks only: the ranks of one tensor-parallel group read the same
         samples."""
         mesh = self.device_mesh[DATA_PARALLEL]
-        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+        split = {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+        return _run_protocol.split_over_replica_groups(split)  # under replica groups: over the groups' too
 
     # ---- setup -------------------------------------------------------------------------------------------------
     _wraps_model_without_units = False

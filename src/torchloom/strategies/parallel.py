@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
 
-from torchloom import _torch_compat, diagnostics
+from torchloom import _run_protocol, _torch_compat, diagnostics
 from torchloom.environments import restore_environment
 from torchloom.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError, MisuseError
 from torchloom.launcher import _is_peer_failure
@@ -135,6 +136,13 @@ class ParallelStrategy(Strategy):
         process_group_backend: "gloo", "nccl", ...; default: the accelerator's ("nccl" on CUDA, "gloo" on CPU).
     """
 
+    #: `no_backward_sync` contexts open now: a backward inside synchronises nothing, across replica groups neither.
+    _accumulating: int = 0
+    replica_groups_refusal: str | None = (
+        "no data-parallel dimension of it is averaged across groups in this version; a replica group runs "
+        "strategy 'ddp' (the default), 'fsdp2' or ModelParallelStrategy"
+    )
+
     def __init__(self, timeout: timedelta | None = None, process_group_backend: str | None = None) -> None:
         super().__init__(timeout=timeout)
         self.process_group_backend = process_group_backend
@@ -176,6 +184,7 @@ class ParallelStrategy(Strategy):
                 _NAMESPACE = agree_on_namespace(
                     _torch_compat.default_store(), dist.get_rank(), dist.get_world_size(), default_pg_timeout
                 )
+            self._join_replica_group()
             return
         env = self.cluster_environment
         self._exported_environment = env.export()
@@ -213,6 +222,31 @@ class ParallelStrategy(Strategy):
             **kwargs,
         )
         atexit.register(self._teardown_at_exit)
+        self._join_replica_group()
+
+    # ---- replica groups (`torchloom run --replica-groups`, torchloom.fault_tolerance) ---------------------------
+    # Under fault tolerance this rank's group is one replica group of the job: its `ReplicaGroup` averages the
+    # gradients across the groups (each strategy calls it after the backward that synchronised them inside the
+    # group), heals the group from a peer, and lets the optimizer step only when the step commits.
+
+    def _join_replica_group(self) -> None:
+        spec = _run_protocol.replica_groups()
+        if spec is None or self.replicas is not None or self.replica_groups_refusal is not None:
+            return  # refused by name before (`connector`), for a strategy that cannot run in a group
+        from torchloom.fault_tolerance.replica import ReplicaGroup
+
+        self.replicas = ReplicaGroup(
+            *spec,
+            group_rank=self.global_rank,
+            group_size=self.world_size,
+            all_gather_object=self.all_gather_object,
+            device=self.root_device,
+        )
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.replicas is not None:
+            self.replicas.add_optimizer(optimizer)
+        return super().setup_optimizer(optimizer)
 
     def start_diagnostics(self) -> None:
         """Record the collectives entered through Loom and answer desync-report requests (see `diagnostics`)."""
@@ -239,6 +273,9 @@ class ParallelStrategy(Strategy):
 
     def teardown(self) -> None:
         """Wait until every rank is done (at most `exit_timeout()`), then destroy the process group."""
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
         diagnostics.stop()
         shutdown_process_group(self.world_size, min(self.timeout, exit_timeout()))
         if self._exported_environment is not None:

@@ -74,6 +74,11 @@ class PipelineStrategy(ParallelStrategy):
 
     name = "pipeline"
     replaces_parameters = True
+    replica_groups_refusal = (
+        "a pipeline's gradients are reduced by its schedule, stage by stage, and its state is its stages', which "
+        "the replica groups do not average or heal in this version; inside a replica group use "
+        "ModelParallelStrategy (tensor parallel with fully_shard) or strategy='fsdp2'"
+    )
     # `init_module(empty_init=True)` puts the parameters on the meta device: each rank then allocates and
     # initialises only its own stages (`_split.materialize`). Without it the base class would build the whole model
     # on the device with `torch.nn.init` skipped (Fabric's one-device rule), and the stages would train from
