@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     _add_plan_parser(sub)
+    from torchloom.fault_tolerance.replay_command import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
 
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds (format, tensors, sizes, entries)")
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
@@ -277,6 +280,21 @@ def _add_replica_group_options(run: argparse.ArgumentParser) -> None:
         default=os.environ.get(FT_RECORD_ENV),
         help="the record of committed steps (default torchloom-ft-record.jsonl)",
     )
+    run.add_argument(
+        "--ft-timeout",
+        "--ft_timeout",
+        type=float,
+        default=None,
+        help="seconds a collective, commit vote or heal may take before the step fails: bounds a group that "
+        "hangs (default 30)",
+    )
+    run.add_argument(
+        "--ft-quorum-timeout",
+        "--ft_quorum_timeout",
+        type=float,
+        default=None,
+        help="seconds a group waits for a quorum, e.g. while the lighthouse is down (default 60)",
+    )
 
 
 _ALLOW_PICKLE = (
@@ -322,6 +340,10 @@ RUN_OPTIONS = frozenset(
         "--lighthouse",
         "--ft-record",
         "--ft_record",
+        "--ft-timeout",
+        "--ft_timeout",
+        "--ft-quorum-timeout",
+        "--ft_quorum_timeout",
     )
 )
 
@@ -424,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "replay":
+            from torchloom.fault_tolerance.replay_command import main as replay_main
+
+            return replay_main(args)
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 
