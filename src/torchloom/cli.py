@@ -69,9 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     _add_plan_parser(sub)
-    from torchloom.fault_tolerance.replay_command import add_parser as add_replay_parser
-
-    add_replay_parser(sub)
+    _add_replay_parser(sub)
 
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds (format, tensors, sizes, entries)")
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
@@ -119,6 +117,24 @@ def _parser() -> argparse.ArgumentParser:
         "consolidated as it is)",
     )
     return parser
+
+
+def _add_replay_parser(sub: Any) -> None:
+    """`torchloom replay` (torchloom.fault_tolerance.replay_command, imported only when it runs)."""
+    replay = sub.add_parser(
+        "replay",
+        help="replay a fault-tolerant job's record in one process (the run's oracle)",
+        description="Replay the record of a `torchloom run --replica-groups` job in one process: each committed "
+        "step's gradient is the mean of its participants' gradients on the batches they read, each checked "
+        "against the fingerprints the groups sent. SPEC is a Python file defining model() (the initial model), "
+        "optimizer(model), batch(group, epoch, index) and loss(model, batch).",
+    )
+    replay.add_argument("record", help="the job's record (--ft-record; default torchloom-ft-record.jsonl)")
+    replay.add_argument("spec", help="the Python file defining model, optimizer, batch and loss")
+    replay.add_argument("--compare", default=None, help="a state dict the run saved at its end (torch.save)")
+    replay.add_argument("--atol", type=float, default=1e-5, help="largest difference --compare allows")
+    replay.add_argument("--out", default=None, help="save the replayed state dict here")
+    replay.add_argument("--no-check", action="store_true", help="skip the per-step fingerprint checks")
 
 
 def _add_plan_parser(sub: Any) -> None:

@@ -24,6 +24,7 @@ caught too. Each line also holds the wall-clock `time` of the commit (for the fi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -67,7 +68,8 @@ class Step:
     participants: tuple[Participant, ...]
     #: The fingerprint of the averaged gradient the optimizer applied (None in records without it).
     applied: float | None = None
-    #: Wall-clock time of the commit (seconds since the epoch; None in records without it).
+    #: Wall-clock time of the step's first commit by a group (seconds since the epoch; None in records without
+    #: it).
     time: float | None = field(default=None, compare=False)
 
 
@@ -177,6 +179,10 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
                 data.get("applied"),
                 data.get("time"),
             )
+            seen = lines.get(data["chain"])
+            if seen is not None and seen[1].time is not None and entry.time is not None:
+                # The step's groups each wrote a line: its time is the first commit's.
+                entry = dataclasses.replace(entry, time=min(seen[1].time, entry.time))
             lines[data["chain"]] = (data["parent"], entry)
     if not lines:
         return []

@@ -10,7 +10,8 @@ samples a group's batch held, and the loss. `SPEC.py` defines them as four funct
 
 Every step is checked against the record's fingerprints (see `torchloom.fault_tolerance.replay`); with
 `--compare RUN.pt` (a state dict the run saved at its end) the replayed parameters are compared with the run's and
-the command fails past `--atol`. `--out` saves the replayed state dict.
+the command fails past `--atol`. `--out` saves the replayed state dict. (The options are parsed by
+`torchloom.cli`.)
 """
 
 from __future__ import annotations
@@ -25,24 +26,6 @@ import torch
 from torchloom.errors import ConfigurationError
 
 _NEEDED = ("model", "optimizer", "batch", "loss")
-
-
-def add_parser(sub: Any) -> None:
-    replay = sub.add_parser(
-        "replay",
-        help="replay a fault-tolerant job's record in one process (the run's oracle)",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-    )
-    replay.add_argument("record", help="the job's record (--ft-record; default torchloom-ft-record.jsonl)")
-    replay.add_argument(
-        "spec",
-        help="a Python file defining model(), optimizer(model), batch(group, epoch, index)"
-        " and loss(model, batch)",
-    )
-    replay.add_argument("--compare", default=None, help="a state dict the run saved at its end (torch.save)")
-    replay.add_argument("--atol", type=float, default=1e-5, help="largest difference allowed by --compare")
-    replay.add_argument("--out", default=None, help="save the replayed state dict here")
-    replay.add_argument("--no-check", action="store_true", help="skip the per-step fingerprint checks")
 
 
 def main(args: argparse.Namespace) -> int:
