@@ -6,7 +6,7 @@ only what must hold whatever the timing: who was restarted, that a survivor went
 that the lost ones came back. When exactly a restarted group rejoins depends on the machine's load, so no test
 counts steps between events or bounds a time from above.
 
-The jobs run at once (starting processes dominates): a module fixture, as in test_fault_tolerance.py."""
+The jobs run at once (starting processes dominates), in a module fixture."""
 
 from __future__ import annotations
 
