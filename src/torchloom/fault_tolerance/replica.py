@@ -10,8 +10,11 @@ rest. Each step:
    reads the batch of the step it joins and contributes a real gradient, never zeros);
 2. after backward, the gradients are averaged over the quorum's groups with `manager.allreduce` (called
    directly: torchft's own DDP wrapper's comm hook crashes a survivor when a group dies mid-step);
-3. `optimizer.step()` runs only when `manager.should_commit()` agrees that every group of the quorum
-   finished the step; a step that failed is retried, on the same batch, by the groups still alive.
+3. `optimizer.step()` runs only when `manager.should_commit()` agrees (a vote among this group's ranks) that
+   the group's collectives of the step succeeded, so its average holds every group of the quorum; a step that
+   failed is retried, on the same batch, and a group left behind by a peer that committed heals at the next
+   quorum;
+4. a process stuck inside a cross-group collective or vote past the timeout ends itself (`_watchdog`).
 
 Every committed step is appended to the job's record (`torchloom.fault_tolerance.record`): which groups took part,
 and which batch each used, as the all-reduce that carried the gradients reports it.
@@ -185,7 +188,8 @@ class ReplicaGroup:
         self._sources = sources.cpu()
 
     def should_commit(self) -> bool:
-        """At `optimizer.step()`: whether every group of the quorum finished this step (then the step runs)."""
+        """At `optimizer.step()`: whether this group's step succeeded (torchft's vote among the group's ranks: every
+        cross-group collective completed, so the average is whole); then the step runs."""
         self.begin_step()
         with self._watchdog():
             committed = bool(self._manager.should_commit())
