@@ -57,6 +57,17 @@ scenarios: $(VENV)/.installed-test
 	$(PY) tests/scenarios/run_many.py --count $(SCENARIO_COUNT) --seed $(SCENARIO_SEED) \
 		$(if $(SCENARIO_STRATEGY),--strategy $(SCENARIO_STRATEGY)) --report $(SCENARIO_REPORT)
 
+# Fault tolerance's chaos run (tests/fault_tolerance/chaos.py): random kills of random replica groups every few
+# steps (CHAOS_KILLS of them) for at least 100 committed steps, judged by the record's replay; a markdown report
+# goes to CHAOS_REPORT. A few minutes (each kill restarts a process).
+CHAOS_SEED ?= 1
+CHAOS_KILLS ?= 12
+CHAOS_REPORT ?= reports/ft-chaos.md
+.PHONY: chaos
+chaos: $(VENV)/.installed-test
+	$(PY) tests/fault_tolerance/chaos.py --steps 100 --kills $(CHAOS_KILLS) --seed $(CHAOS_SEED) \
+		--report $(CHAOS_REPORT)
+
 # On a machine with a GPU (under 10 minutes): the CUDA tests, the step-overhead and memory benchmarks on CUDA, and
 # a summary. It uses $(VENV) as it is, or creates it with TORCH_SPEC; without a GPU it stops with the reason.
 gpu-check:

@@ -62,6 +62,9 @@ REPLICA_GROUPS_ENV = "TORCHLOOM_REPLICA_GROUPS"
 REPLICA_GROUP_ENV = "TORCHLOOM_REPLICA_GROUP"
 LIGHTHOUSE_ENV = "TORCHLOOM_LIGHTHOUSE"
 FT_RECORD_ENV = "TORCHLOOM_FT_RECORD"
+#: `--ft-timeout` and `--ft-quorum-timeout` (seconds), when given.
+FT_TIMEOUT_ENV = "TORCHLOOM_FT_TIMEOUT"
+FT_QUORUM_TIMEOUT_ENV = "TORCHLOOM_FT_QUORUM_TIMEOUT"
 
 
 def replica_groups() -> tuple[int, int, str, str | None] | None:
@@ -85,3 +88,13 @@ def split_over_replica_groups(split: dict[str, int]) -> dict[str, int]:
     groups, group = spec[0], spec[1]
     readers = split["num_replicas"]
     return {"num_replicas": groups * readers, "rank": group * readers + split["rank"]}
+
+
+def ft_timeouts(collective: float, quorum: float) -> tuple[float, float]:
+    """`Loom()`'s side: the (collective, quorum) timeouts in seconds that `torchloom run` gave the replica
+    groups, else the defaults passed in."""
+    given = os.environ.get(FT_TIMEOUT_ENV), os.environ.get(FT_QUORUM_TIMEOUT_ENV)
+    return (
+        collective if given[0] is None else float(given[0]),
+        quorum if given[1] is None else float(given[1]),
+    )

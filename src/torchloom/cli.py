@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     _add_plan_parser(sub)
+    _add_replay_parser(sub)
 
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds (format, tensors, sizes, entries)")
     inspect.add_argument("checkpoint", help="a checkpoint file (full) or directory (sharded)")
@@ -116,6 +117,24 @@ def _parser() -> argparse.ArgumentParser:
         "consolidated as it is)",
     )
     return parser
+
+
+def _add_replay_parser(sub: Any) -> None:
+    """`torchloom replay` (torchloom.fault_tolerance.replay_command, imported only when it runs)."""
+    replay = sub.add_parser(
+        "replay",
+        help="replay a fault-tolerant job's record in one process (the run's oracle)",
+        description="Replay the record of a `torchloom run --replica-groups` job in one process: each committed "
+        "step's gradient is the mean of its participants' gradients on the batches they read, each checked "
+        "against the fingerprints the groups sent. SPEC is a Python file defining model() (the initial model), "
+        "optimizer(model), batch(group, epoch, index) and loss(model, batch).",
+    )
+    replay.add_argument("record", help="the job's record (--ft-record; default torchloom-ft-record.jsonl)")
+    replay.add_argument("spec", help="the Python file defining model, optimizer, batch and loss")
+    replay.add_argument("--compare", default=None, help="a state dict the run saved at its end (torch.save)")
+    replay.add_argument("--atol", type=float, default=1e-5, help="largest difference --compare allows")
+    replay.add_argument("--out", default=None, help="save the replayed state dict here")
+    replay.add_argument("--no-check", action="store_true", help="skip the per-step fingerprint checks")
 
 
 def _add_plan_parser(sub: Any) -> None:
@@ -277,6 +296,21 @@ def _add_replica_group_options(run: argparse.ArgumentParser) -> None:
         default=os.environ.get(FT_RECORD_ENV),
         help="the record of committed steps (default torchloom-ft-record.jsonl)",
     )
+    run.add_argument(
+        "--ft-timeout",
+        "--ft_timeout",
+        type=float,
+        default=None,
+        help="seconds a collective, commit vote or heal may take before the step fails: bounds a group that "
+        "hangs (default 30)",
+    )
+    run.add_argument(
+        "--ft-quorum-timeout",
+        "--ft_quorum_timeout",
+        type=float,
+        default=None,
+        help="seconds a group waits for a quorum, e.g. while the lighthouse is down (default 60)",
+    )
 
 
 _ALLOW_PICKLE = (
@@ -322,6 +356,10 @@ RUN_OPTIONS = frozenset(
         "--lighthouse",
         "--ft-record",
         "--ft_record",
+        "--ft-timeout",
+        "--ft_timeout",
+        "--ft-quorum-timeout",
+        "--ft_quorum_timeout",
     )
 )
 
@@ -424,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "replay":
+            from torchloom.fault_tolerance.replay_command import main as replay_main
+
+            return replay_main(args)
         if args.command == "inspect":
             from torchloom.checkpointing.tools import format_inspection, inspect
 

@@ -131,7 +131,9 @@ def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int) -> list[s
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "replica_groups", None) is not None:
+    if getattr(args, "replica_groups", None) is None:
+        _refuse_ft_options(args)
+    else:
         # Fault tolerance (torchloom.fault_tolerance.launch): on one machine, a lighthouse and one child launch
         # per group, each of which comes back here with its group set; on a cluster, one group.
         from torchloom.fault_tolerance import launch
@@ -141,6 +143,16 @@ def run(args: argparse.Namespace) -> int:
             return launch.run_embedded(args, args.command_line)
         launch.publish_group(args)
     return _run_agent(args)
+
+
+def _refuse_ft_options(args: argparse.Namespace) -> None:
+    """The fault-tolerance timeouts mean nothing without `--replica-groups`: refused rather than ignored."""
+    for option, attribute in (("--ft-timeout", "ft_timeout"), ("--ft-quorum-timeout", "ft_quorum_timeout")):
+        if getattr(args, attribute, None) is not None:
+            raise ConfigurationError(
+                f"{option} applies to replica groups only: add --replica-groups N (fault tolerance), or leave "
+                f"{option} out."
+            )
 
 
 def _run_agent(args: argparse.Namespace) -> int:

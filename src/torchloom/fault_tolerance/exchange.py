@@ -48,6 +48,12 @@ def gradients(modules: list[nn.Module]) -> list[torch.Tensor]:
     return grads
 
 
+def whole(modules: list[nn.Module]) -> bool:
+    """Whether this rank's gradient pieces are the whole gradients (no parameter is a DTensor)."""
+    dtensor = _dtensor_type()
+    return dtensor is None or not any(isinstance(p, dtensor) for m in modules for p in m.parameters())
+
+
 @dataclass(frozen=True)
 class _Piece:
     """A DTensor on its way to a peer: its local tensor and how it lies on the mesh (not the mesh itself)."""

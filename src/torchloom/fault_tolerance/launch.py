@@ -19,7 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-from torchloom._run_protocol import FT_RECORD_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, REPLICA_GROUPS_ENV
+from torchloom._run_protocol import (
+    FT_QUORUM_TIMEOUT_ENV,
+    FT_RECORD_ENV,
+    FT_TIMEOUT_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_GROUP_ENV,
+    REPLICA_GROUPS_ENV,
+)
 from torchloom.errors import ConfigurationError
 from torchloom.fault_tolerance import _start
 from torchloom.fault_tolerance._torchft import require_torchft
@@ -67,6 +74,22 @@ def check(args: argparse.Namespace) -> None:
             f"--replica-group {args.replica_group} must be in 0..{args.replica_groups - 1} for "
             f"--replica-groups {args.replica_groups}."
         )
+    _check_timeouts(args)
+
+
+def _check_timeouts(args: argparse.Namespace) -> None:
+    """`--ft-timeout` and `--ft-quorum-timeout`: positive seconds. A collective timeout at or below the
+    lighthouse's heartbeat timeout would fail healthy steps whenever a quorum is recomputed."""
+    floor = HEARTBEAT_TIMEOUT_MS / 1000
+    for option, value in (("--ft-timeout", args.ft_timeout), ("--ft-quorum-timeout", args.ft_quorum_timeout)):
+        if value is not None and not value > floor:
+            raise ConfigurationError(
+                f"{option} {value:g} is too short: pass a number of seconds above {floor:g} (the lighthouse's "
+                "heartbeat timeout); the defaults are 30 (--ft-timeout) and 60 (--ft-quorum-timeout)."
+            )
+    for value, env in ((args.ft_timeout, FT_TIMEOUT_ENV), (args.ft_quorum_timeout, FT_QUORUM_TIMEOUT_ENV)):
+        if value is not None:
+            os.environ[env] = repr(float(value))  # the groups' ranks inherit it
 
 
 def _strategy_refusal(name: str) -> str | None:

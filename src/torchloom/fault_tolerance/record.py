@@ -12,35 +12,109 @@ followed back through the parents; lines off it are steps no surviving state hol
 The participants come from the all-reduce that averaged the step's gradients: each group adds a one in its own
 slot and the epoch and batch index it read, so the record holds what the sum really held, not what the groups
 meant to send. `read` gives one entry per committed step, in order; `torchloom.fault_tolerance.replay` replays it.
+
+No step is committed with partial gradients, and the record proves it: each group also adds, in its own slot, a
+fingerprint of the gradient it sent (`fingerprint`: a fixed random projection, linear in the gradient, with its
+scale), and each line holds the fingerprint of the averaged gradient the optimizer applied (`applied`). A whole
+average has `applied` equal to the mean of the participants' fingerprints (`partial_steps` lists the steps
+where it is not); the replay recomputes each participant's gradient on the batch it read and checks it against
+the fingerprint that group sent, so a group counted with a gradient it did not compute (zeros, a stale one) is
+caught too (where the fingerprints are of the whole gradient: under `fsdp2` or tensor parallelism inside a
+group they are of the recording rank's local pieces, `"whole": false`, and only the first check applies). Each
+line also holds the wall-clock `time` of the commit (for the figures of a fault's cost).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from torchloom.errors import TorchloomError
 
+#: Slots per group in the sums that carry the sources: taking part (1), epoch, batch, the gradient's
+#: fingerprint and its scale.
+SLOTS = 5
+#: Elements of a gradient the fingerprint reads (evenly strided): a fixed cost however large the model.
+_PROBES = 4096
+#: How far a fingerprint may be from the one it is checked against, as a share of its scale (fp32 sums of a few
+#: groups differ from float64 ones by about 1e-7 of the scale; a missing group's share is far above this).
+TOLERANCE = 1e-4
+_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+
 
 @dataclass(frozen=True)
 class Participant:
     """A group that took part in a committed step, and the batch it used: `batch` is the index of the batch in
-    the group's own shard of epoch `epoch` (-1 and the step where no set-up loader handed it out)."""
+    the group's own shard of epoch `epoch` (-1 and the step where no set-up loader handed it out). `grad` and
+    `scale`: the fingerprint of the gradient the group sent, and its scale (None in records without them)."""
 
     group: int
     epoch: int
     batch: int
+    grad: float | None = None
+    scale: float | None = None
 
 
 @dataclass(frozen=True)
 class Step:
     step: int
     participants: tuple[Participant, ...]
+    #: The fingerprint of the averaged gradient the optimizer applied (None in records without it).
+    applied: float | None = None
+    #: Wall-clock time of the step's first commit by a group (seconds since the epoch; None in records without
+    #: it).
+    time: float | None = field(default=None, compare=False)
+    #: Whether the fingerprints are of the whole gradient (False: of the recording rank's local pieces, under a
+    #: strategy that shards the model inside a group; the replay then cannot check each participant's).
+    whole: bool = True
+
+
+def flats(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients as one flat tensor per dtype, in order of first appearance: the layout the groups average
+    and `fingerprint` reads."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad.reshape(-1))
+    return [torch.cat(parts) for parts in by_dtype.values()]
+
+
+def fingerprint(flat_grads: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """A gradient's fingerprint and its scale: `sum(w * g)` and `sum(|w * g|)` over up to 4,096 evenly strided
+    elements `g` of each flat tensor, with fixed random weights `w` in [-1, 1]. Linear in the gradient: the
+    fingerprint of an average is the average of the fingerprints."""
+    value = scale = 0.0
+    for flat in flat_grads:
+        stride = max(1, -(-flat.numel() // _PROBES))
+        probe = flat.detach()[::stride].to(torch.float64)
+        key = (probe.numel(), str(probe.device))
+        if key not in _WEIGHTS:
+            generator = torch.Generator().manual_seed(probe.numel())
+            weights = torch.rand(probe.numel(), generator=generator, dtype=torch.float64) * 2 - 1
+            _WEIGHTS[key] = weights.to(probe.device)
+        weighted = probe * _WEIGHTS[key]
+        value += float(weighted.sum())
+        scale += float(weighted.abs().sum())
+    return value, scale
+
+
+def sources(
+    groups: int, group: int, epoch: int, batch: int, flat_grads: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """This group's addend to the sums that say what a step's average held (see the module docstring)."""
+    value, scale = fingerprint(flat_grads)
+    slots = torch.zeros(SLOTS * groups, dtype=torch.float64)
+    for k, number in enumerate((1.0, epoch, batch, value, scale)):
+        slots[k * groups + group] = number
+    return slots
 
 
 def participants_of(sources: torch.Tensor | None, groups: int) -> list[int]:
@@ -50,7 +124,7 @@ def participants_of(sources: torch.Tensor | None, groups: int) -> list[int]:
 
 
 def participants_with_batches(sources: torch.Tensor, groups: int) -> list[dict[str, int]]:
-    """The groups the sums count, each with the epoch and batch it read."""
+    """The groups the sums count, each with the epoch and batch it read (what the record's chain hashes)."""
     return [
         {
             "group": g,
@@ -61,12 +135,29 @@ def participants_with_batches(sources: torch.Tensor, groups: int) -> list[dict[s
     ]
 
 
-def append(path: str, step: int, sources: torch.Tensor, groups: int, parent: str) -> str:
-    """Add committed step `step` (the sums of the groups' slots, see the module docstring), which follows the
-    chain `parent`, to the record; return the step's chain."""
+def append(
+    path: str, step: int, sources: torch.Tensor, groups: int, parent: str, applied: float, whole: bool = True
+) -> str:
+    """Add committed step `step` (the sums of the groups' slots, see the module docstring; `applied`: the
+    fingerprint of the averaged gradient), which follows the chain `parent`, to the record; return the step's
+    chain."""
     participants = participants_with_batches(sources, groups)
     chain = chained(parent, step, participants)
-    line = json.dumps({"step": step, "participants": participants, "chain": chain, "parent": parent})
+    described = [
+        dict(p, grad=float(sources[3 * groups + p["group"]]), scale=float(sources[4 * groups + p["group"]]))
+        for p in participants
+    ]
+    line = json.dumps(
+        {
+            "step": step,
+            "participants": described,
+            "applied": applied,
+            "whole": whole,
+            "time": time.time(),
+            "chain": chain,
+            "parent": parent,
+        }
+    )
     # One write of one line with O_APPEND: the groups' lines never interleave (a single write to a local file).
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -90,7 +181,17 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
     for line in Path(path).read_text().splitlines():
         if line.strip():
             data = json.loads(line)
-            entry = Step(int(data["step"]), tuple(Participant(**p) for p in data["participants"]))
+            entry = Step(
+                int(data["step"]),
+                tuple(Participant(**p) for p in data["participants"]),
+                data.get("applied"),
+                data.get("time"),
+                bool(data.get("whole", True)),
+            )
+            seen = lines.get(data["chain"])
+            if seen is not None and seen[1].time is not None and entry.time is not None:
+                # The step's groups each wrote a line: its time is the first commit's.
+                entry = dataclasses.replace(entry, time=min(seen[1].time, entry.time))
             lines[data["chain"]] = (data["parent"], entry)
     if not lines:
         return []
@@ -115,3 +216,20 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
     if [s.step for s in steps] != list(range(len(steps))):
         raise TorchloomError(f"The record {str(path)!r} does not hold steps 0..{last} in one history.")
     return steps
+
+
+def partial_steps(steps: Sequence[Step]) -> list[int]:
+    """The steps whose applied gradient was not the whole average of their participants' gradients: the
+    fingerprint of what the optimizer applied is not the mean of the fingerprints the participants sent (an
+    empty list for a record without fingerprints)."""
+    partial = []
+    for entry in steps:
+        sent = [p.grad for p in entry.participants]
+        scales = [p.scale for p in entry.participants]
+        if entry.applied is None or None in sent or None in scales:
+            continue
+        mean = math.fsum(sent) / len(sent)  # type: ignore[arg-type]
+        scale = math.fsum(scales) / len(scales)  # type: ignore[arg-type]
+        if not abs(entry.applied - mean) <= TOLERANCE * scale + 1e-30:
+            partial.append(entry.step)
+    return partial

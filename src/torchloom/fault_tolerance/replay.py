@@ -3,7 +3,13 @@
 Each committed step's gradient is the mean over its participants of the gradient of the loss on the batch each
 used; the same optimizer then steps. A run whose groups died, healed and rejoined must end with the parameters of
 this replay (fp32: within about 1e-5), which is how torchloom's tests judge fault tolerance, and how a user
-checks a run of their own.
+checks a run of their own (`torchloom replay`, or this function).
+
+Where the record holds the fingerprints of the gradients the groups sent, every step is also checked: each
+participant's gradient, recomputed here on the batch it read, must match the fingerprint it sent, and the
+applied average the mean of those (`record.partial_steps`). A mismatch raises at the first step it shows, naming
+the group and the batch, so a wrong batch function, a group counted with a gradient it did not compute, or a
+partial average is found where it happened rather than as a difference at the end.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from torchloom.errors import TorchloomError
 from torchloom.fault_tolerance import record
 
 
@@ -26,6 +33,8 @@ def replay(
     batch: Callable[[int, int, int], Any],
     loss: Callable[[nn.Module, Any], torch.Tensor],
     before_step: Callable[[nn.Module], Any] | None = None,
+    *,
+    check: bool = True,
 ) -> int:
     """Replay the record at `path` on `model` (as it was before the job's first step) and `optimizer`; return the
     number of steps replayed.
@@ -33,19 +42,63 @@ def replay(
     Args:
         batch: `batch(group, epoch, index)`: the batch group `group` read as its `index`-th of epoch `epoch` (its
             own shard of the data: sample `i` of a group's shard is sample `i * groups + group` of the dataset
-            when unshuffled, as torch's `DistributedSampler` splits it over groups x processes per group).
+            when unshuffled, as torch's `DistributedSampler` splits it over groups x processes per group; with
+            several processes per group, the group's batch is the union of its processes' batches).
         loss: `loss(model, batch)`: the scalar the script called `loom.backward` on.
         before_step: `before_step(model)`, called with the step's averaged gradients before the optimizer steps:
             what the script did between `loom.backward` and `optimizer.step()` (e.g. `loom.clip_gradients`,
             replayed as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`).
+        check: check each step against the fingerprints in the record (see the module docstring); raises
+            `TorchloomError` at the first step that differs.
     """
     steps = record.read(path)
+    partial = record.partial_steps(steps)
+    if check and partial:
+        raise TorchloomError(
+            f"The record {str(path)!r} holds steps whose applied gradient was not the whole average of their "
+            f"participants' gradients: {partial}."
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
     for entry in steps:
-        optimizer.zero_grad(set_to_none=True)
-        share = 1.0 / len(entry.participants)
+        total: list[torch.Tensor] | None = None
         for p in entry.participants:
-            (loss(model, batch(p.group, p.epoch, p.batch)) * share).backward()
+            optimizer.zero_grad(set_to_none=True)
+            loss(model, batch(p.group, p.epoch, p.batch)).backward()
+            flats = record.flats([q.grad if q.grad is not None else torch.zeros_like(q) for q in params])
+            if check and entry.whole:
+                _check_participant(path, entry.step, p, flats)
+            total = flats if total is None else [t + f for t, f in zip(total, flats, strict=True)]
+        assert total is not None  # a committed step has at least one participant
+        # The groups' average: the sum of their gradients over their number, as the all-reduce computes it.
+        mean = [t / len(entry.participants) for t in total]
+        _set_grads(params, mean)
         if before_step is not None:
             before_step(model)
         optimizer.step()
     return len(steps)
+
+
+def _check_participant(
+    path: str | os.PathLike[str], step: int, participant: record.Participant, flats: list[torch.Tensor]
+) -> None:
+    if participant.grad is None or participant.scale is None:
+        return
+    value, scale = record.fingerprint(flats)
+    bound = record.TOLERANCE * max(scale, participant.scale) + 1e-30
+    if not abs(value - participant.grad) <= bound:
+        raise TorchloomError(
+            f"Replaying {str(path)!r}: at step {step}, group {participant.group}'s gradient on its batch "
+            f"{participant.batch} of epoch {participant.epoch} is not the gradient it sent (fingerprint "
+            f"{value:.6e} here, {participant.grad:.6e} in the record). The batch function may not give that "
+            "group's batch (its shard, its batch size, its processes' parts), the model or loss may differ from "
+            "the run's, or the run averaged a gradient that batch did not produce."
+        )
+
+
+def _set_grads(params: list[nn.Parameter], flats: list[torch.Tensor]) -> None:
+    offsets = {flat.dtype: 0 for flat in flats}
+    by_dtype = {flat.dtype: flat for flat in flats}
+    for p in params:
+        flat, offset = by_dtype[p.dtype], offsets[p.dtype]
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offsets[p.dtype] = offset + p.numel()

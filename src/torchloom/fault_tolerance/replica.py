@@ -10,8 +10,11 @@ rest. Each step:
    reads the batch of the step it joins and contributes a real gradient, never zeros);
 2. after backward, the gradients are averaged over the quorum's groups with `manager.allreduce` (called
    directly: torchft's own DDP wrapper's comm hook crashes a survivor when a group dies mid-step);
-3. `optimizer.step()` runs only when `manager.should_commit()` agrees that every group of the quorum
-   finished the step; a step that failed is retried, on the same batch, by the groups still alive.
+3. `optimizer.step()` runs only when `manager.should_commit()` agrees (a vote among this group's ranks) that
+   the group's collectives of the step succeeded, so its average holds every group of the quorum; a step that
+   failed is retried, on the same batch, and a group left behind by a peer that committed heals at the next
+   quorum;
+4. a process stuck inside a cross-group collective or vote past the timeout ends itself (`_watchdog`).
 
 Every committed step is appended to the job's record (`torchloom.fault_tolerance.record`): which groups took part,
 and which batch each used, as the all-reduce that carried the gradients reports it.
@@ -19,7 +22,10 @@ and which batch each used, as the all-reduce that carried the gradients reports 
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -27,19 +33,25 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from torchloom import _run_protocol
 from torchloom.data.loader import LoomDataLoader
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.fault_tolerance import _start, exchange
 from torchloom.fault_tolerance import record as _record
 from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
 
-#: Seconds torchft waits for a collective, a commit vote or a checkpoint transfer before the step fails. A group
-#: that dies is noticed at once (its connections close); this bounds a group that hangs instead.
+#: Seconds torchft waits for a collective, a commit vote or a checkpoint transfer before the step fails, unless
+#: `torchloom run --ft-timeout` says otherwise. A group that dies is noticed at once (its connections close);
+#: this bounds a group that hangs instead.
 COLLECTIVE_TIMEOUT_S = 30.0
-#: Seconds a quorum may take (a group waits this long for the lighthouse, e.g. while it is down).
+#: Seconds a quorum may take (a group waits this long for the lighthouse, e.g. while it is down), unless
+#: `--ft-quorum-timeout` says otherwise.
 QUORUM_TIMEOUT_S = 60.0
 #: Seconds to connect to the lighthouse and to the managers of the other groups.
 CONNECT_TIMEOUT_S = 30.0
+#: Seconds past the collective timeout after which a process still inside a cross-group collective or commit
+#: vote ends itself (`ReplicaGroup._watchdog`).
+WATCHDOG_MARGIN_S = 5.0
 
 _CURRENT: ReplicaGroup | None = None
 
@@ -82,6 +94,9 @@ class ReplicaGroup:
         self._all_gather_object = all_gather_object
         self._device = device
         self._manager: Any = None
+        self._timeout_s, self._quorum_timeout_s = _run_protocol.ft_timeouts(
+            COLLECTIVE_TIMEOUT_S, QUORUM_TIMEOUT_S
+        )
         self._store: Any = None
         self._modules: list[nn.Module] = []
         self._optimizers: list[Optimizer] = []
@@ -94,6 +109,10 @@ class ReplicaGroup:
         # (epoch, batch) of the batch this step reads, (-1, -1) when no set-up loader hands it out.
         self._source = (-1, -1)
         self._sources: torch.Tensor | None = None
+        self._applied = 0.0
+        self._whole = True
+        #: Heals so far (`average_gradients` tells a heal inside its own quorum).
+        self._heals = 0
         # The record's hash chain of the history this group's state holds (taken from the peer when healing).
         self._chain = ""
         _CURRENT = self
@@ -141,7 +160,7 @@ class ReplicaGroup:
         except Exception as error:
             raise MisuseError(
                 f"Replica group {self.group} got no quorum from the lighthouse at {self._lighthouse} within "
-                f"{QUORUM_TIMEOUT_S:.0f} s ({type(error).__name__}: {error}). The lighthouse may have died: "
+                f"{self._quorum_timeout_s:g} s ({type(error).__name__}: {error}). The lighthouse may have died: "
                 "restart it (`torchft_lighthouse`, or the whole `torchloom run`); the job resumes from its last "
                 "checkpoint."
             ) from error
@@ -157,35 +176,51 @@ class ReplicaGroup:
         died) is recorded by torchft; the step will not commit."""
         from torch.distributed import ReduceOp
 
+        heals = self._heals
         self.begin_step()
+        # Healed just now (a script without a set-up loader joins the step's quorum in backward): this rank's
+        # gradients were computed on the weights from before the heal. The group sends zeros and is not counted;
+        # it steps with the others' average, from the peer's weights.
+        stale = self._heals != heals
         self._averaged = True
         grads = exchange.gradients(self._modules)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        flats = {dtype: torch.cat([g.reshape(-1) for g in gs]) for dtype, gs in by_dtype.items()}
-        works = [self._manager.allreduce(flat) for flat in flats.values()]
-        # One slot per group: 1 from each group in the average, with the epoch and batch it read.
-        sources = torch.zeros(3 * self.groups, dtype=torch.float64, device=self._device)
-        sources[self.group] = 1.0
-        sources[self.groups + self.group] = self._source[0]
-        sources[2 * self.groups + self.group] = self._source[1]
-        works.append(self._manager.allreduce(sources, reduce_op=ReduceOp.SUM))
-        for work in works:
-            work.wait()
+        if stale:
+            with torch.no_grad():
+                for grad in grads:
+                    grad.zero_()
+        flats = _record.flats(grads)
+        # Slots per group: 1 from each group in the average, the epoch and batch it read, and the fingerprint of
+        # the gradient it sent (the record's proof that the average is whole).
+        sources = _record.sources(self.groups, self.group, *self._source, flats).to(self._device)
+        if stale:
+            sources.zero_()
+        # Summed, then divided by the groups the sums count (torchft's average divides by its quorum's size,
+        # which counts a stale group).
+        with self._watchdog():
+            works = [self._manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats]
+            works.append(self._manager.allreduce(sources, reduce_op=ReduceOp.SUM))
+            for work in works:
+                work.wait()
         if self._manager.errored() is not None:
             return  # the step will not commit; the gradients may be partial, and are not used
+        counted = len(_record.participants_of(sources, self.groups))
+        if counted == 0:
+            self._manager.report_error(RuntimeError("no group of the quorum sent a current gradient"))
+            return
         with torch.no_grad():
-            for dtype, gs in by_dtype.items():
+            for flat in flats:  # the same order as `_record.flats` laid them out
+                flat.div_(counted)
                 offset = 0
-                for g in gs:
-                    n = g.numel()
-                    g.copy_(flats[dtype][offset : offset + n].view_as(g))
-                    offset += n
+                for grad in (g for g in grads if g.dtype == flat.dtype):
+                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+        self._applied = _record.fingerprint(flats)[0]
+        self._whole = exchange.whole(self._modules)
         self._sources = sources.cpu()
 
     def should_commit(self) -> bool:
-        """At `optimizer.step()`: whether every group of the quorum finished this step (then the step runs)."""
+        """At `optimizer.step()`: whether this group's step succeeded (torchft's vote among the group's ranks: every
+        cross-group collective completed, so the average is whole); then the step runs."""
         self.begin_step()
         if not self._averaged:
             raise MisuseError(
@@ -194,7 +229,8 @@ class ReplicaGroup:
                 "the last micro-batch), so that every group steps with the same gradients."
             )
         self._averaged = False
-        committed = bool(self._manager.should_commit())
+        with self._watchdog():
+            committed = bool(self._manager.should_commit())
         self._in_step = False
         self.retrying = not committed
         sources, self._sources = self._sources, None
@@ -203,12 +239,27 @@ class ReplicaGroup:
             self.participants = _record.participants_of(sources, self.groups)
             if sources is not None:
                 if self._group_rank == 0 and self._record_path:
-                    self._chain = _record.append(self._record_path, step, sources, self.groups, self._chain)
+                    self._chain = _record.append(
+                        self._record_path, step, sources, self.groups, self._chain, self._applied, self._whole
+                    )
                 else:
                     self._chain = _record.chained(
                         self._chain, step, _record.participants_with_batches(sources, self.groups)
                     )
         return committed
+
+    @contextlib.contextmanager
+    def _watchdog(self) -> Iterator[None]:
+        """End this process if a cross-group collective or commit vote outlives the timeout by
+        `WATCHDOG_MARGIN_S`: torchft fails the step at the timeout, so a process still inside is stuck. Its
+        heartbeats to the lighthouse go on while it is stuck, and the lighthouse forms no quorum without it
+        while it is half of the groups or more (two groups: the survivor would wait for it forever); ended, its
+        agent restarts it and it heals. faulthandler's timer runs without the GIL, and prints the stacks."""
+        faulthandler.dump_traceback_later(self._timeout_s + WATCHDOG_MARGIN_S, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
     # ---- healing ---------------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -234,6 +285,7 @@ class ReplicaGroup:
         self._chain = state["chain"]
         self.participants = list(state["participants"])
         self.retrying = False
+        self._heals += 1
 
     def _start_manager(self) -> Any:
         """torchft's `Manager` for this rank, on a store of the group's own (rank 0 serves it)."""
@@ -252,17 +304,17 @@ class ReplicaGroup:
         if self._device.type == "cuda":
             from torchft.process_group import ProcessGroupNCCL
 
-            pg: Any = ProcessGroupNCCL(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            pg: Any = ProcessGroupNCCL(timeout=timedelta(seconds=self._timeout_s))
         else:
-            pg = ProcessGroupGloo(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            pg = ProcessGroupGloo(timeout=timedelta(seconds=self._timeout_s))
         return Manager(
             pg=pg,
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=1,
             use_async_quorum=False,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+            timeout=timedelta(seconds=self._timeout_s),
+            quorum_timeout=timedelta(seconds=self._quorum_timeout_s),
             connect_timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
             rank=self._group_rank,
             world_size=self._group_size,

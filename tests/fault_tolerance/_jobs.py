@@ -1,0 +1,158 @@
+"""Running `tests/fault_tolerance/ft_train.py` as a real job (`torchloom run --replica-groups`) and judging it:
+the groups end bit-identical, the record's replay in one process (plain torch data splitting, not torchloom's)
+ends within 1e-5 of the run, and no committed step averaged partial gradients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from torchloom.fault_tolerance import read_record, replay
+from torchloom.fault_tolerance.record import Step, partial_steps
+
+SCRIPT = Path(__file__).with_name("ft_train.py")
+
+
+@dataclass
+class Job:
+    folder: Path
+    groups: int
+    per_group: int
+    events: list[dict[str, Any]]
+    done: subprocess.CompletedProcess[str]
+
+    @property
+    def output(self) -> str:
+        return self.done.stdout[-3000:] + self.done.stderr[-6000:]
+
+    def steps(self) -> list[Step]:
+        return read_record(self.folder / "record.jsonl")
+
+    def fired(self, k: int) -> dict[str, Any]:
+        return json.loads((self.folder / f"event{k}.json").read_text())
+
+    def attempts(self, group: int) -> int:
+        return len(list(self.folder.glob(f"group{group}.rank0.attempt*")))
+
+
+def run_job(
+    folder: Path,
+    *,
+    groups: int,
+    events: list[dict[str, Any]],
+    per_group: int = 1,
+    min_steps: int = 0,
+    options: tuple[str, ...] = (),
+    timeout: float = 280,
+) -> Job:
+    folder.mkdir(parents=True)
+    plan = folder / "plan.json"
+    plan.write_text(json.dumps({"groups": groups, "events": events, "min_steps": min_steps}))
+    command = [
+        sys.executable,
+        "-m",
+        "torchloom",
+        "run",
+        "--replica-groups",
+        str(groups),
+        "--accelerator",
+        "cpu",
+        "--devices",
+        str(per_group),
+        "--max-restarts",
+        "100",
+        "--ft-record",
+        str(folder / "record.jsonl"),
+        *options,
+        str(SCRIPT),
+        str(folder),
+        str(plan),
+    ]
+    # A new session: past the timeout, the whole job (lighthouse, agents, ranks) is killed, not only its top.
+    with subprocess.Popen(
+        command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            err += f"\n[the job ran past {timeout} s and was killed]"
+    done = subprocess.CompletedProcess(command, process.returncode, out, err)
+    (folder / "stderr.txt").write_text(err)
+    return Job(folder, groups, per_group, events, done)
+
+
+def replayed(job: Job) -> tuple[dict[str, torch.Tensor], int]:
+    """The record replayed in one process from the script's initial model; the groups' batches from torch's
+    `DistributedSampler` over groups x processes per group (a group's batch: its processes' batches)."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(24000, 4), torch.randn(24000, 1))
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    readers = job.groups * job.per_group
+    shards = [
+        list(DistributedSampler(data, num_replicas=readers, rank=r, shuffle=False)) for r in range(readers)
+    ]
+
+    def batch(group: int, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert epoch == 0
+        rows = [
+            i
+            for r in range(job.per_group)
+            for i in shards[group * job.per_group + r][index * 4 : index * 4 + 4]
+        ]
+        return data[rows]
+
+    def loss(model: nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(xy[0]), xy[1])
+
+    steps = replay(job.folder / "record.jsonl", net, opt, batch, loss)
+    return {k: v.detach() for k, v in net.named_parameters()}, steps
+
+
+def check_exact(job: Job) -> list[Step]:
+    """What every job must show: it ended, every event fired, the groups ended bit-identical at the same step,
+    no step averaged partial gradients, and the replay equals the run within 1e-5."""
+    assert job.done.returncode == 0, job.output
+    for k in range(len(job.events)):
+        assert (job.folder / f"event{k}.json").exists(), (k, job.output)
+    ends = [torch.load(job.folder / f"group{g}.pt") for g in range(job.groups)]
+    for end in ends[1:]:
+        assert end["step"] == ends[0]["step"]
+        for key, value in ends[0]["state"].items():
+            assert torch.equal(value, end["state"][key]), key  # bit for bit
+    steps = job.steps()
+    assert partial_steps(steps) == []
+    expected, replayed_steps = replayed(job)
+    assert replayed_steps == ends[0]["step"] == len(steps)
+    for key, value in expected.items():
+        torch.testing.assert_close(ends[0]["state"][key], value, rtol=0, atol=1e-5)
+    return steps
+
+
+def without(steps: list[Step], group: int) -> list[int]:
+    """The steps that `group` did not take part in."""
+    return [s.step for s in steps if all(p.group != group for p in s.participants)]
+
+
+def first_commit_after(steps: list[Step], t: float, group: int | None = None) -> Step | None:
+    """The first step committed after time `t` (with `group` among its participants, if given)."""
+    for s in steps:
+        if (
+            s.time is not None
+            and s.time > t
+            and (group is None or any(p.group == group for p in s.participants))
+        ):
+            return s
+    return None

@@ -1,0 +1,55 @@
+"""Fault tolerance through torchft (`torchloom.fault_tolerance`): the launch's options and its refusals. The
+jobs themselves (a healthy one and every fault, each judged by its replay) are in test_faults.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
+
+
+def test_without_torchft_replica_groups_name_the_extra(tmp_path: Path) -> None:
+    """`--replica-groups` without torchft installed: a clear error naming `pip install torchloom[ft]`."""
+    blocker = tmp_path / "torchft.py"
+    blocker.write_text("raise ImportError('torchft is not installed here')\n")
+    (tmp_path / "train.py").write_text("print('never runs')\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{Path(__file__).parents[2] / 'src'}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torchloom", "run", "--replica-groups", "2", "train.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2
+    assert "pip install torchloom[ft]" in done.stderr
+    assert "never runs" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (["--replica-groups", "2", "--replica-group", "0"], "--replica-group needs --lighthouse"),
+        (["--replica-groups", "2", "--lighthouse", "127.0.0.1:1"], "--lighthouse needs --replica-group"),
+        (["--replica-groups", "2", "--lighthouse", "h:1", "--replica-group", "2"], "must be in 0..1"),
+        (["--replica-groups", "2", "--strategy", "fsdp"], "use strategy='fsdp2'"),
+        (["--replica-groups", "0"], "--replica-groups 0 is not valid"),
+        (["--replica-groups", "2", "--ft-timeout", "0.2"], "--ft-timeout 0.2 is too short"),
+        (["--replica-groups", "2", "--ft-quorum-timeout", "nan"], "--ft-quorum-timeout nan is too short"),
+        (["--ft-timeout", "5"], "--ft-timeout applies to replica groups only"),
+    ],
+)
+def test_replica_group_options_are_checked_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], words: str
+) -> None:
+    from torchloom.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never runs')\n")
+    assert main(["run", *options, str(script)]) == 2
+    assert words in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""The record's proof that no step averaged partial gradients, and the replay's per-step checks, on records
+written in one process by a simulated run (each group's gradient computed, summed and averaged as the groups do),
+including runs that were wrong on purpose: a partial average, a group counted with zeros, a wrong batch. And
+`torchloom replay` as a user runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchloom.cli import main
+from torchloom.errors import TorchloomError
+from torchloom.fault_tolerance import read_record, record, replay
+
+_SPEC = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+DATA = torch.randn(64, 4), torch.randn(64, 1)
+
+
+def model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def optimizer(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def batch(group, epoch, index):
+    rows = [(index * 2 + group) * 4 + i for i in range(4)]
+    return DATA[0][rows], DATA[1][rows]
+
+
+def loss(model, xy):
+    return nn.functional.mse_loss(model(xy[0]), xy[1])
+"""
+
+
+def _spec(tmp_path: Path) -> dict:
+    path = tmp_path / "spec.py"
+    path.write_text(_SPEC)
+    import runpy
+
+    return runpy.run_path(str(path))
+
+
+def _simulate(
+    path: Path,
+    spec: dict,
+    *,
+    steps: int = 4,
+    zeros: tuple[int, int] | None = None,
+    partial_at: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """A run of 2 groups written to the record at `path`: group g's gradient on its batch, the sums of the
+    groups' slots, the average applied. `zeros`: (step, group) that sends zeros while counted; `partial_at`: a
+    step whose applied average misses group 1's gradient."""
+    net, groups, chain = spec["model"](), 2, ""
+    opt = spec["optimizer"](net)
+    params = list(net.parameters())
+    for step in range(steps):
+        sent, sums = [], torch.zeros(record.SLOTS * groups, dtype=torch.float64)
+        for group in range(groups):
+            opt.zero_grad()
+            spec["loss"](net, spec["batch"](group, 0, step)).backward()
+            flats = record.flats([p.grad for p in params])
+            if zeros == (step, group):
+                flats = [torch.zeros_like(f) for f in flats]
+            sums += record.sources(groups, group, 0, step, flats)
+            sent.append(flats)
+        used = sent[:1] if step == partial_at else sent
+        mean = [sum(parts) / groups for parts in zip(*used, strict=True)]
+        offset = 0
+        for p in params:
+            p.grad = mean[0][offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+        chain = record.append(str(path), step, sums, groups, chain, record.fingerprint(mean)[0])
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _replay(path: Path, spec: dict, batch=None) -> nn.Module:
+    net = spec["model"]()
+    replay(path, net, spec["optimizer"](net), batch or spec["batch"], spec["loss"])
+    return net
+
+
+def test_a_whole_run_replays_exactly_and_no_step_is_partial(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    run = _simulate(tmp_path / "r.jsonl", spec)
+    assert record.partial_steps(read_record(tmp_path / "r.jsonl")) == []
+    for key, value in _replay(tmp_path / "r.jsonl", spec).state_dict().items():
+        torch.testing.assert_close(value, run[key], rtol=0, atol=1e-6)
+
+
+def test_a_partial_average_is_found_in_the_record(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    _simulate(tmp_path / "r.jsonl", spec, partial_at=2)
+    assert record.partial_steps(read_record(tmp_path / "r.jsonl")) == [2]
+    with pytest.raises(TorchloomError, match=r"not the whole average .*\[2\]"):
+        _replay(tmp_path / "r.jsonl", spec)
+
+
+def test_a_group_counted_with_a_gradient_it_did_not_compute_is_found_by_the_replay(tmp_path: Path) -> None:
+    """Zeros sent while counted: the sums agree with themselves (so `partial_steps` cannot see it), but the
+    gradient recomputed on that group's batch does not match what it sent."""
+    spec = _spec(tmp_path)
+    _simulate(tmp_path / "r.jsonl", spec, zeros=(1, 1))
+    assert record.partial_steps(read_record(tmp_path / "r.jsonl")) == []
+    with pytest.raises(TorchloomError, match="at step 1, group 1's gradient on its batch 1"):
+        _replay(tmp_path / "r.jsonl", spec)
+
+
+def test_a_wrong_batch_function_is_named_at_the_first_step(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    _simulate(tmp_path / "r.jsonl", spec)
+    shifted = lambda group, epoch, index: spec["batch"](group, epoch, index + 1)  # noqa: E731
+    with pytest.raises(TorchloomError, match="at step 0, group 0's gradient"):
+        _replay(tmp_path / "r.jsonl", spec, shifted)
+
+
+def test_torchloom_replay_compares_with_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = _spec(tmp_path)
+    run = _simulate(tmp_path / "r.jsonl", spec)
+    torch.save(run, tmp_path / "run.pt")
+    args = [
+        "replay",
+        str(tmp_path / "r.jsonl"),
+        str(tmp_path / "spec.py"),
+        "--compare",
+        str(tmp_path / "run.pt"),
+    ]
+    assert main([*args, "--out", str(tmp_path / "replayed.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "replayed 4 committed steps" in out and "equal within 1e-05" in out
+    torch.testing.assert_close(
+        torch.load(tmp_path / "replayed.pt")["0.weight"], run["0.weight"], atol=1e-6, rtol=0
+    )
+    run["0.weight"] += 1e-3
+    torch.save(run, tmp_path / "run.pt")
+    assert main(args) == 1
+    assert "DIFFERENT beyond 1e-05" in capsys.readouterr().out
+
+
+def test_torchloom_replay_names_what_the_spec_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "spec.py").write_text("def model():\n    pass\n")
+    (tmp_path / "r.jsonl").write_text("")
+    assert main(["replay", str(tmp_path / "r.jsonl"), str(tmp_path / "spec.py")]) == 2
+    assert "does not define optimizer, batch, loss" in capsys.readouterr().err
