@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torchloom._layout import clean_name
 from torchloom._text import count
 from torchloom.errors import CheckpointError, ConfigurationError, MisuseError
-from torchloom.pipelining import _grads, _schedule, _split, _state, _ties
+from torchloom.pipelining import _checks, _grads, _schedule, _split, _state, _ties
 from torchloom.strategies import _clipping
 from torchloom.strategies._replicated import broadcast_tensors
 from torchloom.strategies._sharded import holds_tensors
@@ -28,7 +28,6 @@ from torchloom.strategies.parallel import ParallelStrategy
 PIPELINE_PARALLEL = "pipeline_parallel"
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
-_ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 def _positive(value: Any, what: str) -> int:
@@ -353,42 +352,10 @@ class PipelineStrategy(ParallelStrategy):
         tensor-parallel DTensors outside every unit at data_parallel_size > 1 (neither a unit nor the
         plain-gradient averaging would reduce their gradients: the replicas would train apart), as the sharded
         strategies and `ModelParallelStrategy` refuse them."""
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-
-        from torchloom._layout import analyze
-        from torchloom.strategies._unit_checks import check_batchnorm_units, check_split_ties
-
-        problems: list[str] = []
         _ties.collect(self._ties, stages)  # parallelize_fn may have replaced the copies
-        try:
-            for stage in stages.values():
-                check_split_ties(analyze(stage))
-                check_batchnorm_units(analyze(stage))
-        except MisuseError as error:
-            problems.append(str(error))
-        unreduced = [
-            n
-            for s in stages.values()
-            for n, p in s.named_parameters()
-            if isinstance(p, DTensor) and DATA_PARALLEL not in (p.device_mesh.mesh_dim_names or ())
-        ]
-        if unreduced and self.data_parallel_size > 1:
-            problems.append(
-                f"Parameter(s) {unreduced[:5]}{' ...' if len(unreduced) > 5 else ''} are tensor-parallel DTensors "
-                f"outside every fully_shard unit, with data_parallel_size={self.data_parallel_size}: nothing would "
-                "average their gradients over the data-parallel ranks. In parallelize_fn, apply fully_shard(module, "
-                "mesh=device_mesh['data_parallel']) to a module that holds them (e.g. each block)."
-            )
-        if self.schedule in _ZERO_BUBBLE and any(
-            isinstance(m, FSDPModule) for s in stages.values() for m in s.modules()
-        ):
-            problems.append(
-                f"schedule={self.schedule!r} with fully_shard units in the stages: torch's zero-bubble schedules "
-                "compute the weight gradients in a pass of their own, after FSDP2 has resharded the unit, and the "
-                "stage fails there while its pipeline peers wait. Use schedule='interleaved_1f1b' (or '1f1b', "
-                "'gpipe') with fully_shard units, or the zero-bubble schedule without fully_shard in parallelize_fn."
-            )
+        problems = _checks.parallelized_problems(
+            stages, self.data_parallel_size, self.schedule, DATA_PARALLEL
+        )
         everyone = self.all_gather_object((problems, _ties.layout_problems(self._ties)))
         found = sorted({p for rank_problems, _ in everyone for p in rank_problems})
         found += _ties.mismatches(self._ties, [layouts for _, layouts in everyone])
