@@ -396,6 +396,26 @@ def _device_line(allocator: dict[str, Any], device: dict[str, Any]) -> str:
     return line
 
 
+def _cuda_lines(entry: dict[str, Any]) -> list[str]:
+    """What a CUDA rank's reserved peak is made of (each stream's and pool's segments, which serve only that
+    stream and pool) and which kernel each attention call was planned with."""
+    allocator = entry.get("allocator") or {}
+    lines = []
+    pools = allocator.get("reserved_at_peak") or []
+    if pools:
+        held = allocator.get("allocated_at_reserved_peak", 0)
+        lines.append(
+            f"    reserved at its peak ({human(held)} of it allocated): "
+            + ", ".join(f"{p['stream']} {p['pool']} pool {human(p['bytes'])}" for p in pools)
+        )
+    for kernel, call in sorted((entry.get("attention") or {}).items()):
+        lines.append(
+            f"    attention: {call['calls']} call{'s' if call['calls'] > 1 else ''} planned as CUDA's {kernel} "
+            f"kernel ({call['op']}" + (f"; {call['why']}" if kernel != "flash" else "") + ")"
+        )
+    return lines
+
+
 def format_plan(result: dict[str, Any]) -> str:
     device = result.get("device")
     on = ""
@@ -445,6 +465,7 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append("    " + ", ".join(parts))
         if entry.get("allocator"):
             lines.append("    " + _device_line(entry["allocator"], result.get("device") or {}))
+            lines.extend(_cuda_lines(entry))
     if budget:
         lines.append(
             f"budget {human(budget)} per rank: "

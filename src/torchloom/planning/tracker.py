@@ -200,6 +200,8 @@ class MemoryAccount(TorchDispatchMode):
         self.allocator: CachingAllocator | None = None
         self.out_of_memory: dict[str, Any] | None = None  # where the simulated device ran out, if it did
         self._handles: dict[int, int] = {}  # storage key -> the allocator's handle
+        # the CUDA stream an allocation is made on now (`_cuda_device.Streams.current`): 0, the default stream
+        self.stream_now: Any = lambda: 0
 
     def use_allocator(self, allocator: CachingAllocator) -> None:
         """Feed every storage made, resized and freed from now on into `allocator` (a CUDA job's reserved
@@ -213,7 +215,7 @@ class MemoryAccount(TorchDispatchMode):
         old = self._handles.pop(key, 0)
         try:
             if nbytes:
-                self._handles[key] = allocator.malloc(nbytes)
+                self._handles[key] = allocator.malloc(nbytes, self.stream_now())
         except OutOfMemory as error:
             # The device's memory is spent: the real run stops here with CUDA's out-of-memory error; the plan
             # says where, and goes on without the simulation (its peaks are those up to here).
