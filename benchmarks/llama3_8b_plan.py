@@ -73,7 +73,9 @@ class Attention(nn.Module):
         repeat = self.heads // self.kv_heads  # grouped-query attention: each kv head serves `repeat` heads
         k = k.unsqueeze(3).expand(b, s, self.kv_heads, repeat, self.head_dim).reshape(b, s, -1, self.head_dim)
         v = v.unsqueeze(3).expand(b, s, self.kv_heads, repeat, self.head_dim).reshape(b, s, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
 
 
@@ -125,12 +127,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return checkpoint(
-            self._forward, x, table, use_reentrant=False, context_fn=_selective_policy, preserve_rng_state=False
+            self._forward,
+            x,
+            table,
+            use_reentrant=False,
+            context_fn=_selective_policy,
+            preserve_rng_state=False,
         )
 
 
 class Llama(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int, seq: int) -> None:
+    def __init__(
+        self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int, seq: int
+    ) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
@@ -156,6 +165,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the same recipe on a small Llama (tests)")
+    parser.add_argument("--out", help="write the run's max_memory_allocated/reserved here (JSON; on a GPU)")
     args = parser.parse_args()
     # vocabulary, width, heads, key/value heads, feed-forward width: Llama 3.1 8B's, or a small one
     vocab, dim, heads, kv_heads, hidden = (512, 256, 4, 2, 512) if args.tiny else (128256, 4096, 32, 8, 14336)
@@ -182,7 +192,21 @@ def main() -> None:
         loom.backward(loss)
         loom.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
-    loom.print(f"peak reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB" if torch.cuda.is_available() else "")
+    if (
+        args.out and loom.global_rank == 0
+    ):  # what torchtitan logs (`max_memory_reserved`), and the allocated peak
+        import json
+
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "max_memory_allocated": torch.cuda.max_memory_allocated(),
+                    "max_memory_reserved": torch.cuda.max_memory_reserved(),
+                    "device": torch.cuda.get_device_name(),
+                    "total_memory": torch.cuda.get_device_properties(0).total_memory,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -64,3 +64,14 @@ def test_streams_are_told_apart_and_named_as_their_maker_names_them() -> None:
     finally:
         undo()
     assert torch.cpu.Stream.__module__ == "torch.cpu"  # undone
+
+
+def test_nccls_allowance_follows_its_environment() -> None:
+    # one send and one receive buffer of NCCL_BUFFSIZE per channel: 2 x 4 MiB x 32 = 256 MiB per communicator
+    assert _cuda_device.nccl_allowance(3, {}) == {
+        "communicators": 3,
+        "per_communicator": 256 * MiB,
+        "bytes": 768 * MiB,
+    }
+    small = _cuda_device.nccl_allowance(2, {"NCCL_BUFFSIZE": str(MiB), "NCCL_MAX_NCHANNELS": "8"})
+    assert small["per_communicator"] == 16 * MiB and small["bytes"] == 32 * MiB

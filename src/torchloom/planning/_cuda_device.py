@@ -115,7 +115,9 @@ def install(
             simulated.empty_cache()
 
     def set_device(index: Any) -> None:
-        current[0] = index.index if isinstance(index, torch.device) and index.index is not None else int(index)
+        current[0] = (
+            index.index if isinstance(index, torch.device) and index.index is not None else int(index)
+        )
 
     cuda_queries: dict[str, Any] = {
         "is_available": lambda: True,
@@ -166,3 +168,30 @@ def install(
             setattr(torch.cuda if module == "cuda" else torch.cpu, key, value)
 
     return streams, undo
+
+
+#: NCCL's defaults behind `nccl_allowance`: the buffer of one protocol of one channel to one peer
+#: (`NCCL_BUFFSIZE`, 4 MiB) and the channels an NVLink/InfiniBand communicator may open (`NCCL_MAX_NCHANNELS`, 32).
+NCCL_BUFFSIZE = 4 << 20
+NCCL_CHANNELS = 32
+
+
+def nccl_allowance(communicators: int, environ: dict[str, str] | None = None) -> dict[str, int]:
+    """NCCL's own device buffers, which it allocates outside the caching allocator (so `max_memory_reserved()`
+    never shows them): an allowance, not a simulation, of one send and one receive buffer of `NCCL_BUFFSIZE` per
+    channel, `NCCL_MAX_NCHANNELS` channels, per communicator (a process group of more than one rank), read from
+    the environment as NCCL reads them."""
+    import os
+
+    env = os.environ if environ is None else environ
+    buffsize = int(env.get("NCCL_BUFFSIZE", NCCL_BUFFSIZE))
+    channels = int(env.get("NCCL_MAX_NCHANNELS", NCCL_CHANNELS))
+    per = 2 * buffsize * channels
+    return {"communicators": communicators, "per_communicator": per, "bytes": communicators * per}
+
+
+def communicators() -> int:
+    """The process groups of more than one rank the job made (each an NCCL communicator on the GPUs)."""
+    from torch.distributed import distributed_c10d
+
+    return sum(1 for group in list(distributed_c10d._world.pg_map) if group.size() > 1)

@@ -492,9 +492,12 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
             "retries": allocator.retries,
             "out_of_memory": account.out_of_memory,
             "allocated_at_reserved_peak": allocator.allocated_at_reserved_peak,
+            "reserved_peak_at": account.reserved_peak_at,
             "reserved_at_peak": [
                 {
-                    "stream": streams[0].names.get(stream, f"stream {stream}") if streams else "default stream",
+                    "stream": streams[0].names.get(stream, f"stream {stream}")
+                    if streams
+                    else "default stream",
                     "pool": "small" if small else "large",
                     "bytes": nbytes,
                 }
@@ -503,6 +506,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
             ],
         }
         result["attention"] = attention
+        from torchloom.planning._cuda_device import communicators, nccl_allowance
+
+        result["nccl"] = nccl_allowance(communicators())
     if fitting is not None:
         result["fit"] = fitting.report()
     return result

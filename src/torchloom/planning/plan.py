@@ -404,9 +404,27 @@ def _cuda_lines(entry: dict[str, Any]) -> list[str]:
     pools = allocator.get("reserved_at_peak") or []
     if pools:
         held = allocator.get("allocated_at_reserved_peak", 0)
+        at = allocator.get("reserved_peak_at") or {}
+        where = (
+            f" (step {at['step'] + 1}, {at['phase']}"
+            + (f" of {_clean_module(at['module'])}" if at["module"] else "")
+            + ")"
+            if at and at.get("phase") not in (None, "setup", "between steps")
+            else f" ({at['phase']})"
+            if at
+            else ""
+        )
         lines.append(
-            f"    reserved at its peak ({human(held)} of it allocated): "
+            f"    reserved at its peak{where}, {human(held)} of it allocated: "
             + ", ".join(f"{p['stream']} {p['pool']} pool {human(p['bytes'])}" for p in pools)
+        )
+    nccl = entry.get("nccl")
+    if nccl and nccl["communicators"]:
+        lines.append(
+            f"    outside the allocator (not in max_memory_reserved): NCCL, an allowance of "
+            f"{human(nccl['per_communicator'])} for each of {nccl['communicators']} communicator"
+            f"{'s' if nccl['communicators'] > 1 else ''} (2 x NCCL_BUFFSIZE x NCCL_MAX_NCHANNELS), "
+            f"{human(nccl['bytes'])}; the CUDA context, not counted"
         )
     for kernel, call in sorted((entry.get("attention") or {}).items()):
         lines.append(
