@@ -4,6 +4,7 @@ through the CPU device handle (as FSDP2 makes its own) are told apart and named,
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchloom.planning import _cuda_device
@@ -75,3 +76,19 @@ def test_nccls_allowance_follows_its_environment() -> None:
     }
     small = _cuda_device.nccl_allowance(2, {"NCCL_BUFFSIZE": str(MiB), "NCCL_MAX_NCHANNELS": "8"})
     assert small["per_communicator"] == 16 * MiB and small["bytes"] == 32 * MiB
+
+
+def test_tensors_the_script_puts_on_cuda_are_made_on_the_plans_cpu_device() -> None:
+    streams, undo = _cuda_device.install({"memory": 1 << 30}, lambda: None, local_rank=0, per_node=1)
+    try:
+        made = torch.ones(2, 3, device="cuda")
+        moved = torch.zeros(2).cuda()
+        cast = made.to("cuda:0", torch.bfloat16)
+        module = torch.nn.Linear(3, 1).to(torch.device("cuda", 0))
+        assert {t.device.type for t in (made, moved, cast, module.weight)} == {"cpu"}
+        assert cast.dtype == torch.bfloat16 and torch.empty(1, device=0).device.type == "cpu"
+    finally:
+        undo()
+    if not torch.cuda.is_available():  # undone: this CPU build refuses CUDA tensors again
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.ones(1, device="cuda")

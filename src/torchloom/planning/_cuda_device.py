@@ -75,6 +75,34 @@ def _stream_name(frame: Any) -> str | None:
     return None
 
 
+def _as_cpu(device: Any) -> Any:
+    """A CUDA device (`"cuda"`, `"cuda:1"`, `torch.device("cuda", 0)`, or an index, which torch reads as a CUDA
+    device) as the plan's: the CPU's fake device."""
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    return device
+
+
+class _CudaTensorsOnTheCpu(torch.overrides.TorchFunctionMode):
+    """Tensors the script itself puts on `"cuda"` (`device="cuda"`, `.cuda()`, `.to("cuda")`, `module.to(device)`),
+    made on the plan's CPU fake device: a CPU-only torch aborts once autograd records an op on a fake CUDA tensor.
+    Their bytes are the same; `tensor.device` then reads `cpu`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _as_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _as_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
 def install(
     device: dict[str, Any], allocator: Callable[[], CachingAllocator | None], local_rank: int, per_node: int
 ) -> tuple[Streams, Callable[[], None]]:
@@ -162,8 +190,11 @@ def install(
         setattr(torch.cuda, key, value)
     for key, value in cpu_names.items():
         setattr(torch.cpu, key, value)
+    on_the_cpu = _CudaTensorsOnTheCpu()
+    on_the_cpu.__enter__()
 
     def undo() -> None:
+        on_the_cpu.__exit__(None, None, None)
         for (module, key), value in saved.items():
             setattr(torch.cuda if module == "cuda" else torch.cpu, key, value)
 
