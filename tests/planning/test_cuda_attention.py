@@ -103,3 +103,17 @@ def test_flash_saves_the_output_and_the_logsumexp_not_the_scores() -> None:
     assert torch.Size([2, 4, 32, 32]) not in saved  # no (batch, heads, seq, seq) scores
     assert torch.Size([2, 4, 32]) in saved  # the logsumexp, fp32 per row
     assert torch.Size([2, 4, 32, 64]) in saved  # q, k, v and the output
+
+
+def test_grouped_query_attention_keeps_the_shared_heads_under_flash() -> None:
+    undo = install((9, 0), calls := {})
+    try:
+        with _torch_compat.fake_tensor_mode():
+            q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=2))
+            saved: list[torch.Size] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    finally:
+        undo()
+    assert set(calls) == {"flash"} and out.shape == (2, 4, 32, 64)
+    assert torch.Size([2, 2, 32, 64]) in saved  # the 2 key/value heads, not repeated to 4

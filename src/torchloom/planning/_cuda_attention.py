@@ -71,7 +71,7 @@ def choose(
         reasons.append(f"memory-efficient needs head dims divisible by {alignment}")
     elif not dense:
         reasons.append("memory-efficient needs 4-D inputs with the last dim contiguous")
-    elif not same_heads:
+    elif not same_heads and not enable_gqa:
         reasons.append("memory-efficient needs as many key/value heads as query heads")
     else:
         return "efficient", "; ".join(reasons)
@@ -96,8 +96,6 @@ def install(capability: tuple[int, int], calls: dict[str, dict[str, Any]]) -> Ca
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         kernel, why = choose(query, key, value, attn_mask, capability, enable_gqa)
-        if kernel == "flash" and enable_gqa and query.shape[-3] != key.shape[-3]:
-            kernel, why = "math", "grouped-query attention (enable_gqa) is planned as math"
         entry = calls.setdefault(kernel, {"calls": 0, "op": OPS[kernel], "why": why})
         entry["calls"] += 1
         aten = torch.ops.aten
@@ -106,6 +104,11 @@ def install(capability: tuple[int, int], calls: dict[str, dict[str, Any]]) -> Ca
                 query, key, value, dropout_p, is_causal, False, scale=scale
             )[0]
         if kernel == "efficient":
+            if enable_gqa and query.shape[-3] != key.shape[-3]:
+                # grouped-query attention: flash reads the shared key/value heads as they are; CUDA's
+                # memory-efficient path repeats them first (attention.cpp's pre_process_group_query_attention)
+                repeat = query.shape[-3] // key.shape[-3]
+                key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
             needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             return aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale
