@@ -4,7 +4,8 @@ the properties, the memory figures, which come from the simulated caching alloca
 makes are told apart, so that the allocator keeps each stream's blocks for that stream as c10's does.
 
 The plan's tensors stay fake CPU tensors (a CPU-only torch aborts once autograd records an op on a fake CUDA
-tensor): only the queries and the streams are the device's.
+tensor): only the queries and the streams are the device's, and what the script itself puts on `"cuda"` is made
+on the CPU's fake device with the same bytes. NCCL's buffers, outside the allocator, get a stated allowance.
 """
 
 from __future__ import annotations
