@@ -13,7 +13,9 @@
 #   3. benchmarks/memory.py --device cuda: torch.cuda.max_memory_allocated against the floor, same world size;
 #   4. examples/train_lm.py on the GPU as a user runs it (fsdp2 bf16-mixed, then fsdp 16-mixed resumed from its
 #      checkpoint), with `python examples/train_lm.py` as the README shows;
-#   5. a summary: the tests' pass/fail/skip counts, the benchmarks' ratio lines, the example's last lines.
+#   5. benchmarks/plan_vs_gpu.py: `torchloom plan` of the Llama 3.1 8B recipe at 1 block, then the same script run
+#      on the GPU: planned against measured max_memory_allocated (goal 5%) and max_memory_reserved (goal 10%);
+#   6. a summary: the tests' pass/fail/skip counts, the benchmarks' ratio lines, the example's last lines.
 #
 # Without a CUDA GPU, or with a CPU build of torch, the script stops at once with the reason and exit code 2: it
 # never reports a CPU run as a GPU check.
@@ -37,13 +39,14 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 TEST_LIMIT=${TEST_LIMIT:-330}   # seconds for the CUDA tests
 BENCH_LIMIT=${BENCH_LIMIT:-120} # seconds for each benchmark
 EXAMPLE_LIMIT=${EXAMPLE_LIMIT:-90} # seconds for each run of the example
+PLAN_LIMIT=${PLAN_LIMIT:-240}   # seconds for the plan against the GPU (a plan, then a run)
 DRY_RUN=0
 
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
         -h | --help)
-            sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
+            sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
             exit 0
             ;;
         *)
@@ -63,6 +66,7 @@ TESTS_CMD=("$PY" -m pytest -q -m cuda -rs -k "not benchmarks_tiny" tests)
 STEP_CMD=("$PY" benchmarks/step_overhead.py --device cuda --dim 1024 --tokens 1024 --repeats 40
     --json "$OUT/step_overhead_cuda.json")
 MEMORY_CMD=("$PY" benchmarks/memory.py --device cuda --configs a,a_raw,c --json "$OUT/memory_cuda.json")
+PLAN_CMD=("$PY" benchmarks/plan_vs_gpu.py --layers 1 --steps 3 --out "$OUT")
 EXAMPLE_DIR=${EXAMPLE_DIR:-$(mktemp -d -t gpu-check-lm.XXXXXX 2>/dev/null || echo /tmp/gpu-check-lm)}
 EXAMPLE_CMD=("$PY" examples/train_lm.py --accelerator cuda --steps 40 --eval-every 20
     --checkpoint-every 20 --out-dir "$EXAMPLE_DIR")
@@ -80,7 +84,8 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "  3. timeout ${BENCH_LIMIT}s ${MEMORY_CMD[*]} --world <1 or 2>"
     echo "  4. timeout ${EXAMPLE_LIMIT}s ${EXAMPLE_CMD[*]} --devices <1 or 2> --precision bf16-mixed --stop-at 20,"
     echo "     then the same with --flavour fsdp --precision 16-mixed --resume (to step 40)"
-    echo "  5. summary: tests passed/failed/skipped, the benchmarks' ratio lines, the example's last lines; logs in $OUT/"
+    echo "  5. timeout ${PLAN_LIMIT}s ${PLAN_CMD[*]} (plan, then run on GPU 0)"
+    echo "  6. summary: tests passed/failed/skipped, the benchmarks' ratio lines, the example's last lines; logs in $OUT/"
     exit 0
 fi
 
@@ -146,13 +151,18 @@ run_step 4/4 example "$EXAMPLE_LIMIT" "${EXAMPLE_CMD[@]}" --devices "$WORLD" --p
 run_step 4/4 example_resumed "$EXAMPLE_LIMIT" "${EXAMPLE_CMD[@]}" --devices "$WORLD" --flavour fsdp \
     --precision 16-mixed --resume
 
-# ---- 4. summary -----------------------------------------------------------------------------------------
+# ---- 5. the plan against the GPU: the Llama recipe at 1 block, planned then run ---------------------------------
+run_step 5/5 plan_vs_gpu "$PLAN_LIMIT" "${PLAN_CMD[@]}"
+
+# ---- 6. summary -----------------------------------------------------------------------------------------
 echo
 echo "==== gpu_check summary ($(($(date +%s) - START)) s) ===="
 cat "$OUT/machine.txt"
 echo "tests: $TESTS_LINE"
 echo "benchmarks on $WORLD GPU(s):"
 grep -h '^ratio  step_time\|^ratio  memory' "$OUT/step_overhead.log" "$OUT/memory.log" 2>/dev/null || true
+echo "plan against the GPU (Llama 3.1 8B recipe, 1 block):"
+grep -h '^ratio  max_memory' "$OUT/plan_vs_gpu.log" 2>/dev/null || true
 echo "example (last lines of each run):"
 tail -n 3 "$OUT/example.log" "$OUT/example_resumed.log" 2>/dev/null || true
 echo "logs and JSON: $OUT/"

@@ -34,6 +34,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert "then SIGINT: pytest prints what ran" in result.stdout  # a timed-out run still reports its counts
     assert "step_overhead.py --device cuda" in result.stdout and "memory.py --device cuda" in result.stdout
     assert "examples/train_lm.py --accelerator cuda" in result.stdout and "--resume" in result.stdout
+    assert "plan_vs_gpu.py --layers 1" in result.stdout  # the planner against the GPU
     assert not (tmp_path / "out").exists()
 
 
@@ -122,3 +123,15 @@ def test_cuda_benchmarks_tiny(name, world):
     if name == "memory":
         assert "ratio  memory cuda (a)/floor(a)" in result.stdout
     assert wait_no_strays(token) == []
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+def test_plan_against_the_gpu_refuses_without_cuda(tmp_path):
+    result = subprocess.run(
+        [PYTHON, str(REPO / "benchmarks" / "plan_vs_gpu.py"), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing planned or run

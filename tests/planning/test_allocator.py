@@ -80,6 +80,23 @@ def test_streams_and_pools_do_not_share_cached_blocks() -> None:
     assert a.reserved == 40 * MiB + 2 * MiB + 20 * MiB
 
 
+def test_the_reserved_peak_is_split_by_stream_and_pool() -> None:
+    # FSDP2's shape: a unit's full-size reduce-scatter input made on its own stream and freed there, then the
+    # compute stream's activations, which cannot use that stream's cached segment.
+    a = CachingAllocator()
+    held = a.malloc(30 * MiB, stream=0)  # >= 10 MiB: its own segment, 30 MiB
+    a.free(a.malloc(12 * MiB + 1, stream=1))  # rounded to 12 MiB + 512 B, segment 14 MiB, cached for stream 1
+    a.malloc(3 * MiB, stream=0)  # < 10 MiB: a 20 MiB segment of stream 0 (stream 1's 14 MiB stays apart)
+    a.malloc(100, stream=0)  # a 2 MiB small segment
+    assert a.max_reserved == 30 * MiB + 14 * MiB + 20 * MiB + 2 * MiB
+    assert a.reserved_by_pool_at_peak == {(0, False): 50 * MiB, (1, False): 14 * MiB, (0, True): 2 * MiB}
+    assert a.allocated_at_reserved_peak == 33 * MiB  # before the 512 B block of the last request
+    a.free(held)
+    a.empty_cache()  # the wholly free segments go back: stream 0's 30 MiB and stream 1's 14 MiB
+    assert a.reserved_by_pool == {(0, False): 20 * MiB, (1, False): 0, (0, True): 2 * MiB}
+    assert a.max_reserved == 66 * MiB  # a peak stays a peak
+
+
 def test_freed_neighbours_merge() -> None:
     a = CachingAllocator()
     x, y, z = a.malloc(6 * MiB), a.malloc(6 * MiB), a.malloc(6 * MiB)  # 18 of one 20 MiB segment (2 MiB free)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,9 @@ import torch
 from torchloom import Loom
 
 loom = Loom(accelerator="cuda"{devices})
+# the planned device answers torch's queries (h100: sm90; a device given by its memory alone: sm80)
+assert torch.cuda.is_available() and torch.cuda.device_count() == 1, "the planned device is not seen"
+assert torch.cuda.get_device_capability() in ((9, 0), (8, 0)), torch.cuda.get_device_capability()
 model = torch.nn.Linear(4, 1, bias=False)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = loom.setup(model, optimizer)
@@ -50,12 +54,29 @@ def plans(tmp_path_factory):
         "expandable": dict(device="h100", alloc_conf="expandable_segments:True"),
         "devices": dict(devices=1, alloc_conf="", devices_in_script=", devices=2"),
     }
-    with ThreadPoolExecutor(len(calls)) as pool:
+    with ThreadPoolExecutor(len(calls) + 1) as pool:
         futures = {
             name: pool.submit(_plan, folder, name, options.pop("devices_in_script", ""), **options)
             for name, options in calls.items()
         }
+        futures["llama"] = pool.submit(_plan_llama)
         return {name: future.result() for name, future in futures.items()}
+
+
+def _plan_llama():
+    """The Llama benchmark's recipe (torchtitan's: per-block units, selective AC keyed on CUDA's attention op,
+    bf16 parameters, fp32 reduction) on a small Llama, at 2 ranks on an H100."""
+    try:
+        return plan(
+            str(Path(__file__).parents[2] / "benchmarks" / "llama3_8b_plan.py"),
+            ["--tiny", "--layers", "2", "--seq", "64", "--steps", "2"],
+            devices=2,
+            device="h100",
+            alloc_conf="",
+            timeout=600,
+        )
+    except PlanError as error:
+        return error
 
 
 def test_cuda_script_planned_with_the_allocator_simulated(plans):
@@ -88,3 +109,21 @@ def test_devices_in_the_script_named_with_the_plans_option(plans):
     assert isinstance(error, PlanError)
     assert "torchloom plan --devices 2" in str(error)
     assert "torchloom run" not in str(error) and "--accelerator" not in str(error)
+
+
+def test_a_llama_with_torchtitans_recipe_planned_with_cudas_streams_and_kernels(plans):
+    result = plans["llama"]
+    assert not isinstance(result, PlanError), str(result)
+    for rank in result["ranks"]:
+        # 2 blocks x 2 steps, each forward and its recomputation: CUDA's flash kernel on an H100 in bf16
+        assert set(rank["attention"]) == {"flash"} and rank["attention"]["flash"]["calls"] == 8
+        pools = {(p["stream"], p["pool"]): p["bytes"] for p in rank["allocator"]["reserved_at_peak"]}
+        # FSDP2's gathers and reduce-scatters reserve segments of their own streams, apart from the default one
+        assert {"default stream", "all_gather_copy_in_stream", "reduce_scatter_stream"} <= {
+            s for s, _ in pools
+        }
+        assert sum(pools.values()) == rank["allocator"]["reserved_peak"]
+        assert rank["nccl"]["communicators"] >= 1
+    text = format_plan(result)
+    assert "planned as CUDA's flash kernel (aten._scaled_dot_product_flash_attention)" in text
+    assert "reduce_scatter_stream large pool" in text and "outside the allocator" in text

@@ -281,7 +281,7 @@ def _note_compiles(found: list[dict[str, Any]]) -> Any:
     return original
 
 
-def _plan_loom_options(result: dict[str, Any], devices: int) -> Any:
+def _plan_loom_options(result: dict[str, Any], devices: int, on_cuda: Any) -> Any:
     """`Loom(...)` in the script, as the plan reads it: `accelerator="cuda"` (or "gpu") is planned as the CUDA job
     it is, on the CPU's fake tensors (fake CUDA tensors abort a CPU-only torch once autograd records an op), with
     the caching allocator simulated; options that disagree with the plan's command line are refused with
@@ -296,7 +296,8 @@ def _plan_loom_options(result: dict[str, Any], devices: int) -> Any:
         name = accelerator.lower() if isinstance(accelerator, str) else None
         if name in ("cuda", "gpu"):
             result["cuda"] = True
-            given["accelerator"] = "auto"  # the plan's own: the CPU's fake tensors
+            on_cuda()  # torch's device queries answer as the planned device from here on
+            given["accelerator"] = "cpu"  # the plan's own: the CPU's fake tensors
         elif name is not None and name not in ("auto", "cpu"):
             raise ConfigurationError(
                 f"Loom(accelerator={accelerator!r}) in the script: `torchloom plan` plans CPU and CUDA jobs "
@@ -410,7 +411,27 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         "user_line": None,
         "cuda": bool(device.get("name") or device.get("memory")),
     }
-    original_defaults = _plan_loom_options(result, per_node)
+    cuda_undo: list[Any] = []
+    attention: dict[str, dict[str, Any]] = {}
+    streams: list[Any] = []
+
+    def on_cuda() -> None:
+        """The job is a CUDA one (`--device`, or `Loom(accelerator="cuda")`): the device's queries, streams
+        and attention kernels, once."""
+        if cuda_undo:
+            return
+        from torchloom.planning import _cuda_attention, _cuda_device
+
+        found, undo = _cuda_device.install(device, lambda: account.allocator, rank % per_node, per_node)
+        account.stream_now = found.current
+        streams.append(found)
+        cuda_undo.append(undo)
+        capability = tuple(device.get("capability") or _cuda_device.DEFAULT_CAPABILITY)
+        cuda_undo.append(_cuda_attention.install(capability, attention))  # type: ignore[arg-type]
+
+    if result["cuda"]:
+        on_cuda()
+    original_defaults = _plan_loom_options(result, per_node, on_cuda)
     from torchloom.strategies import pipeline
 
     setup_stage = pipeline.PipelineStrategy.setup_module
@@ -444,6 +465,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         from torchloom import loom
 
         loom.command_line_defaults = original_defaults
+        for undo in reversed(cuda_undo):
+            undo()
         for hook in hooks:
             hook.remove()
         account.note(list(modules.values()), optimizers)
@@ -468,7 +491,24 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
             "reserved_peak": allocator.max_reserved,
             "retries": allocator.retries,
             "out_of_memory": account.out_of_memory,
+            "allocated_at_reserved_peak": allocator.allocated_at_reserved_peak,
+            "reserved_peak_at": account.reserved_peak_at,
+            "reserved_at_peak": [
+                {
+                    "stream": streams[0].names.get(stream, f"stream {stream}")
+                    if streams
+                    else "default stream",
+                    "pool": "small" if small else "large",
+                    "bytes": nbytes,
+                }
+                for (stream, small), nbytes in sorted(allocator.reserved_by_pool_at_peak.items())
+                if nbytes
+            ],
         }
+        result["attention"] = attention
+        from torchloom.planning._cuda_device import communicators, nccl_allowance
+
+        result["nccl"] = nccl_allowance(communicators())
     if fitting is not None:
         result["fit"] = fitting.report()
     return result

@@ -130,6 +130,11 @@ class CachingAllocator:
         self.max_allocated = 0
         self.max_reserved = 0
         self.segments = 0  # the segments reserved now
+        # (stream, small pool) -> the bytes reserved for it now, and as they were at the reserved peak: a
+        # stream's segments serve only that stream (FSDP2's all-gather and reduce-scatter streams keep theirs)
+        self.reserved_by_pool: dict[tuple[int, bool], int] = {}
+        self.reserved_by_pool_at_peak: dict[tuple[int, bool], int] = {}
+        self.allocated_at_reserved_peak = 0
         self.retries = 0  # reservations that released the cache first (`num_alloc_retries`)
         # (small pool, stream) -> the free blocks, sorted by (size, address): best fit is a bisection
         self._free: dict[tuple[bool, int], list[tuple[int, int, _Block]]] = {}
@@ -181,7 +186,7 @@ class CachingAllocator:
                     self._unmap_tail(segment)
                 elif block.prev is None and block.next is None:
                     self._unlist(block)
-                    self.reserved -= segment.size
+                    self._released(block, segment.size)
                     self.segments -= 1
 
     # ---- blocks ---------------------------------------------------------------------------------------------
@@ -240,18 +245,27 @@ class CachingAllocator:
             self.retries += 1
             self.empty_cache()
 
-    def _grant(self, nbytes: int) -> None:
+    def _grant(self, nbytes: int, stream: int, small: bool) -> None:
         if not self._fits(nbytes):
             raise OutOfMemory(nbytes, self)
         self.reserved += nbytes
-        self.max_reserved = max(self.max_reserved, self.reserved)
+        pool = (stream, small)
+        self.reserved_by_pool[pool] = self.reserved_by_pool.get(pool, 0) + nbytes
+        if self.reserved > self.max_reserved:
+            self.max_reserved = self.reserved
+            self.reserved_by_pool_at_peak = dict(self.reserved_by_pool)
+            self.allocated_at_reserved_peak = self.allocated
+
+    def _released(self, block: _Block, nbytes: int) -> None:
+        self.reserved -= nbytes
+        self.reserved_by_pool[(block.stream, block.small)] -= nbytes
 
     def _reserve(self, small: bool, stream: int, size: int) -> _Block:
         if self.expandable:
             return self._grow(small, stream, size)
         nbytes = segment_size(size)
         self._release_for(nbytes)
-        self._grant(nbytes)
+        self._grant(nbytes, stream, small)
         segment = _Segment(self._next_address, nbytes)
         self._next_address += nbytes
         self.segments += 1
@@ -274,7 +288,7 @@ class CachingAllocator:
             more = -(-(size - have) // page) * page
             if attempt == 0:
                 self._release_for(more)
-        self._grant(more)
+        self._grant(more, stream, small)
         segment.size += more
         if have:
             assert tail is not None
@@ -308,7 +322,7 @@ class CachingAllocator:
             return
         self._unlist(tail)
         segment.size -= unmapped
-        self.reserved -= unmapped
+        self._released(tail, unmapped)
         tail.size -= unmapped
         if tail.size:
             self._list(tail)

@@ -396,6 +396,44 @@ def _device_line(allocator: dict[str, Any], device: dict[str, Any]) -> str:
     return line
 
 
+def _cuda_lines(entry: dict[str, Any]) -> list[str]:
+    """What a CUDA rank's reserved peak is made of (each stream's and pool's segments, which serve only that
+    stream and pool) and which kernel each attention call was planned with."""
+    allocator = entry.get("allocator") or {}
+    lines = []
+    pools = allocator.get("reserved_at_peak") or []
+    if pools:
+        held = allocator.get("allocated_at_reserved_peak", 0)
+        at = allocator.get("reserved_peak_at") or {}
+        where = (
+            f" (step {at['step'] + 1}, {at['phase']}"
+            + (f" of {_clean_module(at['module'])}" if at["module"] else "")
+            + ")"
+            if at and at.get("phase") not in (None, "setup", "between steps")
+            else f" ({at['phase']})"
+            if at
+            else ""
+        )
+        lines.append(
+            f"    reserved at its peak{where}, {human(held)} of it allocated: "
+            + ", ".join(f"{p['stream']} {p['pool']} pool {human(p['bytes'])}" for p in pools)
+        )
+    nccl = entry.get("nccl")
+    if nccl and nccl["communicators"]:
+        lines.append(
+            f"    outside the allocator (not in max_memory_reserved): NCCL, an allowance of "
+            f"{human(nccl['per_communicator'])} for each of {nccl['communicators']} communicator"
+            f"{'s' if nccl['communicators'] > 1 else ''} (2 x NCCL_BUFFSIZE x NCCL_MAX_NCHANNELS), "
+            f"{human(nccl['bytes'])}; the CUDA context, not counted"
+        )
+    for kernel, call in sorted((entry.get("attention") or {}).items()):
+        lines.append(
+            f"    attention: {call['calls']} call{'s' if call['calls'] > 1 else ''} planned as CUDA's {kernel} "
+            f"kernel ({call['op']}" + (f"; {call['why']}" if kernel != "flash" else "") + ")"
+        )
+    return lines
+
+
 def format_plan(result: dict[str, Any]) -> str:
     device = result.get("device")
     on = ""
@@ -445,6 +483,7 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append("    " + ", ".join(parts))
         if entry.get("allocator"):
             lines.append("    " + _device_line(entry["allocator"], result.get("device") or {}))
+            lines.extend(_cuda_lines(entry))
     if budget:
         lines.append(
             f"budget {human(budget)} per rank: "

@@ -200,6 +200,9 @@ class MemoryAccount(TorchDispatchMode):
         self.allocator: CachingAllocator | None = None
         self.out_of_memory: dict[str, Any] | None = None  # where the simulated device ran out, if it did
         self._handles: dict[int, int] = {}  # storage key -> the allocator's handle
+        # the CUDA stream an allocation is made on now (`_cuda_device.Streams.current`): 0, the default stream
+        self.stream_now: Any = lambda: 0
+        self.reserved_peak_at: dict[str, Any] | None = None  # the phase, module and step of the reserved peak
 
     def use_allocator(self, allocator: CachingAllocator) -> None:
         """Feed every storage made, resized and freed from now on into `allocator` (a CUDA job's reserved
@@ -213,7 +216,14 @@ class MemoryAccount(TorchDispatchMode):
         old = self._handles.pop(key, 0)
         try:
             if nbytes:
-                self._handles[key] = allocator.malloc(nbytes)
+                before = allocator.max_reserved
+                self._handles[key] = allocator.malloc(nbytes, self.stream_now())
+                if allocator.max_reserved > before:  # where the reserved peak is, as it rises
+                    self.reserved_peak_at = {
+                        "phase": self._phase_now(),
+                        "module": self._module_now(),
+                        "step": self.step,
+                    }
         except OutOfMemory as error:
             # The device's memory is spent: the real run stops here with CUDA's out-of-memory error; the plan
             # says where, and goes on without the simulation (its peaks are those up to here).
