@@ -54,10 +54,15 @@ def run_job(
     min_steps: int = 0,
     options: tuple[str, ...] = (),
     timeout: float = 280,
+    cluster: bool = False,
 ) -> Job:
+    """`cluster`: launched as on a cluster, each group its own `torchloom run --replica-group G --lighthouse
+    ADDRESS`, with the lighthouse started here (as a user runs `torchft_lighthouse`)."""
     folder.mkdir(parents=True)
     plan = folder / "plan.json"
     plan.write_text(json.dumps({"groups": groups, "events": events, "min_steps": min_steps}))
+    if cluster:
+        return _run_cluster_job(folder, plan, groups, per_group, events, options, timeout)
     command = [
         sys.executable,
         "-m",
@@ -90,6 +95,66 @@ def run_job(
             err += f"\n[the job ran past {timeout} s and was killed]"
     done = subprocess.CompletedProcess(command, process.returncode, out, err)
     (folder / "stderr.txt").write_text(err)
+    return Job(folder, groups, per_group, events, done)
+
+
+def _run_cluster_job(
+    folder: Path,
+    plan: Path,
+    groups: int,
+    per_group: int,
+    events: list[dict[str, Any]],
+    options: tuple[str, ...],
+    timeout: float,
+) -> Job:
+    from torchft.coordination import LighthouseServer
+
+    from torchloom.fault_tolerance import launch
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=launch.JOIN_TIMEOUT_MS,
+        quorum_tick_ms=launch.QUORUM_TICK_MS,
+        heartbeat_timeout_ms=launch.HEARTBEAT_TIMEOUT_MS,
+    )
+    address = lighthouse.address().split("://", 1)[-1]  # HOST:PORT, as a user passes it
+    processes = []
+    try:
+        for group in range(groups):
+            command = [
+                sys.executable, "-m", "torchloom", "run", "--replica-groups", str(groups),
+                "--replica-group", str(group), "--lighthouse", address, "--accelerator", "cpu",
+                "--devices", str(per_group), "--max-restarts", "100", "--ft-record", str(folder / "record.jsonl"),
+                *options, str(SCRIPT), str(folder), str(plan),
+            ]  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=folder,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        outs, errs, codes = [], [], []
+        for process in processes:
+            try:
+                out, err = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for p in processes:
+                    os.killpg(p.pid, signal.SIGKILL)
+                out, err = process.communicate()
+                err += f"\n[the job ran past {timeout} s and was killed]"
+            outs.append(out)
+            errs.append(err)
+            codes.append(process.returncode)
+    finally:
+        lighthouse.shutdown()
+    err = "".join(f"--- group {g}:\n{e}" for g, e in enumerate(errs))
+    (folder / "stderr.txt").write_text(err)
+    done = subprocess.CompletedProcess(["cluster"], max(codes, key=abs), "".join(outs), err)
     return Job(folder, groups, per_group, events, done)
 
 

@@ -10,8 +10,6 @@ The jobs run at once (starting processes dominates), in a module fixture."""
 
 from __future__ import annotations
 
-import os
-import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,13 +18,10 @@ import pytest
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
 
 from _jobs import Job, check_exact, first_commit_after, run_job, without  # noqa: E402
-from chaos import plan as chaos_plan  # noqa: E402
 
 # The jobs start at once in the first test's set-up; on a loaded machine they take minutes.
 pytestmark = pytest.mark.timeout(420)
 
-#: The short chaos run's seed (`make chaos` runs the long one): CHAOS_SEED=N tries another.
-_CHAOS_SEED = int(os.environ.get("CHAOS_SEED", "7"))
 
 #: Short collective timeout for the job with a stuck group: the survivor's all-reduce fails after it.
 _TIMEOUT = 3.0
@@ -58,8 +53,9 @@ _PLANS: dict[str, dict[str, Any]] = {
             {"group": 2, "where": "lost"},
         ],
     },
-    # 3 groups, 3 random kills of random groups at random places (the long run: `make chaos`).
-    "chaos": {"groups": 3, "events": chaos_plan(random.Random(_CHAOS_SEED), 3, 3)},
+    # 2 groups launched as on a cluster (each its own `torchloom run --replica-group G --lighthouse ADDRESS`, the
+    # lighthouse started by the test): group 1 killed between steps, restarted by its own agent, healed.
+    "cluster": {"groups": 2, "cluster": True, "events": [{"group": 1, "where": "between", "after": 2}]},
     # 2 groups of 2 processes (DDP inside each): group 1's rank 1 killed in backward, then in the cross-group
     # all-reduce.
     "ddp": {
@@ -86,6 +82,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
                 events=plan["events"],
                 options=plan.get("options", ()),
                 timeout=360,
+                cluster=plan.get("cluster", False),
             )
             for name, plan in _PLANS.items()
         }
@@ -94,7 +91,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
 
 @pytest.mark.parametrize("name", sorted(_PLANS))
 def test_the_run_equals_its_replay_and_no_step_was_partial(jobs: dict[str, Job], name: str) -> None:
-    """The short chaos run's plan is drawn from CHAOS_SEED (7 unless set)."""
+    """Every job of this module (the random kills are `make chaos`'s: tests/fault_tolerance/chaos.py)."""
     check_exact(jobs[name])
 
 
@@ -166,3 +163,13 @@ def test_two_processes_per_group(jobs: dict[str, Job]) -> None:
         assert len(list(job.folder.glob(f"group1.rank{rank}.attempt*"))) == 3
         assert len(list(job.folder.glob(f"group0.rank{rank}.attempt*"))) == 1
     assert without(job.steps(), 1)
+
+
+def test_a_cluster_launch_heals(jobs: dict[str, Job]) -> None:
+    """Each group launched on its own against a lighthouse the user runs: group 1's own agent restarted it after
+    the kill (group 0 never restarted), it healed from group 0 and took part again (the job ends with 4 steps
+    of both groups)."""
+    job = jobs["cluster"]
+    assert job.done.returncode == 0, job.output
+    assert job.attempts(1) == 2 and job.attempts(0) == 1, job.output
+    assert len(job.steps()[-1].participants) == 2
