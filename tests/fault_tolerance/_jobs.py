@@ -45,6 +45,25 @@ class Job:
         return len(list(self.folder.glob(f"group{group}.rank0.attempt*")))
 
 
+def launch_command(
+    groups: int,
+    per_group: int,
+    record: Path,
+    script: Path,
+    *script_args: str,
+    options: tuple[str, ...] = (),
+    max_restarts: int = 100,
+) -> list[str]:
+    """`torchloom run --replica-groups GROUPS` of `script` on CPU, `per_group` processes a group, the record at
+    `record`; `options` go before the script (e.g. `--replica-group G --lighthouse ADDRESS` for one group of a
+    cluster launch)."""
+    return [
+        sys.executable, "-m", "torchloom", "run", "--replica-groups", str(groups), "--accelerator", "cpu",
+        "--devices", str(per_group), "--max-restarts", str(max_restarts), "--ft-record", str(record),
+        *options, str(script), *script_args,
+    ]  # fmt: skip
+
+
 def run_job(
     folder: Path,
     *,
@@ -63,26 +82,9 @@ def run_job(
     plan.write_text(json.dumps({"groups": groups, "events": events, "min_steps": min_steps}))
     if cluster:
         return _run_cluster_job(folder, plan, groups, per_group, events, options, timeout)
-    command = [
-        sys.executable,
-        "-m",
-        "torchloom",
-        "run",
-        "--replica-groups",
-        str(groups),
-        "--accelerator",
-        "cpu",
-        "--devices",
-        str(per_group),
-        "--max-restarts",
-        "100",
-        "--ft-record",
-        str(folder / "record.jsonl"),
-        *options,
-        str(SCRIPT),
-        str(folder),
-        str(plan),
-    ]
+    command = launch_command(
+        groups, per_group, folder / "record.jsonl", SCRIPT, str(folder), str(plan), options=options
+    )
     # A new session: past the timeout, the whole job (lighthouse, agents, ranks) is killed, not only its top.
     with subprocess.Popen(
         command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -122,12 +124,10 @@ def _run_cluster_job(
     processes = []
     try:
         for group in range(groups):
-            command = [
-                sys.executable, "-m", "torchloom", "run", "--replica-groups", str(groups),
-                "--replica-group", str(group), "--lighthouse", address, "--accelerator", "cpu",
-                "--devices", str(per_group), "--max-restarts", "100", "--ft-record", str(folder / "record.jsonl"),
-                *options, str(SCRIPT), str(folder), str(plan),
-            ]  # fmt: skip
+            command = launch_command(
+                groups, per_group, folder / "record.jsonl", SCRIPT, str(folder), str(plan),
+                options=("--replica-group", str(group), "--lighthouse", address, *options),
+            )  # fmt: skip
             processes.append(
                 subprocess.Popen(
                     command,

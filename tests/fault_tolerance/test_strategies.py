@@ -21,7 +21,6 @@ the record of committed steps replayed in one process on plain torch data splitt
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +31,8 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
+
+from _jobs import launch_command  # noqa: E402
 
 from torchloom.fault_tolerance import read_record, replay  # noqa: E402
 
@@ -171,26 +172,7 @@ def _job(folder: Path, kind: str, plan: str) -> subprocess.CompletedProcess[str]
     folder.mkdir()
     script = folder / "train.py"
     script.write_text(_SCRIPT)
-    command = [
-        sys.executable,
-        "-m",
-        "torchloom",
-        "run",
-        "--replica-groups",
-        "2",
-        "--accelerator",
-        "cpu",
-        "--devices",
-        "2",
-        "--max-restarts",
-        "4",
-        "--ft-record",
-        str(folder / "record.jsonl"),
-        str(script),
-        str(folder),
-        kind,
-        plan,
-    ]
+    command = launch_command(2, 2, folder / "record.jsonl", script, str(folder), kind, plan, max_restarts=4)
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=400)
 
 
