@@ -63,7 +63,9 @@ class LoomOptimizer:
         kwargs = {} if closure is None else {"closure": closure}
         replicas = getattr(self._strategy, "replicas", None)
         if replicas is not None and not replicas.should_commit():
-            return None  # fault tolerance: a replica group failed this step, which the survivors retry
+            # Fault tolerance: a replica group failed this step, which the survivors retry.
+            self._precision.abandon_step(self._optimizer)
+            return None
         with _kinds_apart(self._optimizer):
             output = self._precision.optimizer_step(self._optimizer, **kwargs)
         # Fabric's hook, called on every callback that has it after each step (skipped or not by the scaler).

@@ -126,6 +126,14 @@ def grad_scaler_optimizer_state(scaler: torch.amp.GradScaler, optimizer: Any) ->
     return state
 
 
+def reset_grad_scaler_optimizer_state(scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+    """Forget the scaler's per-optimizer record of this step (as its `update()` does for every optimizer)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        raise _missing("GradScaler._per_optimizer_states")
+    states.pop(id(optimizer), None)
+
+
 def unscale_and_check(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """Multiply `tensors` (one device and dtype) by `inv_scale` in place; set `found_inf` to 1 if any value is
     inf or NaN (GradScaler's own fused kernel)."""

@@ -301,6 +301,8 @@ class Loom:
         """Set up a model and its optimizers; returns `model` or `(model, *optimizers)`, with `scheduler` (an LR
         scheduler of one of the optimizers, returned unchanged) appended when given, as Fabric does."""
         names = {id(p): clean_name(n) for n, p in module.named_parameters()}
+        if scheduler is not None and getattr(self._strategy, "replicas", None) is not None:
+            self._strategy.replicas.add_scheduler(scheduler)  # it heals with the model (fault tolerance)
         module = self.setup_module(module, move_to_device=move_to_device)
         if not optimizers:
             self._after_setup(module)

@@ -276,6 +276,19 @@ class Precision:
         self._backwards_at_step[optimizer] = self._scaled_backwards
         return result
 
+    def loss_scale(self) -> float:
+        """The scale the current gradients carry (1.0 without a loss scaler)."""
+        if self._scaler is None or not self._scaler.is_enabled():
+            return 1.0
+        return float(self._scaler.get_scale())
+
+    def abandon_step(self, optimizer: Optimizer) -> None:
+        """The step of `optimizer` will not run (a replica group's step that did not commit, retried on the same
+        batch): forget that its gradients were unscaled for it, so that the retried step's gradients are
+        unscaled again (otherwise they would be applied at the loss scale)."""
+        if self._scaler is not None:
+            _torch_compat.reset_grad_scaler_optimizer_state(self._scaler, optimizer)
+
     def state_dict(self) -> dict[str, Any]:
         if self._scaler is None:
             return {}

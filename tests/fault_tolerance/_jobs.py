@@ -22,6 +22,21 @@ from torchloom.fault_tolerance.record import Step, partial_steps
 
 SCRIPT = Path(__file__).with_name("ft_train.py")
 
+#: In the tests' embedded scripts (`STREAK` on a line of its own in the loop's body): after a step that committed,
+#: count it, keep the streak of steps with every group in a buffer of the model (a healed group receives it),
+#: slow down while alone, and die between steps where the plan says.
+STREAK = """
+    if rg.step > before:
+        done += 1
+        if len(rg.participants) == rg.groups:
+            net.streak += 1
+        else:
+            net.streak.zero_()
+            time.sleep(0.5)  # alone: slow down until the other group is back
+        if where == "between" and done == after:
+            die()
+"""
+
 
 @dataclass
 class Job:

@@ -32,7 +32,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
 
-from _jobs import launch_command  # noqa: E402
+from _jobs import STREAK, launch_command  # noqa: E402
 
 from torchloom.fault_tolerance import read_record, replay  # noqa: E402
 
@@ -43,8 +43,9 @@ BATCH = 4
 # "where:after:rank" per attempt of the group: SIGKILL after that many committed steps of the attempt, between
 # steps or in backward), and the job ends once 4 steps in a row had both groups (a streak kept in a buffer, so a
 # group that heals receives it). At the end each group gathers its full parameters and rank 0 saves them.
-_SCRIPT = textwrap.dedent(
-    """
+_SCRIPT = (
+    textwrap.dedent(
+        """
     import os, signal, sys, time
     import torch
     from torch import nn
@@ -127,7 +128,7 @@ _SCRIPT = textwrap.dedent(
         before = rg.step
         hook = None
         if where == "backward" and done == after:
-            hook = net.mid.register_forward_hook(lambda m, i, o: o.register_hook(die))
+            hook = net.mid.register_forward_hook(lambda m, i, o: (o.register_hook(die), None)[1])
         loss = nn.functional.mse_loss(model(x), y)
         loom.backward(loss)
         loom.clip_gradients(model, opt, max_norm=MAX_NORM)
@@ -135,15 +136,7 @@ _SCRIPT = textwrap.dedent(
         opt.zero_grad()
         if hook is not None:
             hook.remove()
-        if rg.step > before:
-            done += 1
-            if len(rg.participants) == rg.groups:
-                net.streak += 1
-            else:
-                net.streak.zero_()
-                time.sleep(0.5)  # alone: slow down until the other group is back
-            if where == "between" and done == after:
-                die()
+        STREAK
             if int(net.streak) == 2 and not plan:
                 # Every group calls loom.save (one writes the job's checkpoint), and keeps what it held then.
                 loom.save(os.path.join(out, "checkpoint"), {"model": model, "optimizer": opt})
@@ -156,7 +149,10 @@ _SCRIPT = textwrap.dedent(
     if loom.global_rank == 0:
         torch.save({"state": full, "step": rg.step}, os.path.join(out, f"group{rg.group}.pt"))
     """
-).replace("MAX_NORM", repr(MAX_NORM))
+    )
+    .replace("MAX_NORM", repr(MAX_NORM))
+    .replace("    STREAK\n", STREAK.lstrip("\n"))
+)
 
 # Group 1 loses rank 1 between steps (after 2 committed steps), then, restarted, rank 0 in backward.
 _FAULTS = "between:2:1,backward:2:0"

@@ -78,8 +78,15 @@ def _as_pieces(state: Any) -> Any:
 
 
 def module_state(module: nn.Module) -> dict[str, Any]:
-    """`module`'s state dict with every DTensor as its local piece."""
-    return _as_pieces(module.state_dict())  # type: ignore[no-any-return]
+    """`module`'s state dict with every DTensor as its local piece, its buffers copied: torchft serialises the
+    state for the healing peer while this group's step goes on, and the step's forward updates buffers (a
+    BatchNorm's statistics) in place, where the parameters wait for the commit."""
+    buffers = {id(b) for b in module.buffers()}
+    state = {
+        name: value.detach().clone() if id(value) in buffers else value
+        for name, value in module.state_dict(keep_vars=True).items()
+    }
+    return _as_pieces({name: v.detach() if isinstance(v, torch.Tensor) else v for name, v in state.items()})  # type: ignore[no-any-return]
 
 
 def load_module_state(module: nn.Module, state: dict[str, Any]) -> None:

@@ -218,6 +218,12 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
     return steps
 
 
+def skipped(entry: Step) -> bool:
+    """Whether the loss scaler skipped the step (16-mixed: the average overflowed, so nothing was applied; the
+    step still counts, as in a job without fault tolerance, and the buffers its forwards left are kept)."""
+    return entry.applied is not None and not math.isfinite(entry.applied)
+
+
 def partial_steps(steps: Sequence[Step]) -> list[int]:
     """The steps whose applied gradient was not the whole average of their participants' gradients: the
     fingerprint of what the optimizer applied is not the mean of the fingerprints the participants sent (an
@@ -226,7 +232,7 @@ def partial_steps(steps: Sequence[Step]) -> list[int]:
     for entry in steps:
         sent = [p.grad for p in entry.participants]
         scales = [p.scale for p in entry.participants]
-        if entry.applied is None or None in sent or None in scales:
+        if entry.applied is None or None in sent or None in scales or skipped(entry):
             continue
         mean = math.fsum(sent) / len(sent)  # type: ignore[arg-type]
         scale = math.fsum(scales) / len(scales)  # type: ignore[arg-type]

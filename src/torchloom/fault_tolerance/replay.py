@@ -14,6 +14,7 @@ partial average is found where it happened rather than as a difference at the en
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from torchloom.errors import TorchloomError
-from torchloom.fault_tolerance import record
+from torchloom.fault_tolerance import buffers, record
 
 
 def replay(
@@ -34,6 +35,7 @@ def replay(
     loss: Callable[[nn.Module, Any], torch.Tensor],
     before_step: Callable[[nn.Module], Any] | None = None,
     *,
+    after_step: Callable[[nn.Module], Any] | None = None,
     check: bool = True,
 ) -> int:
     """Replay the record at `path` on `model` (as it was before the job's first step) and `optimizer`; return the
@@ -48,6 +50,8 @@ def replay(
         before_step: `before_step(model)`, called with the step's averaged gradients before the optimizer steps:
             what the script did between `loom.backward` and `optimizer.step()` (e.g. `loom.clip_gradients`,
             replayed as `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`).
+        after_step: `after_step(model)`, called after each step: what the script did after a committed
+            `optimizer.step()` (e.g. `scheduler.step()` of a scheduler of `optimizer`).
         check: check each step against the fingerprints in the record (see the module docstring); raises
             `TorchloomError` at the first step that differs.
     """
@@ -59,29 +63,40 @@ def replay(
             f"participants' gradients: {partial}."
         )
     params = [p for p in model.parameters() if p.requires_grad]
+    own_buffers = buffers.persistent([model])
     for entry in steps:
         total: list[torch.Tensor] | None = None
+        # Each participant's forward starts from the step's buffers; the step leaves their mean (see `buffers`).
+        start, ends = buffers.snapshot(own_buffers), []
         for p in entry.participants:
+            buffers.restore(own_buffers, start)
             optimizer.zero_grad(set_to_none=True)
             loss(model, batch(p.group, p.epoch, p.batch)).backward()
             flats = record.flats([q.grad if q.grad is not None else torch.zeros_like(q) for q in params])
             if check and entry.whole:
                 _check_participant(path, entry.step, p, flats)
             total = flats if total is None else [t + f for t, f in zip(total, flats, strict=True)]
+            ends.append(buffers.snapshot(own_buffers))
         assert total is not None  # a committed step has at least one participant
+        with torch.no_grad():
+            for k, buffer in enumerate(own_buffers):
+                buffer.copy_(buffers.mean([end[k] for end in ends]))
         # The groups' average: the sum of their gradients over their number, as the all-reduce computes it.
         mean = [t / len(entry.participants) for t in total]
-        _set_grads(params, mean)
-        if before_step is not None:
-            before_step(model)
-        optimizer.step()
+        if not record.skipped(entry):
+            _set_grads(params, mean)
+            if before_step is not None:
+                before_step(model)
+            optimizer.step()
+        if after_step is not None:
+            after_step(model)
     return len(steps)
 
 
 def _check_participant(
     path: str | os.PathLike[str], step: int, participant: record.Participant, flats: list[torch.Tensor]
 ) -> None:
-    if participant.grad is None or participant.scale is None:
+    if participant.grad is None or participant.scale is None or not math.isfinite(participant.grad):
         return
     value, scale = record.fingerprint(flats)
     bound = record.TOLERANCE * max(scale, participant.scale) + 1e-30

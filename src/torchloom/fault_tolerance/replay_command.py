@@ -8,6 +8,11 @@ samples a group's batch held, and the loss. `SPEC.py` defines them as four funct
     def batch(group: int, epoch: int, index: int): ...        # the batch group `group` read `index`-th in `epoch`
     def loss(model, batch) -> torch.Tensor: ...               # what the script called `loom.backward` on
 
+and, optionally, what the script did around each step:
+
+    def before_step(model): ...                               # e.g. clip_grad_norm_ (the script's clip_gradients)
+    def scheduler(optimizer): ...                             # the LR scheduler, stepped after each step
+
 Every step is checked against the record's fingerprints (see `torchloom.fault_tolerance.replay`); with
 `--compare RUN.pt` (a state dict the run saved at its end) the replayed parameters are compared with the run's and
 the command fails past `--atol`. `--out` saves the replayed state dict. (The options are parsed by
@@ -34,7 +39,18 @@ def main(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec)
     model = spec["model"]()
     optimizer = spec["optimizer"](model)
-    steps = replay(args.record, model, optimizer, spec["batch"], spec["loss"], check=not args.no_check)
+    # Optional: what the script did between loom.backward and optimizer.step() (clipping), and its scheduler.
+    scheduler = spec["scheduler"](optimizer) if callable(spec.get("scheduler")) else None
+    steps = replay(
+        args.record,
+        model,
+        optimizer,
+        spec["batch"],
+        spec["loss"],
+        spec.get("before_step"),
+        after_step=None if scheduler is None else (lambda _: scheduler.step()),
+        check=not args.no_check,
+    )
     print(f"replayed {steps} committed steps of {args.record}" + ("" if args.no_check else ", each checked"))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if args.out:

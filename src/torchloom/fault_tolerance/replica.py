@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -36,7 +37,7 @@ from torch.optim import Optimizer
 from torchloom import _run_protocol
 from torchloom.data.loader import LoomDataLoader
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.fault_tolerance import _start, exchange
+from torchloom.fault_tolerance import _start, buffers, exchange
 from torchloom.fault_tolerance import record as _record
 from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
 
@@ -113,6 +114,12 @@ class ReplicaGroup:
         self._whole = True
         #: Heals so far (`average_gradients` tells a heal inside its own quorum).
         self._heals = 0
+        # What heals with the model besides it: the loss scaler, the LR schedulers (`add_stateful`).
+        self._stateful: dict[str, Any] = {}
+        # The persistent buffers at the step's first forward: what a step that does not commit goes back to.
+        self._buffers_at_start: list[torch.Tensor] | None = None
+        # The loss scale the gradients carry (16-mixed): the record's fingerprints are of the true gradients.
+        self.loss_scale: Any = lambda: 1.0
         # The record's hash chain of the history this group's state holds (taken from the peer when healing).
         self._chain = ""
         _CURRENT = self
@@ -120,6 +127,30 @@ class ReplicaGroup:
     # ---- what the strategy hands over ------------------------------------------------------------------------
     def add_module(self, module: nn.Module) -> None:
         self._modules.append(module)
+        module.register_forward_pre_hook(self._before_forward)
+
+    def add_stateful(self, name: str, obj: Any) -> None:
+        """Heal `obj` (with `state_dict`/`load_state_dict`) from the peer along with the model."""
+        self._stateful[name] = obj
+
+    def add_scheduler(self, scheduler: Any) -> None:
+        """An LR scheduler of the job's optimizer (`loom.setup(..., scheduler=...)`): it heals with the model, and
+        its `step()` after an optimizer step that did not commit does nothing (the retried step steps it), so
+        that the learning rates follow the committed steps as in the replay."""
+        self.add_stateful(f"scheduler{len(self._stateful)}", scheduler)
+        replicas = self
+        base = type(scheduler)
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if replicas.retrying:
+                return None
+            return base.step(self, *args, **kwargs)
+
+        scheduler.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+
+    def _before_forward(self, *_: Any) -> None:
+        if self._buffers_at_start is None:
+            self._buffers_at_start = buffers.snapshot(buffers.persistent(self._modules))
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
         if self._optimizers:
@@ -190,23 +221,36 @@ class ReplicaGroup:
                     grad.zero_()
         flats = _record.flats(grads)
         # Slots per group: 1 from each group in the average, the epoch and batch it read, and the fingerprint of
-        # the gradient it sent (the record's proof that the average is whole).
-        sources = _record.sources(self.groups, self.group, *self._source, flats).to(self._device)
+        # the gradient it sent (the record's proof that the average is whole), of the true gradient (unscaled);
+        # then this module's own: the group's optimizer hyperparameters (`_check_hyperparameters`).
+        scale = float(self.loss_scale())
+        sources = _record.sources(self.groups, self.group, *self._source, flats)
+        sources[3 * self.groups + self.group] /= scale
+        sources[4 * self.groups + self.group] /= scale
+        hyper = torch.zeros(self.groups, dtype=torch.float64)
+        hyper[self.group] = self._hyperparameters()
+        sources = torch.cat([sources, hyper]).to(self._device)
         if stale:
             sources.zero_()
+        own_buffers = buffers.persistent(self._modules)
+        gathered = buffers.slots(own_buffers, self.groups, self.group, send=not stale)
         # Summed, then divided by the groups the sums count (torchft's average divides by its quorum's size,
         # which counts a stale group).
         with self._watchdog():
             works = [self._manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats]
             works.append(self._manager.allreduce(sources, reduce_op=ReduceOp.SUM))
+            works.extend(self._manager.allreduce(rows, reduce_op=ReduceOp.SUM) for rows in gathered)
             for work in works:
                 work.wait()
         if self._manager.errored() is not None:
             return  # the step will not commit; the gradients may be partial, and are not used
-        counted = len(_record.participants_of(sources, self.groups))
+        participants = _record.participants_of(sources, self.groups)
+        counted = len(participants)
         if counted == 0:
             self._manager.report_error(RuntimeError("no group of the quorum sent a current gradient"))
             return
+        self._check_hyperparameters(sources[-self.groups :], participants)
+        buffers.write_mean(own_buffers, gathered, participants)
         with torch.no_grad():
             for flat in flats:  # the same order as `_record.flats` laid them out
                 flat.div_(counted)
@@ -214,9 +258,43 @@ class ReplicaGroup:
                 for grad in (g for g in grads if g.dtype == flat.dtype):
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
-        self._applied = _record.fingerprint(flats)[0]
+        self._applied = _record.fingerprint(flats)[0] / scale
+        if scale != 1.0 and not all(bool(torch.isfinite(flat).all()) for flat in flats):
+            # The loss scaler will skip this step (an overflow in some group): the record says so.
+            self._applied = math.inf
         self._whole = exchange.whole(self._modules)
-        self._sources = sources.cpu()
+        self._sources = sources[: -self.groups].cpu()
+
+    def _hyperparameters(self) -> float:
+        """A number that differs between groups whose optimizers would step differently: the sum of every param
+        group's numeric hyperparameters (learning rate, weight decay, betas, momentum)."""
+        total = 0.0
+        for optimizer in self._optimizers:
+            for group in optimizer.param_groups:
+                for key, value in group.items():
+                    if key == "params":
+                        continue
+                    for number in value if isinstance(value, tuple | list) else (value,):
+                        if isinstance(number, bool) or not isinstance(number, int | float | torch.Tensor):
+                            continue
+                        if isinstance(number, torch.Tensor) and number.numel() != 1:
+                            continue
+                        total += float(number) * (1 + len(key))  # keyed, so that two swapped values differ
+        return total
+
+    def _check_hyperparameters(self, hyper: torch.Tensor, participants: list[int]) -> None:
+        """Refuse a step whose groups' optimizers hold different hyperparameters (every group sees the same sums,
+        so every group raises): the groups would apply one average with different learning rates and part
+        silently. An LR scheduler that was not handed to `loom.setup` does not heal, and restarts from its
+        beginning in a group that healed."""
+        values = {g: float(hyper[g]) for g in participants}
+        if len(set(values.values())) > 1:
+            raise MisuseError(
+                f"The replica groups' optimizers hold different hyperparameters at step {self.step} (a sum of "
+                f"each group's learning rates, weight decays, ...: {values}), so their steps would part. An LR "
+                "scheduler must heal with the model: pass it to loom.setup(model, optimizer, scheduler=scheduler) "
+                "(as with Fabric), and change hyperparameters only through it or identically in every group."
+            )
 
     def should_commit(self) -> bool:
         """At `optimizer.step()`: whether this group's step succeeded (torchft's vote among the group's ranks: every
@@ -233,6 +311,10 @@ class ReplicaGroup:
             committed = bool(self._manager.should_commit())
         self._in_step = False
         self.retrying = not committed
+        if not committed and self._buffers_at_start is not None:
+            # The step's forwards never happened (for the record and the replay): buffers as at its start.
+            buffers.restore(buffers.persistent(self._modules), self._buffers_at_start)
+        self._buffers_at_start = None
         sources, self._sources = self._sources, None
         if committed:
             step = int(self._manager.current_step()) - 1
@@ -270,6 +352,7 @@ class ReplicaGroup:
             "optimizers": [exchange.optimizer_state(o) for o in self._optimizers],
             "loaders": [loader.position_at_step_start() for loader in self._loaders],
             "rng": torch.get_rng_state(),
+            "stateful": {name: obj.state_dict() for name, obj in self._stateful.items()},
             "chain": self._chain,
             "participants": self.participants,
         }
@@ -282,6 +365,9 @@ class ReplicaGroup:
         for loader, position in zip(self._loaders, state["loaders"], strict=True):
             loader.heal_to(position)
         torch.set_rng_state(state["rng"])
+        for name, obj in self._stateful.items():
+            obj.load_state_dict(state["stateful"][name])
+        self._buffers_at_start = None  # the peer's are this step's start
         self._chain = state["chain"]
         self.participants = list(state["participants"])
         self.retrying = False
@@ -337,13 +423,15 @@ class ReplicaGroup:
 class ReplicaLoader(LoomDataLoader):
     """`LoomDataLoader` in a replica group: each batch starts the step (the quorum, and the heal of a group that
     is behind, which moves this loader to the peer's position first), and a step that did not commit is
-    retried on the batch it used."""
+    retried on the batches it used (every micro-batch of an accumulated step, in order)."""
 
     _replicas: ReplicaGroup
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._cached: Any = None
+        # The step's batches as read, (batch, epoch, index) each, and how many of them a retry has handed out.
+        self._step_batches: list[tuple[Any, int, int]] = []
+        self._replayed = 0
         self._step_start: dict[str, Any] | None = None
         self._healed: dict[str, Any] | None = None
 
@@ -355,15 +443,18 @@ class ReplicaLoader(LoomDataLoader):
 
     def heal_to(self, position: dict[str, Any] | None) -> None:
         self._healed = position
-        self._cached = None
+        self._step_batches = []
 
     def _next(self, live: Any) -> tuple[Any, Any]:
         """The live pass's next batch for this step, and the pass to read from afterwards."""
         replicas = self._replicas
-        if not replicas._in_step and not (replicas.retrying and self._cached is not None):
-            self._step_start = LoomDataLoader.state_dict(
-                self
-            )  # before this step's batch: what a peer heals to
+        starting = not replicas._in_step
+        if starting and not (replicas.retrying and self._step_batches):
+            # Before this step's first batch: what a peer heals to.
+            self._step_start = LoomDataLoader.state_dict(self)
+            self._step_batches = []
+        if starting:
+            self._replayed = 0
         replicas.begin_step()
         if self._healed is not None:
             # Healed from a peer: read from its position (its epoch, its batch count) in this group's shard.
@@ -371,14 +462,18 @@ class ReplicaLoader(LoomDataLoader):
             LoomDataLoader.load_state_dict(self, self._healed)
             self._step_start, self._healed = self._healed, None
             live = LoomDataLoader.__iter__(self)
-        if replicas.retrying and self._cached is not None:
-            return self._cached, live
+        if replicas.retrying and self._replayed < len(self._step_batches):
+            batch, epoch, index = self._step_batches[self._replayed]
+            self._replayed += 1
+            replicas.note_batch(epoch, index)
+            return batch, live
         position = self._position
         per_batch = (self._loader.batch_size or 1) * position.world_size
-        epoch, index = position.current, position.consumed // per_batch
+        epoch, index = -1 if position.current is None else position.current, position.consumed // per_batch
         batch = next(live)
-        replicas.note_batch(-1 if epoch is None else epoch, index)
-        self._cached = batch
+        replicas.note_batch(epoch, index)
+        self._step_batches.append((batch, epoch, index))
+        self._replayed += 1
         return batch, live
 
 

@@ -242,6 +242,9 @@ class ParallelStrategy(Strategy):
             all_gather_object=self.all_gather_object,
             device=self.root_device,
         )
+        # The loss scaler heals with the model, and the record's fingerprints are of the unscaled gradients.
+        self.replicas.add_stateful("precision", self.precision)
+        self.replicas.loss_scale = self.precision.loss_scale
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.replicas is not None:
