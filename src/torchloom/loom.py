@@ -545,6 +545,8 @@ class Loom:
         self._require_launch("save")
         if self._strategy.replicas is not None and not self._strategy.replicas.writes_checkpoints:
             return  # replica groups hold one state: one group writes it (torchloom.fault_tolerance.replica)
+        if self._strategy.replicas is not None:
+            self._strategy.replicas.save_counters(self._counters)  # the job's committed steps and record
         met = False
         try:
             with _record("save"):
@@ -589,8 +591,11 @@ class Loom:
         that is missing is always refused. `verify=False` skips the checksums. Checkpoints written before
         checksums were recorded load without them."""
         self._require_launch("load")
+        replicas = self._strategy.replicas
+        if replicas is not None:
+            replicas.expect_counters(self._counters)
         with _record("load"):
-            return self._checkpointer.load(
+            rest = self._checkpointer.load(
                 Path(path),
                 state or {},
                 self._forward_modules(),
@@ -599,6 +604,9 @@ class Loom:
                 restore_run_state=restore_run_state,
                 verify=verify,
             )
+        if replicas is not None:  # (counters left at -1 when the run's state was not restored)
+            replicas.load_counters(self._counters)  # the job goes on from the checkpoint's committed step
+        return rest
 
     def load_raw(
         self,

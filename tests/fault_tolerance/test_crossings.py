@@ -78,7 +78,8 @@ _SCRIPT = (
     from torchloom import fault_tolerance as ft
     from torchloom.errors import MisuseError
 
-    out, precision, plan, heal_scheduler = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    out, precision, plan = sys.argv[1:4]
+    heal_scheduler, lose_all = sys.argv[4] == "1", sys.argv[5] == "1"
     """
         )
         + _MODEL
@@ -97,6 +98,9 @@ _SCRIPT = (
     loader = loom.setup_dataloaders(DataLoader(data, batch_size=BATCH))
     rg = ft.current()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    checkpoint, state = os.path.join(out, "checkpoint"), {"model": model, "optimizer": opt, "scheduler": sched}
+    if lose_all and os.path.exists(checkpoint):
+        loom.load(checkpoint, state)
     open(os.path.join(out, f"group{rg.group}.attempt{attempt}"), "w").close()
     kills = [k.split(":") for k in plan.split(",") if k]
     where, after = (kills[attempt][0], int(kills[attempt][1])) if rg.group == 1 and attempt < len(kills) else ("", -1)
@@ -129,7 +133,11 @@ _SCRIPT = (
         if hook is not None:
             hook.remove()
         STREAK
-            if int(net.streak) >= 4:
+            if lose_all and attempt == 0 and rg.step == 3:
+                loom.save(checkpoint, state)
+            if lose_all and attempt == 0 and rg.step == 5:
+                die()  # every group, after the same step: the whole job is lost
+            if int(net.streak) >= 4 and rg.step > 5:
                 break
     scaler = loom._strategy.precision.scaler
     end = {
@@ -148,19 +156,19 @@ _SCRIPT = (
     .replace("    STREAK\n", STREAK.lstrip("\n"))
 )
 
+# precision, group 1's kills, whether the scheduler goes to loom.setup, whether the whole job is lost.
 _JOBS = {
-    "crossings": ("16-mixed", "backward:2,between:3", "1"),
-    "scheduler_left_out": ("32-true", "between:2", "0"),
+    "crossings": ("16-mixed", "backward:2,between:3", "1", "0"),
+    "scheduler_left_out": ("32-true", "between:2", "0", "0"),
+    "job_lost": ("16-mixed", "", "1", "1"),
 }
 
 
-def _job(folder: Path, precision: str, faults: str, heal_scheduler: str) -> subprocess.CompletedProcess[str]:
+def _job(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     folder.mkdir()
     script = folder / "train.py"
     script.write_text(_SCRIPT)
-    command = launch_command(
-        2, 1, folder / "record.jsonl", script, str(folder), precision, faults, heal_scheduler, max_restarts=3
-    )
+    command = launch_command(2, 1, folder / "record.jsonl", script, str(folder), *args, max_restarts=3)
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=400)
 
 
@@ -212,10 +220,7 @@ def _replayed(record: Path) -> tuple[dict[str, torch.Tensor], float, int]:
     return net.state_dict(), opt.param_groups[0]["lr"], steps
 
 
-def test_every_crossing_heals_and_equals_the_replay(jobs) -> None:
-    folder, done = jobs["crossings"]
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert sorted(p.name for p in folder.glob("group1.attempt*")) == [f"group1.attempt{i}" for i in range(3)]
+def _check_against_the_replay(folder: Path) -> None:
     ends = [torch.load(folder / f"group{g}.pt") for g in range(2)]
     assert ends[0]["step"] == ends[1]["step"]
     assert ends[0]["scale"] == ends[1]["scale"] and ends[0]["lr"] == ends[1]["lr"]
@@ -228,6 +233,28 @@ def test_every_crossing_heals_and_equals_the_replay(jobs) -> None:
         if name == "streak":
             continue  # the script's own counter, not the training's
         torch.testing.assert_close(ends[0]["state"][name].float(), value.float(), rtol=0, atol=1e-5)
+
+
+def test_every_crossing_heals_and_equals_the_replay(jobs) -> None:
+    folder, done = jobs["crossings"]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert sorted(p.name for p in folder.glob("group1.attempt*")) == [f"group1.attempt{i}" for i in range(3)]
+    _check_against_the_replay(folder)
+
+
+def test_a_job_that_loses_every_group_resumes_from_its_checkpoint_and_equals_the_replay(jobs) -> None:
+    """Both groups die after step 5; restarted, both load the checkpoint of step 3 and go on numbering from it.
+    The record's history is the whole run (the lines of steps 4 and 5 before the loss are off it), so the
+    replay from the initial model equals the resumed run."""
+    folder, done = jobs["job_lost"]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    for group in range(2):
+        assert sorted(p.name for p in folder.glob(f"group{group}.attempt*")) == [
+            f"group{group}.attempt{i}" for i in range(2)
+        ]
+    lines = (folder / "record.jsonl").read_text().splitlines()
+    assert sum('"step": 5,' in line for line in lines) >= 2  # step 5 before the loss, and again after it
+    _check_against_the_replay(folder)
 
 
 def test_a_scheduler_that_does_not_heal_is_refused_on_every_group(jobs) -> None:

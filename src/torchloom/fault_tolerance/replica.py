@@ -120,6 +120,8 @@ class ReplicaGroup:
         self._buffers_at_start: list[torch.Tensor] | None = None
         # The loss scale the gradients carry (16-mixed): the record's fingerprints are of the true gradients.
         self.loss_scale: Any = lambda: 1.0
+        # torchft's step count from a checkpoint `loom.load` read, for the manager once it starts.
+        self._resumed: dict[str, int] | None = None
         # The record's hash chain of the history this group's state holds (taken from the peer when healing).
         self._chain = ""
         _CURRENT = self
@@ -183,6 +185,8 @@ class ReplicaGroup:
             return
         if self._manager is None:
             self._manager = self._start_manager()
+            if self._resumed is not None:
+                self._manager.load_state_dict(self._resumed)
             # After the manager is up: its heartbeats tell the lighthouse to wait for this group's quorum request.
             _start.wait_for_groups(self.groups, self._group_rank)
         self._in_step = True
@@ -342,6 +346,37 @@ class ReplicaGroup:
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    # A job that loses every group at once restarts from its last checkpoint. The checkpoint carries the job's
+    # committed steps and the record's chain (as counters of the run's state), so the restarted job goes on
+    # numbering steps from there and its record lines follow the checkpoint's step: the record's history is
+    # then the whole run (the lines of the steps lost since the checkpoint are off it), and the replay from
+    # the initial model equals the resumed run.
+
+    #: The run's counters (`loom.save`'s record) that hold this place.
+    COUNTERS = ("replica_step", "replica_batches", "replica_chain")
+
+    def save_counters(self, counters: dict[str, int]) -> None:
+        """Before `loom.save`: write the job's place into the run's counters."""
+        batches = 0 if self._manager is None else int(self._manager.batches_committed())
+        chain = int(self._chain, 16) if self._chain else 0
+        counters.update(zip(self.COUNTERS, (self.step, batches, chain), strict=True))
+
+    def expect_counters(self, counters: dict[str, int]) -> None:
+        """Before `loom.load`: ask for the job's place (absent from a checkpoint written without replica
+        groups: -1)."""
+        counters.update(dict.fromkeys(self.COUNTERS, -1))
+
+    def load_counters(self, counters: dict[str, int]) -> None:
+        """After `loom.load`: go on from the checkpoint's place."""
+        step, batches, chain = (int(counters[key]) for key in self.COUNTERS)
+        if step < 0:
+            return  # a checkpoint of a job without replica groups: the record starts here
+        self._resumed = {"step": step, "batches_committed": batches}
+        self._chain = f"{chain:016x}" if chain else ""
+        if self._manager is not None:
+            self._manager.load_state_dict(self._resumed)
 
     # ---- healing ---------------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
