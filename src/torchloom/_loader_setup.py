@@ -49,6 +49,14 @@ def setup_dataloaders(
             raise MisuseTypeError(
                 f"setup_dataloaders expects torch DataLoaders, got {type(loader).__name__}."
             )
+        if strategy.replicas is not None and isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            raise MisuseError(
+                f"Under replica groups (torchloom run --replica-groups) this DataLoader reads an IterableDataset "
+                f"({type(loader.dataset).__name__}). It splits itself by the rank it sees, which inside a replica "
+                "group is the group's own, so every group would read the same samples, and a group that heals "
+                "could not take its peer's position. Use a map-style Dataset (torchloom gives each group its own "
+                "shard and heals its position), or run without --replica-groups."
+            )
         if use_distributed_sampler:
             # In one process too (keeping the user's sampler's order there): a resumable sampler is what lets
             # a checkpoint resume inside an epoch, also on another number of ranks (see torchloom.data).

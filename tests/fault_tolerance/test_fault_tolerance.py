@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
 
@@ -53,3 +54,27 @@ def test_replica_group_options_are_checked_before_anything_starts(
     script.write_text("raise SystemExit('never runs')\n")
     assert main(["run", *options, str(script)]) == 2
     assert words in capsys.readouterr().err
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_an_iterable_dataset_in_a_replica_group_is_refused_by_name() -> None:
+    """An IterableDataset splits itself by the rank it sees, the group's own inside a replica group: every group
+    would read the same samples. Refused at `setup_dataloaders`, naming a map-style dataset as the fix. (The
+    strategy stands in for a rank of a replica group: only what setup_dataloaders reads of it.)"""
+    from types import SimpleNamespace
+
+    from torchloom._loader_setup import setup_dataloaders
+    from torchloom.errors import MisuseError
+
+    rank = SimpleNamespace(
+        distributed_sampler_kwargs={"num_replicas": 2, "rank": 0},
+        world_size=1,
+        all_gather_object=lambda obj: [obj],
+        replicas=object(),
+    )
+    with pytest.raises(MisuseError, match="reads an IterableDataset.*Use a map-style Dataset"):
+        setup_dataloaders(rank, [torch.utils.data.DataLoader(_Stream(), batch_size=2)], True, None)  # type: ignore[arg-type]
