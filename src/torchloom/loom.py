@@ -543,10 +543,8 @@ class Loom:
         than memory. The swap is still atomic, so a killed process never leaves a broken checkpoint; a power
         loss or kernel crash soon after the save can."""
         self._require_launch("save")
-        if self._strategy.replicas is not None and not self._strategy.replicas.writes_checkpoints:
+        if self._strategy.replicas is not None and not self._strategy.replicas.before_save(self._counters):
             return  # replica groups hold one state: one group writes it (torchloom.fault_tolerance.replica)
-        if self._strategy.replicas is not None:
-            self._strategy.replicas.save_counters(self._counters)  # the job's committed steps and record
         met = False
         try:
             with _record("save"):
@@ -591,11 +589,12 @@ class Loom:
         that is missing is always refused. `verify=False` skips the checksums. Checkpoints written before
         checksums were recorded load without them."""
         self._require_launch("load")
-        replicas = self._strategy.replicas
-        if replicas is not None:
-            replicas.expect_counters(self._counters)
-        with _record("load"):
-            rest = self._checkpointer.load(
+        replicas = self._strategy.replicas  # (fault tolerance: the job's place in the run, in the counters)
+        with (
+            _record("load"),
+            contextlib.nullcontext() if replicas is None else replicas.loading(self._counters),
+        ):
+            return self._checkpointer.load(
                 Path(path),
                 state or {},
                 self._forward_modules(),
@@ -604,9 +603,6 @@ class Loom:
                 restore_run_state=restore_run_state,
                 verify=verify,
             )
-        if replicas is not None:  # (counters left at -1 when the run's state was not restored)
-            replicas.load_counters(self._counters)  # the job goes on from the checkpoint's committed step
-        return rest
 
     def load_raw(
         self,

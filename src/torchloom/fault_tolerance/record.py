@@ -76,6 +76,9 @@ class Step:
     #: Whether the fingerprints are of the whole gradient (False: of the recording rank's local pieces, under a
     #: strategy that shards the model inside a group; the replay then cannot check each participant's).
     whole: bool = True
+    #: The loss scale of the step (16-mixed; 1.0 otherwise): the replay scales its losses alike, so that its
+    #: fp16 backward rounds (and underflows) as the run's did.
+    loss_scale: float = 1.0
 
 
 def flats(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -136,11 +139,18 @@ def participants_with_batches(sources: torch.Tensor, groups: int) -> list[dict[s
 
 
 def append(
-    path: str, step: int, sources: torch.Tensor, groups: int, parent: str, applied: float, whole: bool = True
+    path: str,
+    step: int,
+    sources: torch.Tensor,
+    groups: int,
+    parent: str,
+    applied: float,
+    whole: bool = True,
+    loss_scale: float = 1.0,
 ) -> str:
     """Add committed step `step` (the sums of the groups' slots, see the module docstring; `applied`: the
-    fingerprint of the averaged gradient), which follows the chain `parent`, to the record; return the step's
-    chain."""
+    fingerprint of the averaged gradient; `loss_scale`: the scale the step's loss was multiplied by under
+    16-mixed), which follows the chain `parent`, to the record; return the step's chain."""
     participants = participants_with_batches(sources, groups)
     chain = chained(parent, step, participants)
     described = [
@@ -153,6 +163,7 @@ def append(
             "participants": described,
             "applied": applied,
             "whole": whole,
+            **({} if loss_scale == 1.0 else {"loss_scale": loss_scale}),
             "time": time.time(),
             "chain": chain,
             "parent": parent,
@@ -187,6 +198,7 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
                 data.get("applied"),
                 data.get("time"),
                 bool(data.get("whole", True)),
+                float(data.get("loss_scale", 1.0)),
             )
             seen = lines.get(data["chain"])
             if seen is not None and seen[1].time is not None and entry.time is not None:

@@ -71,8 +71,10 @@ def replay(
         for p in entry.participants:
             buffers.restore(own_buffers, start)
             optimizer.zero_grad(set_to_none=True)
-            loss(model, batch(p.group, p.epoch, p.batch)).backward()
+            (loss(model, batch(p.group, p.epoch, p.batch)) * entry.loss_scale).backward()
             flats = record.flats([q.grad if q.grad is not None else torch.zeros_like(q) for q in params])
+            if entry.loss_scale != 1.0:  # (a power of two: exact)
+                flats = [flat / entry.loss_scale for flat in flats]
             if check and entry.whole:
                 _check_participant(path, entry.step, p, flats)
             total = flats if total is None else [t + f for t, f in zip(total, flats, strict=True)]

@@ -35,6 +35,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from torchloom import _run_protocol
+from torchloom.checkpointing import rng
 from torchloom.data.loader import LoomDataLoader
 from torchloom.errors import ConfigurationError, MisuseError
 from torchloom.fault_tolerance import _start, buffers, exchange
@@ -111,6 +112,7 @@ class ReplicaGroup:
         self._source = (-1, -1)
         self._sources: torch.Tensor | None = None
         self._applied = 0.0
+        self._loss_scale = 1.0
         self._whole = True
         #: Heals so far (`average_gradients` tells a heal inside its own quorum).
         self._heals = 0
@@ -263,6 +265,7 @@ class ReplicaGroup:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
         self._applied = _record.fingerprint(flats)[0] / scale
+        self._loss_scale = scale
         if scale != 1.0 and not all(bool(torch.isfinite(flat).all()) for flat in flats):
             # The loss scaler will skip this step (an overflow in some group): the record says so.
             self._applied = math.inf
@@ -326,7 +329,14 @@ class ReplicaGroup:
             if sources is not None:
                 if self._group_rank == 0 and self._record_path:
                     self._chain = _record.append(
-                        self._record_path, step, sources, self.groups, self._chain, self._applied, self._whole
+                        self._record_path,
+                        step,
+                        sources,
+                        self.groups,
+                        self._chain,
+                        self._applied,
+                        self._whole,
+                        self._loss_scale,
                     )
                 else:
                     self._chain = _record.chained(
@@ -357,19 +367,20 @@ class ReplicaGroup:
     #: The run's counters (`loom.save`'s record) that hold this place.
     COUNTERS = ("replica_step", "replica_batches", "replica_chain")
 
-    def save_counters(self, counters: dict[str, int]) -> None:
-        """Before `loom.save`: write the job's place into the run's counters."""
+    def before_save(self, counters: dict[str, int]) -> bool:
+        """Before `loom.save`: whether this group writes the checkpoint (`writes_checkpoints`); the job's place
+        written into the run's counters."""
         batches = 0 if self._manager is None else int(self._manager.batches_committed())
         chain = int(self._chain, 16) if self._chain else 0
         counters.update(zip(self.COUNTERS, (self.step, batches, chain), strict=True))
+        return self.writes_checkpoints
 
-    def expect_counters(self, counters: dict[str, int]) -> None:
-        """Before `loom.load`: ask for the job's place (absent from a checkpoint written without replica
-        groups: -1)."""
+    @contextlib.contextmanager
+    def loading(self, counters: dict[str, int]) -> Iterator[None]:
+        """Around `loom.load`: ask for the job's place (-1 where the checkpoint holds none: written without
+        replica groups, or its run's state not restored), then go on from it."""
         counters.update(dict.fromkeys(self.COUNTERS, -1))
-
-    def load_counters(self, counters: dict[str, int]) -> None:
-        """After `loom.load`: go on from the checkpoint's place."""
+        yield
         step, batches, chain = (int(counters[key]) for key in self.COUNTERS)
         if step < 0:
             return  # a checkpoint of a job without replica groups: the record starts here
@@ -386,7 +397,7 @@ class ReplicaGroup:
             "modules": [exchange.module_state(m) for m in self._modules],
             "optimizers": [exchange.optimizer_state(o) for o in self._optimizers],
             "loaders": [loader.position_at_step_start() for loader in self._loaders],
-            "rng": torch.get_rng_state(),
+            "rng": rng.capture(self._device),  # Python's, NumPy's, torch's and the rank's GPU's
             "stateful": {name: obj.state_dict() for name, obj in self._stateful.items()},
             "chain": self._chain,
             "participants": self.participants,
@@ -399,7 +410,7 @@ class ReplicaGroup:
             exchange.load_optimizer_state(optimizer, optimizer_state)
         for loader, position in zip(self._loaders, state["loaders"], strict=True):
             loader.heal_to(position)
-        torch.set_rng_state(state["rng"])
+        rng.restore(state["rng"], self._device)
         for name, obj in self._stateful.items():
             obj.load_state_dict(state["stateful"][name])
         self._buffers_at_start = None  # the peer's are this step's start
