@@ -42,9 +42,22 @@ def loss(model, xy):
 """
 
 
-def _spec(tmp_path: Path) -> dict:
+# The optional parts of a spec: the script clipped between loom.backward and optimizer.step(), and stepped a
+# scheduler after each step.
+_AROUND_THE_STEP = """
+
+def before_step(model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+"""
+
+
+def _spec(tmp_path: Path, around: bool = False) -> dict:
     path = tmp_path / "spec.py"
-    path.write_text(_SPEC)
+    path.write_text(_SPEC + (_AROUND_THE_STEP if around else ""))
     import runpy
 
     return runpy.run_path(str(path))
@@ -63,6 +76,7 @@ def _simulate(
     step whose applied average misses group 1's gradient."""
     net, groups, chain = spec["model"](), 2, ""
     opt = spec["optimizer"](net)
+    sched = spec["scheduler"](opt) if "scheduler" in spec else None
     params = list(net.parameters())
     for step in range(steps):
         sent, sums = [], torch.zeros(record.SLOTS * groups, dtype=torch.float64)
@@ -80,7 +94,11 @@ def _simulate(
         for p in params:
             p.grad = mean[0][offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        if "before_step" in spec:
+            spec["before_step"](net)
         opt.step()
+        if sched is not None:
+            sched.step()
         chain = record.append(str(path), step, sums, groups, chain, record.fingerprint(mean)[0])
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
@@ -125,8 +143,13 @@ def test_a_wrong_batch_function_is_named_at_the_first_step(tmp_path: Path) -> No
         _replay(tmp_path / "r.jsonl", spec, shifted)
 
 
-def test_torchloom_replay_compares_with_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = _spec(tmp_path)
+@pytest.mark.parametrize("around", [False, True], ids=["plain", "clipped_and_scheduled"])
+def test_torchloom_replay_compares_with_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], around: bool
+) -> None:
+    """`around`: the spec also defines `before_step` (clipping) and `scheduler`; a replay without them would
+    differ from the run (checked below)."""
+    spec = _spec(tmp_path, around)
     run = _simulate(tmp_path / "r.jsonl", spec)
     torch.save(run, tmp_path / "run.pt")
     args = [
@@ -142,6 +165,11 @@ def test_torchloom_replay_compares_with_the_run(tmp_path: Path, capsys: pytest.C
     torch.testing.assert_close(
         torch.load(tmp_path / "replayed.pt")["0.weight"], run["0.weight"], atol=1e-6, rtol=0
     )
+    if around:  # the same record replayed without them: its check stops at the first step that differs
+        (tmp_path / "spec.py").write_text(_SPEC)
+        assert main(args) == 2
+        assert "is not the gradient it sent" in capsys.readouterr().err
+        (tmp_path / "spec.py").write_text(_SPEC + _AROUND_THE_STEP)
     run["0.weight"] += 1e-3
     torch.save(run, tmp_path / "run.pt")
     assert main(args) == 1
