@@ -84,22 +84,31 @@ def test_cuda_script_planned_with_the_allocator_simulated(plans):
     assert not isinstance(result, PlanError), str(result)
     (rank,) = result["ranks"]
     # 8 MiB: a 20 MiB segment, split (12 MiB left); 12.5 MiB (>= 10 MiB): a segment of its own rounded up to
-    # 2 MiB, 14 MiB; everything else: one 2 MiB segment of the small pool. 20 + 14 + 2 = 36 MiB.
-    assert rank["allocator"]["reserved_peak"] == 36 * MiB
-    # allocated: the tracked bytes rounded up to 512 B each, so at least the tracked peak
-    assert rank["peak_bytes"] <= rank["allocator"]["allocated_peak"] < rank["peak_bytes"] + MiB
-    assert result["reserved_peak_bytes"] == 36 * MiB
+    # 2 MiB, 14 MiB; everything else: one 2 MiB segment of the small pool. Then cuBLAS's workspaces (sm80:
+    # 8 MiB + 128 KiB), one at the forward's first matmul (from the 12 MiB left, split: 3.875 MiB left) and one at
+    # the backward's (autograd's thread): a new 20 MiB segment. 20 + 14 + 2 + 20 = 56 MiB.
+    assert rank["allocator"]["reserved_peak"] == 56 * MiB
+    workspace = 8 * MiB + 128 * 1024
+    assert rank["cublas"]["bytes"] == 2 * workspace
+    # allocated: the tracked bytes rounded up to 512 B each and the two workspaces
+    allocated = rank["allocator"]["allocated_peak"] - 2 * workspace
+    assert rank["peak_bytes"] <= allocated < rank["peak_bytes"] + MiB
+    assert result["reserved_peak_bytes"] == 56 * MiB
     text = format_plan(result)
     assert "as a CUDA job on a device of 80.00 GiB" in text
-    assert "max_memory_reserved 36.00 MiB of the device's 80.00 GiB" in text
+    assert "max_memory_reserved 56.00 MiB of the device's 80.00 GiB" in text
+    assert "cuBLAS workspaces" in text and "autograd's device thread (backward), default stream" in text
 
 
 def test_expandable_segments_from_the_alloc_conf(plans):
     result = plans["expandable"]
     assert not isinstance(result, PlanError), str(result)
     # 8 MiB: one 20 MiB page of the large pool's segment (12 MiB free at its end); 12.5 MiB: those 12 MiB and
-    # one more page, 40 MiB; the small pool: one 2 MiB page. 40 + 2 = 42 MiB.
-    assert result["ranks"][0]["allocator"]["reserved_peak"] == 42 * MiB
+    # one more page, 40 MiB (19.5 MiB free at its end); the small pool: one 2 MiB page. cuBLAS's workspaces on
+    # an H100 (sm90): 32 MiB, the forward's (the 19.5 MiB and one page: 60 MiB, 7.5 free) and the backward's
+    # (the 7.5 MiB and two pages: 100 MiB). 100 + 2 = 102 MiB.
+    assert result["ranks"][0]["allocator"]["reserved_peak"] == 102 * MiB
+    assert result["ranks"][0]["cublas"]["bytes"] == 64 * MiB
     assert result["device"]["name"] == "h100" and result["device"]["capability"] == [9, 0]
     assert "expandable segments" in format_plan(result)
 

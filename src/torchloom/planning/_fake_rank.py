@@ -414,13 +414,14 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     cuda_undo: list[Any] = []
     attention: dict[str, dict[str, Any]] = {}
     streams: list[Any] = []
+    workspaces: list[Any] = []
 
     def on_cuda() -> None:
         """The job is a CUDA one (`--device`, or `Loom(accelerator="cuda")`): the device's queries, streams
         and attention kernels, once."""
         if cuda_undo:
             return
-        from torchloom.planning import _cuda_attention, _cuda_device
+        from torchloom.planning import _cublas, _cuda_attention, _cuda_device
 
         found, undo = _cuda_device.install(device, lambda: account.allocator, rank % per_node, per_node)
         account.stream_now = found.current
@@ -428,6 +429,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         cuda_undo.append(undo)
         capability = tuple(device.get("capability") or _cuda_device.DEFAULT_CAPABILITY)
         cuda_undo.append(_cuda_attention.install(capability, attention))  # type: ignore[arg-type]
+        workspaces.append(_cublas.Workspaces(account, capability, found.names))  # type: ignore[arg-type]
+        account.after_op = workspaces[0].seen
+        cuda_undo.append(lambda: setattr(account, "after_op", None))
 
     if result["cuda"]:
         on_cuda()
@@ -506,6 +510,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
             ],
         }
         result["attention"] = attention
+        if workspaces:
+            result["cublas"] = workspaces[0].report()
         from torchloom.planning._cuda_device import communicators, nccl_allowance
 
         result["nccl"] = nccl_allowance(communicators())

@@ -418,6 +418,14 @@ def _cuda_lines(entry: dict[str, Any]) -> list[str]:
             f"    reserved at its peak{where}, {human(held)} of it allocated: "
             + ", ".join(f"{p['stream']} {p['pool']} pool {human(p['bytes'])}" for p in pools)
         )
+    cublas = entry.get("cublas")
+    if cublas and cublas["workspaces"]:
+        made = cublas["workspaces"]
+        lines.append(
+            f"    cuBLAS workspaces (allocator blocks no tensor owns: in max_memory_allocated and reserved, not in the "
+            f"peak above): {human(cublas['bytes'])}, one for each thread and stream that ran a matmul: "
+            + ", ".join(f"{w['library']} {human(w['bytes'])} ({w['thread']}, {w['stream']})" for w in made)
+        )
     nccl = entry.get("nccl")
     if nccl and nccl["communicators"]:
         lines.append(

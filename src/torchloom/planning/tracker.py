@@ -203,6 +203,10 @@ class MemoryAccount(TorchDispatchMode):
         # the CUDA stream an allocation is made on now (`_cuda_device.Streams.current`): 0, the default stream
         self.stream_now: Any = lambda: 0
         self.reserved_peak_at: dict[str, Any] | None = None  # the phase, module and step of the reserved peak
+        # called with (namespace, op) after every op: what a kernel library allocates besides the op's tensors
+        # (`_cublas.Workspaces.seen`)
+        self.after_op: Any = None
+        self._held = 0  # allocations of the simulated allocator that no tensor owns (`hold_on_device`)
 
     def use_allocator(self, allocator: CachingAllocator) -> None:
         """Feed every storage made, resized and freed from now on into `allocator` (a CUDA job's reserved
@@ -238,6 +242,13 @@ class MemoryAccount(TorchDispatchMode):
             self.allocator = None
             return
         allocator.free(old)
+
+    def hold_on_device(self, nbytes: int) -> None:
+        """Allocate `nbytes` on the current stream of the simulated allocator for the rest of the run: memory a
+        library keeps outside any tensor (cuBLAS's workspaces), in the allocator's figures, not among the live
+        tensors."""
+        self._held += 1
+        self._device_malloc(-self._held, nbytes)
 
     def _device_free(self, key: int) -> None:
         handle = self._handles.pop(key, 0)
@@ -386,7 +397,8 @@ class MemoryAccount(TorchDispatchMode):
         inputs: list[torch.Tensor] = []
         for value in tree_flatten((args, kwargs))[0]:
             _flat_tensors(value, inputs)
-        if self.fake and inputs and not any(_torch_compat.is_fake(t) for t in inputs):
+        real = bool(self.fake and inputs) and not any(_torch_compat.is_fake(t) for t in inputs)
+        if real:
             with (
                 _torch_compat.unset_fake_temporarily()
             ):  # real inputs only (a sampler's indices): run for real
@@ -419,6 +431,8 @@ class MemoryAccount(TorchDispatchMode):
             storage = _storage(t)
             if storage is not None:
                 self._add(storage, label)
+        if self.after_op is not None and not real:  # an op of the job's device (not the data's integer work)
+            self.after_op(namespace, op)
         return out
 
     # ---- entering and leaving -----------------------------------------------------------------------------
