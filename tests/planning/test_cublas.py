@@ -36,7 +36,7 @@ def test_one_workspace_per_thread_and_stream_that_runs_a_matmul() -> None:
     stream = [0]
     account.stream_now = lambda: stream[0]
     workspaces = Workspaces(account, (9, 0), {0: "default stream", 1: "side stream"})
-    account.after_op = workspaces.seen
+    account.after_op.append(workspaces.seen)
     with fake, account:
         weight = torch.zeros(4, 4, requires_grad=True)
         x = torch.zeros(2, 4)

@@ -52,7 +52,7 @@ def workspace_sizes(capability: tuple[int, int], environ: dict[str, str] | None 
 
 class Workspaces:
     """Allocates each (thread, stream)'s workspace in the account's simulated allocator at its first matmul, as
-    cuBLAS does; `account.after_op` calls `seen` after every op."""
+    cuBLAS does; the account calls `seen` after every op (`account.after_op`)."""
 
     def __init__(self, account: Any, capability: tuple[int, int], stream_names: Any) -> None:
         self.account = account
@@ -60,7 +60,7 @@ class Workspaces:
         self.stream_names = stream_names  # stream number -> name
         self.made: dict[tuple[str, int, str], int] = {}  # (thread, stream, library) -> bytes
 
-    def seen(self, namespace: str, op: str) -> None:
+    def seen(self, namespace: str, op: str, args: Any = ()) -> None:
         if namespace != "aten" or op not in MATMULS or self.account.allocator is None:
             return
         # the backward runs on autograd's device thread, with a cuBLAS handle of its own

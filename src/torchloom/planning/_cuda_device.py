@@ -26,6 +26,12 @@ from torchloom.planning.allocator import CachingAllocator
 DEFAULT_CAPABILITY = (8, 0)
 
 
+def multiprocessors(capability: tuple[int, int]) -> int:
+    """The SM count the planned device reports (what kernels size their splits by): an H100 SXM's 132 from
+    Hopper on, an A100's 108 before."""
+    return 132 if capability >= (9, 0) else 108
+
+
 class Streams:
     """The job's CUDA streams as the plan sees them: `torch.cpu.Stream` objects (what FSDP2 and others make through
     their device handle on the plan's CPU tensors), numbered as they are made, the current one changed by
@@ -120,7 +126,7 @@ def install(
         major=capability[0],
         minor=capability[1],
         total_memory=memory,
-        multi_processor_count=132 if capability >= (9, 0) else 108,
+        multi_processor_count=multiprocessors(capability),  # type: ignore[arg-type]
         is_integrated=False,
         is_multi_gpu_board=False,
     )

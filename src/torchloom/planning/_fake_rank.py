@@ -430,8 +430,9 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         capability = tuple(device.get("capability") or _cuda_device.DEFAULT_CAPABILITY)
         cuda_undo.append(_cuda_attention.install(capability, attention))  # type: ignore[arg-type]
         workspaces.append(_cublas.Workspaces(account, capability, found.names))  # type: ignore[arg-type]
-        account.after_op = workspaces[0].seen
-        cuda_undo.append(lambda: setattr(account, "after_op", None))
+        account.after_op.append(workspaces[0].seen)
+        account.after_op.append(_cuda_attention.backward_scratch(account, capability))  # type: ignore[arg-type]
+        cuda_undo.append(account.after_op.clear)
 
     if result["cuda"]:
         on_cuda()

@@ -203,9 +203,9 @@ class MemoryAccount(TorchDispatchMode):
         # the CUDA stream an allocation is made on now (`_cuda_device.Streams.current`): 0, the default stream
         self.stream_now: Any = lambda: 0
         self.reserved_peak_at: dict[str, Any] | None = None  # the phase, module and step of the reserved peak
-        # called with (namespace, op) after every op: what a kernel library allocates besides the op's tensors
-        # (`_cublas.Workspaces.seen`)
-        self.after_op: Any = None
+        # each called with (namespace, op, args) after every op of the job's device: what a kernel or its library
+        # allocates besides the op's tensors (`_cublas.Workspaces.seen`, `_cuda_attention.backward_scratch`)
+        self.after_op: list[Any] = []
         self._held = 0  # allocations of the simulated allocator that no tensor owns (`hold_on_device`)
 
     def use_allocator(self, allocator: CachingAllocator) -> None:
@@ -249,6 +249,28 @@ class MemoryAccount(TorchDispatchMode):
         tensors."""
         self._held += 1
         self._device_malloc(-self._held, nbytes)
+
+    def scratch(self, sizes: list[int], label: str = "temporaries") -> None:
+        """Buffers a kernel allocates for itself and frees before it returns (flash attention's fp32
+        accumulator in its backward), made now in this order and freed in the reverse: counted among the live
+        tensors and in the simulated allocator while the op runs."""
+        made = []
+        for nbytes in sizes:
+            self._held += 1
+            key, serial = -self._held, self._serial + 1
+            self._serial = serial
+            self.live[key] = (serial, nbytes, label)
+            self.current += nbytes
+            self.by_label[label] += nbytes
+            self._device_malloc(key, nbytes)
+            self._up = self._up or nbytes > 0
+            if self.current > self.peak.bytes:
+                self._rising = True
+                self.peak.bytes = self.current
+                self._where = (self._phase_now(), self._module_now(), self.step)
+            made.append((key, serial))
+        for key, serial in reversed(made):
+            self._free(key, serial)
 
     def _device_free(self, key: int) -> None:
         handle = self._handles.pop(key, 0)
@@ -431,8 +453,9 @@ class MemoryAccount(TorchDispatchMode):
             storage = _storage(t)
             if storage is not None:
                 self._add(storage, label)
-        if self.after_op is not None and not real:  # an op of the job's device (not the data's integer work)
-            self.after_op(namespace, op)
+        if not real:  # an op of the job's device (not the data's integer work)
+            for call in self.after_op:
+                call(namespace, op, args)
         return out
 
     # ---- entering and leaving -----------------------------------------------------------------------------
