@@ -54,13 +54,42 @@ def plans(tmp_path_factory):
         "expandable": dict(device="h100", alloc_conf="expandable_segments:True"),
         "devices": dict(devices=1, alloc_conf="", devices_in_script=", devices=2"),
     }
-    with ThreadPoolExecutor(len(calls) + 1) as pool:
+    with ThreadPoolExecutor(len(calls) + 2) as pool:
         futures = {
             name: pool.submit(_plan, folder, name, options.pop("devices_in_script", ""), **options)
             for name, options in calls.items()
         }
         futures["llama"] = pool.submit(_plan_llama)
+        futures["offload"] = pool.submit(_plan_offload, folder)
         return {name: future.result() for name, future in futures.items()}
+
+
+_OFFLOAD = """
+import torch
+from torchloom import Loom
+from torchloom.strategies import FSDP2Strategy
+
+loom = Loom(accelerator="cuda", devices=2, strategy=FSDP2Strategy(cpu_offload=True))
+loom.launch()
+with loom.init_module(empty_init=True):
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512, bias=False) for _ in range(4)))
+model = loom.setup_module(model)
+optimizer = loom.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+for _ in range(2):
+    loss = model(torch.randn(64, 512, device=loom.device)).sum()
+    loom.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def _plan_offload(folder):
+    script = folder / "offload.py"
+    script.write_text(_OFFLOAD)
+    try:
+        return plan(str(script), devices=2, device="h100", alloc_conf="", timeout=600)
+    except PlanError as error:
+        return error
 
 
 def _plan_llama():
@@ -98,6 +127,27 @@ def test_cuda_script_planned_with_the_allocator_simulated(plans):
     assert "as a CUDA job on a device of 80.00 GiB" in text
     assert "max_memory_reserved 56.00 MiB of the device's 80.00 GiB" in text
     assert "cuBLAS workspaces" in text and "autograd's device thread (backward), default stream" in text
+    # one rank: no communicator; the CUDA context's allowance (512 MiB) beside the 56 MiB reserved
+    fit = result["device_fit"]
+    assert (fit["needed"], fit["nccl"], fit["fits"]) == (56 * MiB + 512 * MiB, 0, True)
+    assert "568.00 MiB of 80.00 GiB: fits" in text
+
+
+def test_the_device_fit_counts_what_is_outside_the_allocator():
+    from torchloom.planning.plan import CUDA_CONTEXT, DEVICES, device_fit, planned_device
+
+    entries = [
+        {"rank": 0, "allocator": {"reserved_peak": 600 * MiB}, "nccl": {"bytes": 256 * MiB}},
+        {"rank": 3, "allocator": {"reserved_peak": 500 * MiB}, "nccl": {"bytes": 256 * MiB}},
+    ]
+    # the largest rank: 600 + 256 + 512 = 1368 MiB, over a 1 GiB device and within a 2 GiB one
+    assert device_fit(entries, {"memory": 1 << 30})["fits"] is False
+    fit = device_fit(entries, {"memory": 2 << 30})
+    assert (fit["rank"], fit["needed"], fit["fits"]) == (0, 600 * MiB + 256 * MiB + CUDA_CONTEXT, True)
+    assert device_fit(entries, {"memory": None})["fits"] is None
+    # the table: what nvidia-smi reports, in MiB, and NVIDIA's capabilities (L4 and L40S: Ada, 8.9; B200: 10.0)
+    assert DEVICES["h100"] == (81559 * MiB, (9, 0)) and DEVICES["l40s"][1] == (8, 9)
+    assert planned_device("B200", None)["capability"] == [10, 0]
 
 
 def test_expandable_segments_from_the_alloc_conf(plans):
@@ -136,3 +186,30 @@ def test_a_llama_with_torchtitans_recipe_planned_with_cudas_streams_and_kernels(
     text = format_plan(result)
     assert "planned as CUDA's flash kernel (aten._scaled_dot_product_flash_attention)" in text
     assert "reduce_scatter_stream large pool" in text and "outside the allocator" in text
+
+
+def test_cpu_offload_plans_the_host_apart_from_the_device(plans):
+    result = plans["offload"]
+    assert not isinstance(result, PlanError), str(result)
+    shard = 512 * 512 * 4 // 2  # each weight's fp32 shard on each of the 2 ranks: 512 KiB
+    for rank in result["ranks"]:
+        host = rank["host"]["breakdown"]
+        # in the host's memory: the 4 shards of the parameters, their gradients (copied from the device after
+        # the reduce-scatter) and AdamW's two moments; its step runs there, one parameter at a time (the CPU has
+        # no foreach kernels): at most 3 shards of temporaries (the sqrt and the division of one parameter, and
+        # the previous parameter's denominator, still held by the loop's variable)
+        assert (host["parameters"], host["gradients"], host["optimizer state"]) == (
+            4 * shard,
+            4 * shard,
+            8 * shard,
+        )
+        assert (
+            rank["host"]["peak_bytes"] == 16 * shard + host["temporaries"]
+            and host["temporaries"] <= 3 * shard
+        )
+        # on the device: none of it (the step counters aside, 4 B each); the all-gathers' host-to-device copies
+        device = rank["breakdown"]
+        assert device["parameters"] == device["gradients"] == 0 and device["optimizer state"] <= 16
+        assert rank["peak_bytes"] < 5 * 4 * shard  # the gathered model (4 MiB) and the activations
+    assert result["host_peak_bytes"] == max(r["host"]["peak_bytes"] for r in result["ranks"])
+    assert "host memory (CPU offload" in format_plan(result)

@@ -318,6 +318,29 @@ def _plan_loom_options(result: dict[str, Any], devices: int, on_cuda: Any) -> An
     return original
 
 
+def _offload_accepted() -> Any:
+    """A CUDA job's `cpu_offload=True` is planned: torchloom refuses it on CPU ranks (their memory is the CPU's
+    already), and the plan's CPU ranks stand for CUDA ones here. Returns a function that undoes it."""
+    from torchloom.strategies._sharded import ShardedStrategy
+
+    original = ShardedStrategy.validate
+
+    def validate(self: ShardedStrategy) -> None:
+        offload = self.cpu_offload
+        self.cpu_offload = False
+        try:
+            original(self)
+        finally:
+            self.cpu_offload = offload
+
+    ShardedStrategy.validate = validate  # type: ignore[method-assign]
+
+    def undo() -> None:
+        ShardedStrategy.validate = original  # type: ignore[method-assign]
+
+    return undo
+
+
 def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any]:
     """The script's error, where in the user's code it happened (the innermost of the user's frames: torch's
     own frames do not say which line of the script to change) and its traceback from the user's frames on."""
@@ -421,7 +444,7 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         and attention kernels, once."""
         if cuda_undo:
             return
-        from torchloom.planning import _cublas, _cuda_attention, _cuda_device
+        from torchloom.planning import _cublas, _cuda_attention, _cuda_device, _offload
 
         found, undo = _cuda_device.install(device, lambda: account.allocator, rank % per_node, per_node)
         account.stream_now = found.current
@@ -433,6 +456,8 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         account.after_op.append(workspaces[0].seen)
         account.after_op.append(_cuda_attention.backward_scratch(account, capability))  # type: ignore[arg-type]
         cuda_undo.append(account.after_op.clear)
+        cuda_undo.append(_offload.install(account))
+        cuda_undo.append(_offload_accepted())
 
     if result["cuda"]:
         on_cuda()
@@ -511,6 +536,13 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
             ],
         }
         result["attention"] = attention
+        if account.host_peak.bytes:
+            result["host"] = {
+                "peak_bytes": account.host_peak.bytes,
+                "phase": account.host_peak.phase,
+                "step": account.host_peak.step + (1 if account.host_peak.phase != "setup" else 0),
+                "breakdown": account.host_breakdown(),
+            }
         if workspaces:
             result["cublas"] = workspaces[0].report()
         from torchloom.planning._cuda_device import communicators, nccl_allowance

@@ -207,6 +207,18 @@ class MemoryAccount(TorchDispatchMode):
         # allocates besides the op's tensors (`_cublas.Workspaces.seen`, `_cuda_attention.backward_scratch`)
         self.after_op: list[Any] = []
         self._held = 0  # allocations of the simulated allocator that no tensor owns (`hold_on_device`)
+        # A CUDA job's host memory, apart from the device's (`track_host`): the storages that live in CPU memory
+        # (what CPU offload keeps there, `_offload`), their total and peak; a new storage is the host's when
+        # `placement` says so, or, left to the op, when every tensor the op read is the host's (the optimizer's
+        # step over offloaded parameters runs on the CPU).
+        self.track_host = False
+        self.placement: str | None = (
+            None  # "host" or "device": where the storages made now are, whatever the op
+        )
+        self.host: dict[int, tuple[int, int, str]] = {}  # storage key -> (serial, bytes, label)
+        self.host_current = 0
+        self.host_peak = Peak()
+        self._host_rising = False
 
     def use_allocator(self, allocator: CachingAllocator) -> None:
         """Feed every storage made, resized and freed from now on into `allocator` (a CUDA job's reserved
@@ -296,8 +308,59 @@ class MemoryAccount(TorchDispatchMode):
             return "temporaries"
         return "other"
 
-    def _add(self, storage: torch.UntypedStorage, label: str) -> None:
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory is the host's (a CUDA job's CPU memory, `track_host`)."""
+        storage = _storage(tensor)
+        return storage is not None and storage._cdata in self.host
+
+    def _add_host(self, storage: torch.UntypedStorage, label: str) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self.host:
+            serial, before, old_label = self.host[key]
+            if nbytes < before:
+                self._settle_host()
+            self.host[key] = (serial, nbytes, old_label)
+        else:
+            before = 0
+            self._serial += 1
+            self.host[key] = (self._serial, nbytes, label)
+            weakref.finalize(storage, self._free_host, key, self._serial)
+        self.host_current += nbytes - before
+        if self.host_current > self.host_peak.bytes:
+            self._host_rising = True
+            self.host_peak.bytes = self.host_current
+            self.host_peak.phase, self.host_peak.module, self.host_peak.step = (
+                self._phase_now(),
+                self._module_now(),
+                self.step,
+            )
+
+    def _free_host(self, key: int, serial: int) -> None:
+        entry = self.host.get(key)
+        if entry is None or entry[0] != serial:
+            return
+        self._settle_host()
+        del self.host[key]
+        self.host_current -= entry[1]
+
+    def _settle_host(self) -> None:
+        if self._host_rising:
+            self._host_rising = False
+            self.host_peak.held = {serial: (nbytes, label) for serial, nbytes, label in self.host.values()}
+
+    def host_breakdown(self) -> dict[str, int]:
+        """The host peak's bytes by kind."""
+        self._settle_host()
+        kinds = dict.fromkeys(KINDS, 0)
+        for serial, (nbytes, label) in self.host_peak.held.items():
+            kinds[self.known.get(serial, label)] += nbytes
+        return kinds
+
+    def _add(self, storage: torch.UntypedStorage, label: str, host: bool = False) -> None:
         key = storage._cdata
+        if self.track_host and (key in self.host or (host and key not in self.live)):
+            self._add_host(storage, label)
+            return
         nbytes = storage.nbytes()
         if key in self.live:
             serial, before, old_label = self.live[key]
@@ -441,6 +504,10 @@ class MemoryAccount(TorchDispatchMode):
                     with _torch_compat.unset_fake_temporarily():
                         out = func(*args, **kwargs)
         label = self._label(op, namespace)
+        host = self.placement == "host"
+        if self.track_host and self.placement is None and inputs:
+            placed = [self.is_host(t) for t in inputs if _storage(t) is not None]
+            host = bool(placed) and all(placed)
         results: list[torch.Tensor] = []
         for value in tree_flatten(out)[0]:
             _flat_tensors(value, results)
@@ -452,7 +519,7 @@ class MemoryAccount(TorchDispatchMode):
                 continue
             storage = _storage(t)
             if storage is not None:
-                self._add(storage, label)
+                self._add(storage, label, host)
         if not real:  # an op of the job's device (not the data's integer work)
             for call in self.after_op:
                 call(namespace, op, args)
@@ -509,6 +576,8 @@ class MemoryAccount(TorchDispatchMode):
             storage = _storage(t)
             if storage is not None and storage._cdata in self.live:
                 serials.append(self.live[storage._cdata][0])
+            elif storage is not None and storage._cdata in self.host:
+                serials.append(self.host[storage._cdata][0])
         return serials
 
     def note(self, modules: list[torch.nn.Module], optimizers: list[Any]) -> None:
