@@ -25,7 +25,7 @@ loom = Loom(accelerator="cuda"{devices})
 # the planned device answers torch's queries (h100: sm90; a device given by its memory alone: sm80)
 assert torch.cuda.is_available() and torch.cuda.device_count() == 1, "the planned device is not seen"
 assert torch.cuda.get_device_capability() in ((9, 0), (8, 0)), torch.cuda.get_device_capability()
-model = torch.nn.Linear(4, 1, bias=False)
+model = torch.nn.Linear(4, 1, bias=False).to("cuda")  # made on the plan's CPU device: no copy
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = loom.setup(model, optimizer)
 held = [torch.empty(2 * 2**20, device=loom.device), torch.empty(25 * 2**17, device=loom.device)]
