@@ -54,13 +54,14 @@ def plans(tmp_path_factory):
         "expandable": dict(device="h100", alloc_conf="expandable_segments:True"),
         "devices": dict(devices=1, alloc_conf="", devices_in_script=", devices=2"),
     }
-    with ThreadPoolExecutor(len(calls) + 2) as pool:
+    with ThreadPoolExecutor(len(calls) + 3) as pool:
         futures = {
             name: pool.submit(_plan, folder, name, options.pop("devices_in_script", ""), **options)
             for name, options in calls.items()
         }
         futures["llama"] = pool.submit(_plan_llama)
         futures["offload"] = pool.submit(_plan_offload, folder)
+        futures["offload_fsdp1"] = pool.submit(_plan_offload, folder, "FSDPStrategy")
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -83,9 +84,9 @@ for _ in range(2):
 """
 
 
-def _plan_offload(folder):
-    script = folder / "offload.py"
-    script.write_text(_OFFLOAD)
+def _plan_offload(folder, strategy="FSDP2Strategy"):
+    script = folder / f"offload_{strategy}.py"
+    script.write_text(_OFFLOAD.replace("FSDP2Strategy", strategy))
     try:
         return plan(str(script), devices=2, device="h100", alloc_conf="", timeout=600)
     except PlanError as error:
@@ -213,3 +214,9 @@ def test_cpu_offload_plans_the_host_apart_from_the_device(plans):
         assert rank["peak_bytes"] < 5 * 4 * shard  # the gathered model (4 MiB) and the activations
     assert result["host_peak_bytes"] == max(r["host"]["peak_bytes"] for r in result["ranks"])
     assert "host memory (CPU offload" in format_plan(result)
+
+
+def test_cpu_offload_under_fsdp1_is_refused_with_the_plans_words(plans):
+    error = plans["offload_fsdp1"]
+    assert isinstance(error, PlanError)
+    assert "strategy='fsdp2' (FSDP2Strategy(cpu_offload=True)) only" in str(error)

@@ -327,6 +327,13 @@ def _offload_accepted() -> Any:
 
     def validate(self: ShardedStrategy) -> None:
         offload = self.cpu_offload
+        if offload and self.flavour != "fsdp2":
+            from torchloom.errors import ConfigurationError
+
+            raise ConfigurationError(
+                "cpu_offload=True with strategy='fsdp' (FSDP1): `torchloom plan` plans CPU offload of a CUDA job "
+                "with strategy='fsdp2' (FSDP2Strategy(cpu_offload=True)) only; plan FSDP1 without cpu_offload."
+            )
         self.cpu_offload = False
         try:
             original(self)

@@ -16,8 +16,8 @@ Told by where torch makes them (the call's own frame in torch/distributed/fsdp/_
   in the device's memory.
 
 Whatever an op computes from the host's tensors alone is the host's too (the optimizer's state and step over
-the offloaded shards, which run on the CPU). Not modelled: FSDP1's `CPUOffload` (its flat parameters' copies are
-planned on the device, as before), host memory outside the offloaded state (the data loader's, the script's
+the offloaded shards, which run on the CPU). Not modelled: FSDP1's `CPUOffload` (a CUDA plan refuses it, see
+`_fake_rank._offload_accepted`), host memory outside the offloaded state (the data loader's, the script's
 own `.cpu()` copies), and the CPU optimizer's choice of its per-parameter loop (planned as foreach).
 """
 
