@@ -16,9 +16,10 @@ Told by where torch makes them (the call's own frame in torch/distributed/fsdp/_
   in the device's memory.
 
 Whatever an op computes from the host's tensors alone is the host's too (the optimizer's state and step over
-the offloaded shards, which run on the CPU). Not modelled: FSDP1's `CPUOffload` (a CUDA plan refuses it, see
-`_fake_rank._offload_accepted`), host memory outside the offloaded state (the data loader's, the script's
-own `.cpu()` copies), and the CPU optimizer's choice of its per-parameter loop (planned as foreach).
+the offloaded shards, which run on the CPU, in the per-parameter loop torch chooses there). Any other
+`pin_memory()` (a data loader's `pin_memory=True`) is a host copy too. Not modelled: FSDP1's `CPUOffload` (a CUDA
+plan refuses it, see `_fake_rank._offload_accepted`), and host memory that is not pinned nor offloaded state (the
+script's own `.cpu()` copies).
 """
 
 from __future__ import annotations
