@@ -17,9 +17,9 @@ Told by where torch makes them (the call's own frame in torch/distributed/fsdp/_
 
 Whatever an op computes from the host's tensors alone is the host's too (the optimizer's state and step over
 the offloaded shards, which run on the CPU, in the per-parameter loop torch chooses there). Any other
-`pin_memory()` (a data loader's `pin_memory=True`) is a host copy too. Not modelled: FSDP1's `CPUOffload` (a CUDA
-plan refuses it, see `_fake_rank._offload_accepted`), and host memory that is not pinned nor offloaded state (the
-script's own `.cpu()` copies).
+`pin_memory()` of a fake tensor is a host copy too (a real tensor's, a data loader's batch, is torch's own).
+Not modelled: FSDP1's `CPUOffload` (a CUDA plan refuses it, see `_fake_rank._offload_accepted`), and host memory
+that is neither pinned nor offloaded state (the script's own `.cpu()` copies).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from torchloom import _torch_compat
 
 _FSDP2 = os.sep + os.path.join("distributed", "fsdp", "_fully_shard") + os.sep
 _TO_HOST = {"_init_sharded_param", "reset_sharded_param", "foreach_reduce"}
@@ -93,12 +95,16 @@ def install(account: Any) -> Callable[[], None]:
         return copy if copy is not None else originals["cpu"](self, *args, **kwargs)
 
     def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not _torch_compat.is_fake(self):  # a real tensor (a data loader's batch, in its own thread)
+            return originals["pin_memory"](self, *args, **kwargs)
         if account.is_host(self):
             return self
         with made_on("host"):
             return self.clone()
 
     def is_pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        if not _torch_compat.is_fake(self):
+            return bool(originals["is_pinned"](self, *args, **kwargs))
         return bool(account.is_host(self))
 
     for name, method in (("to", to), ("cpu", cpu), ("pin_memory", pin_memory), ("is_pinned", is_pinned)):
