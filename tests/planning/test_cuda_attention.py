@@ -117,3 +117,38 @@ def test_grouped_query_attention_keeps_the_shared_heads_under_flash() -> None:
         undo()
     assert set(calls) == {"flash"} and out.shape == (2, 4, 32, 64)
     assert torch.Size([2, 2, 32, 64]) in saved  # the 2 key/value heads, not repeated to 4
+
+
+def test_flash_backwards_own_buffers_by_the_kernels_rules() -> None:
+    from torchloom.planning._cuda_attention import flash_backward_scratch
+
+    q, k, _ = _qkv(head_dim=72, kv_heads=2)  # batch 2, 4 heads, 32 rows, head dim 72; 2 key/value heads
+    # softmax_d: 2 x 4 x 128 (32 rounded up to 128) fp32; dq_accum: 2 x 128 x 4 x 96 (72 rounded up to 32) fp32;
+    # grouped-query: dk and dv at all 4 heads, 2 x 32 x 4 x 72 bf16 each
+    assert flash_backward_scratch(q, k, 132, False) == [4096, 393216, 36864, 36864]
+    # deterministic: ceil(132 SMs / (2 x 4)) = 17 accumulators of dq
+    assert flash_backward_scratch(q, k, 132, True)[1] == 17 * 393216
+
+
+def _flash_step_peak(scratch: bool) -> int:
+    from torchloom.planning._cuda_attention import backward_scratch
+    from torchloom.planning.tracker import MemoryAccount
+
+    undo = install((9, 0), {})
+    try:
+        fake = _torch_compat.fake_tensor_mode()
+        account = MemoryAccount(fake=True, fake_mode=fake)
+        if scratch:
+            account.after_op.append(backward_scratch(account, (9, 0)))
+        with fake, account:
+            q, k, v = (t.requires_grad_() for t in _qkv(head_dim=64))
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    finally:
+        undo()
+    return account.peak.bytes
+
+
+def test_flash_backwards_buffers_are_live_while_it_runs() -> None:
+    # at the backward's call its outputs and inputs are live, and its own buffers on top of them: softmax_d
+    # (2 x 4 x 128 fp32) and dq_accum (2 x 128 x 4 x 64 fp32), which outweigh everything else of this step
+    assert _flash_step_peak(True) - _flash_step_peak(False) == 2 * 4 * 128 * 4 + 2 * 128 * 4 * 64 * 4

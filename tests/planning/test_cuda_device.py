@@ -92,3 +92,48 @@ def test_tensors_the_script_puts_on_cuda_are_made_on_the_plans_cpu_device() -> N
     if not torch.cuda.is_available():  # undone: this CPU build refuses CUDA tensors again
         with pytest.raises((RuntimeError, AssertionError)):
             torch.ones(1, device="cuda")
+
+
+def _adamw_peak(on_cuda: bool, **options: object) -> tuple[int, int]:
+    """Two AdamW steps over 4 fp32 parameters of 1 MiB each (P = 4 MiB in all), with their gradients, on the
+    plan's fake tensors: the peak of live bytes and its temporaries."""
+    from torchloom import _torch_compat
+    from torchloom.planning.tracker import MemoryAccount
+
+    undo = _cuda_device.install({"memory": 1 << 34}, lambda: None, 0, 1)[1] if on_cuda else None
+    try:
+        fake = _torch_compat.fake_tensor_mode()
+        account = MemoryAccount(fake=True, fake_mode=fake)
+        with fake, account:
+            params = [torch.nn.Parameter(torch.zeros(MiB // 4)) for _ in range(4)]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer = torch.optim.AdamW(params, **options)  # type: ignore[arg-type]
+            account.in_optimizer_step = True
+            optimizer.step()
+            optimizer.step()
+            account.in_optimizer_step = False
+            account.note([torch.nn.ParameterList(params)], [optimizer])  # what holds parameters and state
+    finally:
+        if undo is not None:
+            undo()
+    return account.peak.bytes, account.breakdown()["temporaries"]
+
+
+def test_the_optimizer_takes_the_path_it_takes_on_the_device() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.optim import optimizer
+
+    # On CUDA, AdamW left to choose runs foreach: the parameters (P), gradients (P), two moments (2P) and
+    # `_foreach_sqrt` of every second moment at once (P) are live together: 5P = 20 MiB (and 4 step scalars).
+    peak, temporaries = _adamw_peak(True)
+    assert 20 * MiB <= peak < 20 * MiB + 1024 and 4 * MiB <= temporaries < 4 * MiB + 1024
+    # fused=True, asked by the script: the fused kernel updates in place, no list of temporaries: 4P = 16 MiB
+    peak, temporaries = _adamw_peak(True, fused=True)
+    assert 16 * MiB <= peak < 16 * MiB + 1024 and temporaries < 1024
+    # foreach=False asked, and the CPU job (where torch defaults to the loop): one parameter's temporaries at a
+    # time, under 5P
+    assert _adamw_peak(True, foreach=False)[0] < 20 * MiB
+    assert _adamw_peak(False)[0] < 20 * MiB
+    assert FakeTensor not in optimizer._foreach_supported_types  # undone
+    assert "cpu" not in optimizer._get_foreach_kernels_supported_devices()

@@ -9,8 +9,12 @@ sdp_utils.cpp: flash, then memory-efficient, then math, each taken when its chec
 output and the logsumexp for flash and memory-efficient attention; math materialises the scores), autograd saves
 what CUDA's saves, and the policy sees CUDA's op name.
 
-Not modelled: cuDNN attention (opt-in in torch's priority order), the kernels' internal workspaces (flash's
-backward accumulates dq in fp32 inside its kernel call), nested tensors.
+Flash attention's backward allocates buffers of its own for the length of its call (torch's FlashAttention-2,
+aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, `mha_bwd`), which the op's fake kernel does not:
+`backward_scratch` counts them (see there).
+
+Not modelled: cuDNN attention (opt-in in torch's priority order), the memory-efficient kernel's backward
+workspace (its per-block gradient accumulators, sized by the kernel's tiling), nested tensors.
 """
 
 from __future__ import annotations
@@ -123,3 +127,45 @@ def install(capability: tuple[int, int], calls: dict[str, dict[str, Any]]) -> Ca
         functional.scaled_dot_product_attention = original
 
     return undo
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def flash_backward_scratch(
+    query: torch.Tensor, key: torch.Tensor, multiprocessors: int, deterministic: bool
+) -> list[int]:
+    """The bytes flash attention's backward allocates for itself, in its order, for `query` (batch, heads,
+    query length, head dim) and `key` (batch, key/value heads, key length, head dim) as SDPA passes them:
+
+    - the softmax gradient's row sums (`softmax_d`): fp32, batch x heads x the query length rounded up to 128;
+    - the fp32 accumulator of dq (`dq_accum`): batch x the query length rounded up to 128 x heads x the head dim
+      (rounded up to 8) rounded up to 32; with deterministic algorithms, one per split, ceil(SMs / (batch x
+      heads)) splits;
+    - with fewer key/value heads than heads (grouped-query attention), dk and dv at every head (batch x key
+      length x heads x head dim, in the inputs' dtype), summed into the grouped ones at the end."""
+    batch, heads, length_q, head_dim = query.shape
+    heads_k, length_k = key.shape[1], key.shape[2]
+    head_size = _round_up(head_dim, 8)
+    rows = _round_up(length_q, 128)
+    splits = -(-multiprocessors // (batch * heads)) if deterministic else 1
+    sizes = [batch * heads * rows * 4, splits * batch * rows * heads * _round_up(head_size, 32) * 4]
+    if heads_k != heads:
+        sizes += 2 * [batch * length_k * heads * head_size * query.element_size()]
+    return sizes
+
+
+def backward_scratch(account: Any, capability: tuple[int, int]) -> Callable[[str, str, Any], None]:
+    """What the account calls after every op (`MemoryAccount.after_op`): flash attention's backward holds its
+    own buffers (`flash_backward_scratch`) beside its outputs while it runs."""
+    from torchloom.planning._cuda_device import multiprocessors
+
+    def seen(namespace: str, op: str, args: Any) -> None:
+        if namespace == "aten" and op == "_scaled_dot_product_flash_attention_backward":
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            account.scratch(
+                flash_backward_scratch(args[1], args[2], multiprocessors(capability), deterministic)
+            )
+
+    return seen

@@ -26,6 +26,12 @@ from torchloom.planning.allocator import CachingAllocator
 DEFAULT_CAPABILITY = (8, 0)
 
 
+def multiprocessors(capability: tuple[int, int]) -> int:
+    """The SM count the planned device reports (what kernels size their splits by): an H100 SXM's 132 from
+    Hopper on, an A100's 108 before."""
+    return 132 if capability >= (9, 0) else 108
+
+
 class Streams:
     """The job's CUDA streams as the plan sees them: `torch.cpu.Stream` objects (what FSDP2 and others make through
     their device handle on the plan's CPU tensors), numbered as they are made, the current one changed by
@@ -120,7 +126,7 @@ def install(
         major=capability[0],
         minor=capability[1],
         total_memory=memory,
-        multi_processor_count=132 if capability >= (9, 0) else 108,
+        multi_processor_count=multiprocessors(capability),  # type: ignore[arg-type]
         is_integrated=False,
         is_multi_gpu_board=False,
     )
@@ -193,13 +199,51 @@ def install(
         setattr(torch.cpu, key, value)
     on_the_cpu = _CudaTensorsOnTheCpu()
     on_the_cpu.__enter__()
+    undo_optimizers = _optimizers_as_on_the_device()
 
     def undo() -> None:
+        undo_optimizers()
         on_the_cpu.__exit__(None, None, None)
         for (module, key), value in saved.items():
             setattr(torch.cuda if module == "cuda" else torch.cpu, key, value)
 
     return streams, undo
+
+
+def _optimizers_as_on_the_device() -> Callable[[], None]:
+    """torch's optimizers choose their implementation from the parameters when the script leaves it to them
+    (`torch.optim.optimizer._default_to_fused_or_foreach`: foreach where every parameter is a plain tensor, a
+    parameter or a DTensor, on a device with foreach kernels, which CUDA has and the CPU has not). The plan's
+    parameters are fake CPU tensors standing for CUDA ones, so for that choice the CPU counts as such a device and
+    a fake tensor as the tensor it stands for; the plan then runs the foreach path the device runs, with its
+    intermediate tensor lists (AdamW's `exp_avg_sq.sqrt()` of every parameter at once), not the per-parameter
+    loop. Gradient clipping (`torch.nn.utils.clip_grad_norm_`) chooses by the same types. What the script asks
+    itself (`foreach=`, `fused=True`) runs as asked: the fused kernel updates in place, as CUDA's does. Returns a
+    function that undoes it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    original = optimizer._get_foreach_kernels_supported_devices
+    added = [
+        types
+        for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
+        if FakeTensor not in types
+    ]
+
+    def foreach_devices() -> list[str]:
+        return [*original(), "cpu"]
+
+    optimizer._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
+    for types in added:
+        types.append(FakeTensor)
+
+    def undo() -> None:
+        optimizer._get_foreach_kernels_supported_devices = original  # type: ignore[attr-defined]
+        for types in added:
+            types.remove(FakeTensor)
+
+    return undo
 
 
 #: NCCL's defaults behind `nccl_allowance`: the buffer of one protocol of one channel to one peer

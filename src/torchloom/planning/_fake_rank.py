@@ -318,6 +318,36 @@ def _plan_loom_options(result: dict[str, Any], devices: int, on_cuda: Any) -> An
     return original
 
 
+def _offload_accepted() -> Any:
+    """A CUDA job's `cpu_offload=True` is planned: torchloom refuses it on CPU ranks (their memory is the CPU's
+    already), and the plan's CPU ranks stand for CUDA ones here. Returns a function that undoes it."""
+    from torchloom.strategies._sharded import ShardedStrategy
+
+    original = ShardedStrategy.validate
+
+    def validate(self: ShardedStrategy) -> None:
+        offload = self.cpu_offload
+        if offload and self.flavour != "fsdp2":
+            from torchloom.errors import ConfigurationError
+
+            raise ConfigurationError(
+                "cpu_offload=True with strategy='fsdp' (FSDP1): `torchloom plan` plans CPU offload of a CUDA job "
+                "with strategy='fsdp2' (FSDP2Strategy(cpu_offload=True)) only; plan FSDP1 without cpu_offload."
+            )
+        self.cpu_offload = False
+        try:
+            original(self)
+        finally:
+            self.cpu_offload = offload
+
+    ShardedStrategy.validate = validate  # type: ignore[method-assign]
+
+    def undo() -> None:
+        ShardedStrategy.validate = original  # type: ignore[method-assign]
+
+    return undo
+
+
 def _error_report(error: BaseException, account: MemoryAccount) -> dict[str, Any]:
     """The script's error, where in the user's code it happened (the innermost of the user's frames: torch's
     own frames do not say which line of the script to change) and its traceback from the user's frames on."""
@@ -414,13 +444,14 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
     cuda_undo: list[Any] = []
     attention: dict[str, dict[str, Any]] = {}
     streams: list[Any] = []
+    workspaces: list[Any] = []
 
     def on_cuda() -> None:
         """The job is a CUDA one (`--device`, or `Loom(accelerator="cuda")`): the device's queries, streams
         and attention kernels, once."""
         if cuda_undo:
             return
-        from torchloom.planning import _cuda_attention, _cuda_device
+        from torchloom.planning import _cublas, _cuda_attention, _cuda_device, _offload
 
         found, undo = _cuda_device.install(device, lambda: account.allocator, rank % per_node, per_node)
         account.stream_now = found.current
@@ -428,6 +459,12 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
         cuda_undo.append(undo)
         capability = tuple(device.get("capability") or _cuda_device.DEFAULT_CAPABILITY)
         cuda_undo.append(_cuda_attention.install(capability, attention))  # type: ignore[arg-type]
+        workspaces.append(_cublas.Workspaces(account, capability, found.names))  # type: ignore[arg-type]
+        account.after_op.append(workspaces[0].seen)
+        account.after_op.append(_cuda_attention.backward_scratch(account, capability))  # type: ignore[arg-type]
+        cuda_undo.append(account.after_op.clear)
+        cuda_undo.append(_offload.install(account))
+        cuda_undo.append(_offload_accepted())
 
     if result["cuda"]:
         on_cuda()
@@ -506,6 +543,15 @@ def simulate(config: dict[str, Any]) -> dict[str, Any]:
             ],
         }
         result["attention"] = attention
+        if account.host_peak.bytes:
+            result["host"] = {
+                "peak_bytes": account.host_peak.bytes,
+                "phase": account.host_peak.phase,
+                "step": account.host_peak.step + (1 if account.host_peak.phase != "setup" else 0),
+                "breakdown": account.host_breakdown(),
+            }
+        if workspaces:
+            result["cublas"] = workspaces[0].report()
         from torchloom.planning._cuda_device import communicators, nccl_allowance
 
         result["nccl"] = nccl_allowance(communicators())

@@ -32,15 +32,37 @@ class PlanError(TorchloomError):
         self.plan = plan
 
 
-#: `torchloom plan --device NAME`: the memory a device's driver reports (`nvidia-smi`'s total, of which the CUDA
-#: context takes a few hundred MiB) and its compute capability.
+#: `torchloom plan --device NAME`: the memory a device's driver reports (`nvidia-smi`'s total, in MiB; of which the
+#: CUDA context takes a few hundred MiB, `CUDA_CONTEXT`) and its compute capability. The capabilities are NVIDIA's
+#: (developer.nvidia.com/cuda-gpus and /cuda-legacy-gpus); the totals as reported on those cards (sources by
+#: entry). A card of another memory (the 96 GB H100 of Meta's Grand Teton, say): `--device h100 --device-memory
+#: 96GiB`.
 DEVICES: dict[str, tuple[int, tuple[int, int]]] = {
-    "h100": (81559 * 2**20, (9, 0)),  # H100 SXM5 80GB
+    # Modal's reported totals (modal-labs/modal-client#2797): H100 SXM/PCIe 80GB 81,559 MiB, A100 80GB 81,920,
+    # A100 40GB 40,960, A10 23,028, L40S 46,068, L4 23,034, T4 15,360 MiB; H200 143,771 MiB (Modal's blog, "Why
+    # does an NVIDIA H100 80GB card offer 85.52 GB?")
+    "h100": (81559 * 2**20, (9, 0)),
+    "h100-nvl": (95830 * 2**20, (9, 0)),  # H100 NVL 94GB: nvidia-smi's 95,830 MiB (NVIDIA/gpu-admin-tools#4)
     "h200": (143771 * 2**20, (9, 0)),
-    "a100": (81920 * 2**20, (8, 0)),  # A100 SXM4 80GB
+    # B200: 178.35 GiB as CUDA reports it (pytorch/ao#4002), to the MiB as rounded there
+    "b200": (182630 * 2**20, (10, 0)),
+    "a100": (81920 * 2**20, (8, 0)),
     "a100-40gb": (40960 * 2**20, (8, 0)),
+    "a10": (23028 * 2**20, (8, 6)),
+    "a10g": (23028 * 2**20, (8, 6)),  # AWS's A10G: nvidia-smi's 23,028 MiB (NVIDIA/DCGM#232)
+    "l40s": (46068 * 2**20, (8, 9)),
     "l4": (23034 * 2**20, (8, 9)),
+    "t4": (15360 * 2**20, (7, 5)),
+    "rtx5090": (
+        32607 * 2**20,
+        (12, 0),
+    ),  # GeForce RTX 5090: nvidia-smi's 32,607 MiB (noonghunna/club-3090#1107)
 }
+
+#: The CUDA context of each process (the driver's and the CUDA runtime's own state, and the kernels it loads),
+#: outside the caching allocator: a stated allowance for the plan's "does it fit" judgement, not a measurement.
+#: With CUDA 12's lazy module loading, torch's context takes about 0.4-0.6 GiB on data-centre GPUs.
+CUDA_CONTEXT = 512 * 2**20
 
 
 def parse_bytes(text: str, option: str = "--budget") -> int:
@@ -222,6 +244,10 @@ def plan(
         result_plan["reserved_peak_bytes"] = max(
             entry["allocator"]["reserved_peak"] for entry in entries if entry.get("allocator")
         )
+        result_plan["device_fit"] = device_fit(entries, target)
+        hosts = [entry["host"]["peak_bytes"] for entry in entries if entry.get("host")]
+        if hosts:  # CPU offload: the host's (pinned) memory, apart from the device's
+            result_plan["host_peak_bytes"] = max(hosts)
     result_plan["warnings"] = warnings(result_plan)
     for spot in assume or {}:  # a misspelt --assume would otherwise leave the guess it meant to replace
         if not any(
@@ -244,6 +270,26 @@ def plan(
             result_plan,
         )
     return result_plan
+
+
+def device_fit(entries: list[dict[str, Any]], device: dict[str, Any]) -> dict[str, Any]:
+    """Does the job fit on the device: the largest simulated rank's reserved peak (what the caching allocator
+    holds), NCCL's allowance and the CUDA context's (`CUDA_CONTEXT`), both outside the allocator, against the
+    device's memory (none given: no judgement, `fits` None)."""
+    entry = max((e for e in entries if e.get("allocator")), key=lambda e: e["allocator"]["reserved_peak"])
+    reserved = entry["allocator"]["reserved_peak"]
+    nccl = (entry.get("nccl") or {}).get("bytes", 0)
+    needed = reserved + nccl + CUDA_CONTEXT
+    memory = device.get("memory")
+    return {
+        "rank": entry["rank"],
+        "reserved": reserved,
+        "nccl": nccl,
+        "cuda_context": CUDA_CONTEXT,
+        "needed": needed,
+        "memory": memory,
+        "fits": None if not memory else needed <= memory and not entry["allocator"].get("out_of_memory"),
+    }
 
 
 def planned_device(name: str | None, memory: int | None, alloc_conf: str | None = None) -> dict[str, Any]:
@@ -418,13 +464,33 @@ def _cuda_lines(entry: dict[str, Any]) -> list[str]:
             f"    reserved at its peak{where}, {human(held)} of it allocated: "
             + ", ".join(f"{p['stream']} {p['pool']} pool {human(p['bytes'])}" for p in pools)
         )
+    host = entry.get("host")
+    if host:
+        at = (
+            host["phase"]
+            if host["phase"] in ("setup", "between steps")
+            else f"step {host['step']}, {host['phase']}"
+        )
+        parts = [f"{kind} {human(host['breakdown'][kind])}" for kind in KINDS if host["breakdown"].get(kind)]
+        lines.append(
+            f"    host memory (CPU offload: the CPU's memory, pinned by default, not the device's; in no figure above): peak "
+            f"{human(host['peak_bytes'])} at {at}: " + ", ".join(parts)
+        )
+    cublas = entry.get("cublas")
+    if cublas and cublas["workspaces"]:
+        made = cublas["workspaces"]
+        lines.append(
+            f"    cuBLAS workspaces (allocator blocks no tensor owns: in max_memory_allocated and reserved, not in the "
+            f"peak above): {human(cublas['bytes'])}, one for each thread and stream that ran a matmul: "
+            + ", ".join(f"{w['library']} {human(w['bytes'])} ({w['thread']}, {w['stream']})" for w in made)
+        )
     nccl = entry.get("nccl")
     if nccl and nccl["communicators"]:
         lines.append(
             f"    outside the allocator (not in max_memory_reserved): NCCL, an allowance of "
             f"{human(nccl['per_communicator'])} for each of {nccl['communicators']} communicator"
             f"{'s' if nccl['communicators'] > 1 else ''} (2 x NCCL_BUFFSIZE x NCCL_MAX_NCHANNELS), "
-            f"{human(nccl['bytes'])}; the CUDA context, not counted"
+            f"{human(nccl['bytes'])}; the CUDA context: an allowance of {human(CUDA_CONTEXT)} (below)"
         )
     for kernel, call in sorted((entry.get("attention") or {}).items()):
         lines.append(
@@ -484,6 +550,17 @@ def format_plan(result: dict[str, Any]) -> str:
         if entry.get("allocator"):
             lines.append("    " + _device_line(entry["allocator"], result.get("device") or {}))
             lines.extend(_cuda_lines(entry))
+    fit = result.get("device_fit")
+    if fit:
+        line = (
+            f"on the device: {human(fit['reserved'])} reserved + {human(fit['nccl'])} NCCL + "
+            f"{human(fit['cuda_context'])} CUDA context (allowances, outside the allocator) = {human(fit['needed'])}"
+        )
+        if fit["memory"]:
+            line += f" of {human(fit['memory'])}: " + (
+                f"fits ({human(fit['memory'] - fit['needed'])} to spare)" if fit["fits"] else "DOES NOT FIT"
+            )
+        lines.append(line)
     if budget:
         lines.append(
             f"budget {human(budget)} per rank: "

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 from torchloom import _torch_compat
 from torchloom.planning.allocator import CachingAllocator, OutOfMemory
@@ -123,6 +122,20 @@ def _answer(value: Any, dtype: torch.dtype) -> Any:
     return int(value)
 
 
+def _tensors_in(value: Any, into: list[torch.Tensor]) -> None:
+    """The tensors in an op's arguments or results (tensors, in lists, tuples and dicts, as aten passes them),
+    flattened as `_flat_tensors` flattens each: what `torch.utils._pytree.tree_flatten` finds there, without
+    building its tree (a tenth of a plan's time went to it)."""
+    if isinstance(value, torch.Tensor):
+        _flat_tensors(value, into)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors_in(item, into)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors_in(item, into)
+
+
 def _flat_tensors(value: Any, into: list[torch.Tensor]) -> None:
     if not isinstance(value, torch.Tensor):
         return
@@ -203,6 +216,22 @@ class MemoryAccount(TorchDispatchMode):
         # the CUDA stream an allocation is made on now (`_cuda_device.Streams.current`): 0, the default stream
         self.stream_now: Any = lambda: 0
         self.reserved_peak_at: dict[str, Any] | None = None  # the phase, module and step of the reserved peak
+        # each called with (namespace, op, args) after every op of the job's device: what a kernel or its library
+        # allocates besides the op's tensors (`_cublas.Workspaces.seen`, `_cuda_attention.backward_scratch`)
+        self.after_op: list[Any] = []
+        self._held = 0  # allocations of the simulated allocator that no tensor owns (`hold_on_device`)
+        # A CUDA job's host memory, apart from the device's (`track_host`): the storages that live in CPU memory
+        # (what CPU offload keeps there, `_offload`), their total and peak; a new storage is the host's when
+        # `placement` says so, or, left to the op, when every tensor the op read is the host's (the optimizer's
+        # step over offloaded parameters runs on the CPU).
+        self.track_host = False
+        self.placement: str | None = (
+            None  # "host" or "device": where the storages made now are, whatever the op
+        )
+        self.host: dict[int, tuple[int, int, str]] = {}  # storage key -> (serial, bytes, label)
+        self.host_current = 0
+        self.host_peak = Peak()
+        self._host_rising = False
 
     def use_allocator(self, allocator: CachingAllocator) -> None:
         """Feed every storage made, resized and freed from now on into `allocator` (a CUDA job's reserved
@@ -239,6 +268,35 @@ class MemoryAccount(TorchDispatchMode):
             return
         allocator.free(old)
 
+    def hold_on_device(self, nbytes: int) -> None:
+        """Allocate `nbytes` on the current stream of the simulated allocator for the rest of the run: memory a
+        library keeps outside any tensor (cuBLAS's workspaces), in the allocator's figures, not among the live
+        tensors."""
+        self._held += 1
+        self._device_malloc(-self._held, nbytes)
+
+    def scratch(self, sizes: list[int], label: str = "temporaries") -> None:
+        """Buffers a kernel allocates for itself and frees before it returns (flash attention's fp32
+        accumulator in its backward), made now in this order and freed in the reverse: counted among the live
+        tensors and in the simulated allocator while the op runs."""
+        made = []
+        for nbytes in sizes:
+            self._held += 1
+            key, serial = -self._held, self._serial + 1
+            self._serial = serial
+            self.live[key] = (serial, nbytes, label)
+            self.current += nbytes
+            self.by_label[label] += nbytes
+            self._device_malloc(key, nbytes)
+            self._up = self._up or nbytes > 0
+            if self.current > self.peak.bytes:
+                self._rising = True
+                self.peak.bytes = self.current
+                self._where = (self._phase_now(), self._module_now(), self.step)
+            made.append((key, serial))
+        for key, serial in reversed(made):
+            self._free(key, serial)
+
     def _device_free(self, key: int) -> None:
         handle = self._handles.pop(key, 0)
         if self.allocator is not None:
@@ -263,8 +321,59 @@ class MemoryAccount(TorchDispatchMode):
             return "temporaries"
         return "other"
 
-    def _add(self, storage: torch.UntypedStorage, label: str) -> None:
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory is the host's (a CUDA job's CPU memory, `track_host`)."""
+        storage = _storage(tensor)
+        return storage is not None and storage._cdata in self.host
+
+    def _add_host(self, storage: torch.UntypedStorage, label: str) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self.host:
+            serial, before, old_label = self.host[key]
+            if nbytes < before:
+                self._settle_host()
+            self.host[key] = (serial, nbytes, old_label)
+        else:
+            before = 0
+            self._serial += 1
+            self.host[key] = (self._serial, nbytes, label)
+            weakref.finalize(storage, self._free_host, key, self._serial)
+        self.host_current += nbytes - before
+        if self.host_current > self.host_peak.bytes:
+            self._host_rising = True
+            self.host_peak.bytes = self.host_current
+            self.host_peak.phase, self.host_peak.module, self.host_peak.step = (
+                self._phase_now(),
+                self._module_now(),
+                self.step,
+            )
+
+    def _free_host(self, key: int, serial: int) -> None:
+        entry = self.host.get(key)
+        if entry is None or entry[0] != serial:
+            return
+        self._settle_host()
+        del self.host[key]
+        self.host_current -= entry[1]
+
+    def _settle_host(self) -> None:
+        if self._host_rising:
+            self._host_rising = False
+            self.host_peak.held = {serial: (nbytes, label) for serial, nbytes, label in self.host.values()}
+
+    def host_breakdown(self) -> dict[str, int]:
+        """The host peak's bytes by kind."""
+        self._settle_host()
+        kinds = dict.fromkeys(KINDS, 0)
+        for serial, (nbytes, label) in self.host_peak.held.items():
+            kinds[self.known.get(serial, label)] += nbytes
+        return kinds
+
+    def _add(self, storage: torch.UntypedStorage, label: str, host: bool = False) -> None:
         key = storage._cdata
+        if self.track_host and (key in self.host or (host and key not in self.live)):
+            self._add_host(storage, label)
+            return
         nbytes = storage.nbytes()
         if key in self.live:
             serial, before, old_label = self.live[key]
@@ -384,9 +493,10 @@ class MemoryAccount(TorchDispatchMode):
         if self.fake and op == "_local_scalar_dense" and _torch_compat.is_fake(args[0]):
             return self._read(args[0])
         inputs: list[torch.Tensor] = []
-        for value in tree_flatten((args, kwargs))[0]:
-            _flat_tensors(value, inputs)
-        if self.fake and inputs and not any(_torch_compat.is_fake(t) for t in inputs):
+        _tensors_in(args, inputs)
+        _tensors_in(kwargs, inputs)
+        real = bool(self.fake and inputs) and not any(_torch_compat.is_fake(t) for t in inputs)
+        if real:
             with (
                 _torch_compat.unset_fake_temporarily()
             ):  # real inputs only (a sampler's indices): run for real
@@ -395,8 +505,7 @@ class MemoryAccount(TorchDispatchMode):
             out = func(*args, **kwargs)
             if self.fake and not inputs:
                 outputs: list[torch.Tensor] = []
-                for value in tree_flatten(out)[0]:
-                    _flat_tensors(value, outputs)
+                _tensors_in(out, outputs)
                 if outputs and all(
                     t.dtype in _INTEGER_DTYPES
                     and t.numel() <= 1 << 24
@@ -407,9 +516,12 @@ class MemoryAccount(TorchDispatchMode):
                     with _torch_compat.unset_fake_temporarily():
                         out = func(*args, **kwargs)
         label = self._label(op, namespace)
+        host = self.placement == "host"
+        if self.track_host and self.placement is None and inputs and self.host:
+            placed = [self.is_host(t) for t in inputs if _storage(t) is not None]
+            host = bool(placed) and all(placed)
         results: list[torch.Tensor] = []
-        for value in tree_flatten(out)[0]:
-            _flat_tensors(value, results)
+        _tensors_in(out, results)
         if op.endswith("_"):
             for t in inputs:
                 results.append(t)
@@ -418,7 +530,10 @@ class MemoryAccount(TorchDispatchMode):
                 continue
             storage = _storage(t)
             if storage is not None:
-                self._add(storage, label)
+                self._add(storage, label, host)
+        if not real:  # an op of the job's device (not the data's integer work)
+            for call in self.after_op:
+                call(namespace, op, args)
         return out
 
     # ---- entering and leaving -----------------------------------------------------------------------------
@@ -472,6 +587,8 @@ class MemoryAccount(TorchDispatchMode):
             storage = _storage(t)
             if storage is not None and storage._cdata in self.live:
                 serials.append(self.live[storage._cdata][0])
+            elif storage is not None and storage._cdata in self.host:
+                serials.append(self.host[storage._cdata][0])
         return serials
 
     def note(self, modules: list[torch.nn.Module], optimizers: list[Any]) -> None:
