@@ -131,3 +131,74 @@ def test_a_parameter_no_group_used_is_left_alone_and_the_replay_agrees(tmp_path:
     for key, value in net.named_parameters():
         torch.testing.assert_close(ends[0]["state"][key], value.detach(), rtol=0, atol=1e-5)
     assert all(opt.state[p] == {} or p not in opt.state for p in net.unused.parameters())
+
+
+# A script without a set-up loader: each group trains on one fixed batch of its own, and joins each step's quorum
+# in its backward (`average_gradients`). Group 1 dies between steps on its first attempt; restarted, it heals in
+# its first backward's quorum, so that backward's gradient is stale: the group sends zeros, is not counted, and
+# steps with the other's average from the healed weights.
+_NO_LOADER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from torch import nn
+    from torchloom import Loom
+    from torchloom import fault_tolerance as ft
+
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    data = torch.randn(8, 4), torch.randn(8, 1)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    net.register_buffer("streak", torch.zeros((), dtype=torch.long))
+    loom = Loom(accelerator="cpu")
+    model = loom.setup_module(net)
+    opt = loom.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
+    rg = ft.current()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    x, y = data[0][rg.group * 4 : rg.group * 4 + 4], data[1][rg.group * 4 : rg.group * 4 + 4]
+    while True:
+        before = rg.step
+        loom.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if rg.step > before:
+            if rg.group == 1 and attempt == 0 and rg.step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            net.streak.copy_(net.streak + 1 if len(rg.participants) == rg.groups else 0)
+            if int(net.streak) >= 4:
+                break
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    torch.save({"state": state, "step": rg.step}, os.path.join(out, f"group{rg.group}.pt"))
+    """
+)
+
+
+def test_a_group_that_heals_in_its_backward_is_not_counted_and_the_replay_agrees(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_NO_LOADER)
+    command = launch_command(2, 1, tmp_path / "record.jsonl", script, str(tmp_path), max_restarts=2)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ends = [torch.load(tmp_path / f"group{g}.pt") for g in range(2)]
+    assert ends[0]["step"] == ends[1]["step"]
+    for key, value in ends[0]["state"].items():
+        assert torch.equal(value, ends[1]["state"][key]), key
+    steps = read_record(tmp_path / "record.jsonl")
+    assert any(len(s.participants) == 1 for s in steps)  # group 1 away, then healed and not counted
+
+    torch.manual_seed(0)
+    data = torch.randn(8, 4), torch.randn(8, 1)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    replayed = replay(
+        tmp_path / "record.jsonl",
+        net,
+        torch.optim.Adam(net.parameters(), lr=0.01),
+        batch=lambda group, epoch, index: (
+            data[0][group * 4 : group * 4 + 4],
+            data[1][group * 4 : group * 4 + 4],
+        ),
+        loss=lambda model, xy: nn.functional.mse_loss(model(xy[0]), xy[1]),
+    )
+    assert replayed == ends[0]["step"] == len(steps)
+    for key, value in net.state_dict().items():
+        torch.testing.assert_close(ends[0]["state"][key], value, rtol=0, atol=1e-5)
