@@ -22,6 +22,7 @@ naming the fix, instead of parting silently.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,8 @@ _SCRIPT = (
     loader = loom.setup_dataloaders(DataLoader(data, batch_size=BATCH))
     rg = ft.current()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    checkpoint, state = os.path.join(out, "checkpoint"), {"model": model, "optimizer": opt, "scheduler": sched}
+    checkpoint = os.path.join(out, "checkpoint")
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
     if lose_all and os.path.exists(checkpoint):
         loom.load(checkpoint, state)
     open(os.path.join(out, f"group{rg.group}.attempt{attempt}"), "w").close()
@@ -243,17 +245,24 @@ def test_every_crossing_heals_and_equals_the_replay(jobs) -> None:
 
 
 def test_a_job_that_loses_every_group_resumes_from_its_checkpoint_and_equals_the_replay(jobs) -> None:
-    """Both groups die after step 5; restarted, both load the checkpoint of step 3 and go on numbering from it.
-    The record's history is the whole run (the lines of steps 4 and 5 before the loss are off it), so the
-    replay from the initial model equals the resumed run."""
+    """Both groups die after 5 committed steps; restarted, both load the checkpoint written after 3 (the model,
+    optimizer, scheduler and the loader's position) and go on numbering from it. The record's history is the
+    whole run (the lines of the steps lost with the job are off it), so the replay from the initial model equals
+    the resumed run."""
     folder, done = jobs["job_lost"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     for group in range(2):
         assert sorted(p.name for p in folder.glob(f"group{group}.attempt*")) == [
             f"group{group}.attempt{i}" for i in range(2)
         ]
-    lines = (folder / "record.jsonl").read_text().splitlines()
-    assert sum('"step": 5,' in line for line in lines) >= 2  # step 5 before the loss, and again after it
+    lines = [json.loads(line) for line in (folder / "record.jsonl").read_text().splitlines()]
+    # Step 3 (the first after the checkpoint) committed twice, before the loss and after it, from the same parent:
+    # the resumed run goes on from the checkpoint's place in the record, and from its data position (its batches
+    # those the lost steps read, micro-batches 6 and 7 of each group's shard).
+    third = {line["chain"]: line for line in lines if line["step"] == 3}
+    assert len(third) == 2, lines
+    assert len({line["parent"] for line in third.values()}) == 1
+    assert {p["batch"] for line in third.values() for p in line["participants"]} == {7}
     _check_against_the_replay(folder)
 
 

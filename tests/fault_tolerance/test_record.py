@@ -183,3 +183,18 @@ def test_torchloom_replay_names_what_the_spec_lacks(
     (tmp_path / "r.jsonl").write_text("")
     assert main(["replay", str(tmp_path / "r.jsonl"), str(tmp_path / "spec.py")]) == 2
     assert "does not define optimizer, batch, loss" in capsys.readouterr().err
+
+
+def test_the_fingerprint_of_the_per_parameter_gradients_is_that_of_their_flats() -> None:
+    """The groups take the fingerprint part by part (each chunk before its sum overwrites it), the replay of the
+    per-parameter gradients, the record's checks of one flat tensor per dtype: the same number."""
+    torch.manual_seed(0)
+    shapes = [(3, 7), (5000,), (700, 30), (13,), (1,)]
+    grads = [torch.randn(s) for s in shapes] + [torch.randn(100, dtype=torch.float64)]
+    flat = record.fingerprint(record.flats(grads))
+    assert record.fingerprint(grads) == pytest.approx(flat, rel=1e-12)
+    # Part by part, in any order of the parts (the chunks run in reverse parameter order).
+    terms = [record.fingerprint_part(g, probe) for g, probe in zip(grads, record.probes(grads), strict=True)]
+    value = sum(float(t[0]) for t in reversed(terms))
+    scale = sum(float(t[1]) for t in reversed(terms))
+    assert (value, scale) == pytest.approx(flat, rel=1e-12)

@@ -33,19 +33,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
-def gradients(modules: list[nn.Module]) -> list[torch.Tensor]:
-    """The local pieces of the gradients of every trainable parameter of `modules`, in parameter order (the same
-    on every group's rank r). A parameter without a gradient gets zeros first: every group must send the same
-    layout."""
-    grads = []
-    for module in modules:
-        for p in module.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(local(p.grad))
-    return grads
+def trainable(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters of `modules`, in parameter order (the same on every group's rank r): the ones
+    whose gradients the groups average."""
+    return [p for module in modules for p in module.parameters() if p.requires_grad]
 
 
 def whole(modules: list[nn.Module]) -> bool:

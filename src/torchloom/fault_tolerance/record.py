@@ -41,8 +41,9 @@ import torch
 from torchloom.errors import TorchloomError
 
 #: Slots per group in the sums that carry the sources: taking part (1), epoch, batch, the gradient's
-#: fingerprint and its scale.
-SLOTS = 5
+#: fingerprint and its scale, and a number standing for the group's optimizer hyperparameters (the groups must
+#: agree on them: `fault_tolerance.replica`).
+SLOTS = 6
 #: Elements of a gradient the fingerprint reads (evenly strided): a fixed cost however large the model.
 _PROBES = 4096
 #: How far a fingerprint may be from the one it is checked against, as a share of its scale (fp32 sums of a few
@@ -90,34 +91,88 @@ def flats(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat(parts) for parts in by_dtype.values()]
 
 
-def fingerprint(flat_grads: Sequence[torch.Tensor]) -> tuple[float, float]:
+def fingerprint(grads: Sequence[torch.Tensor]) -> tuple[float, float]:
     """A gradient's fingerprint and its scale: `sum(w * g)` and `sum(|w * g|)` over up to 4,096 evenly strided
-    elements `g` of each flat tensor, with fixed random weights `w` in [-1, 1]. Linear in the gradient: the
-    fingerprint of an average is the average of the fingerprints."""
+    elements `g` of the gradient's one flat tensor per dtype (`flats`), with fixed random weights `w` in [-1, 1].
+    `grads`: that flat layout's parts in order (the flat tensors themselves, or the per-parameter gradients they
+    concatenate: the fingerprint is the same). Linear in the gradient: the fingerprint of an average is the
+    average of the fingerprints; and a sum over the parts (`probes`, `fingerprint_part`)."""
     value = scale = 0.0
-    for flat in flat_grads:
-        stride = max(1, -(-flat.numel() // _PROBES))
-        probe = flat.detach()[::stride].to(torch.float64)
-        key = (probe.numel(), str(probe.device))
-        if key not in _WEIGHTS:
-            generator = torch.Generator().manual_seed(probe.numel())
-            weights = torch.rand(probe.numel(), generator=generator, dtype=torch.float64) * 2 - 1
-            _WEIGHTS[key] = weights.to(probe.device)
-        weighted = probe * _WEIGHTS[key]
-        value += float(weighted.sum())
-        scale += float(weighted.abs().sum())
+    for grad, probe in zip(grads, probes(grads), strict=True):
+        part_value, part_scale = fingerprint_part(grad, probe)
+        value += float(part_value)
+        scale += float(part_scale)
     return value, scale
 
 
+def probes(parts: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
+    """Per part of `fingerprint`'s layout (only their dtype, size and device matter): the first element it
+    reads, the stride, and the weights of the elements it reads."""
+    totals: dict[torch.dtype, int] = {}
+    for part in parts:
+        totals[part.dtype] = totals.get(part.dtype, 0) + part.numel()
+    offsets = dict.fromkeys(totals, 0)
+    found = []
+    for part in parts:
+        total, offset = totals[part.dtype], offsets[part.dtype]
+        stride = max(1, -(-total // _PROBES))
+        first = -offset % stride  # the first element of this part on the stride
+        count = len(range(first, part.numel(), stride))
+        start = (offset + first) // stride
+        weights = _weights(-(-total // stride), part.device)[start : start + count]
+        found.append((first, stride, weights))
+        offsets[part.dtype] = offset + part.numel()
+    return found
+
+
+def fingerprint_part(
+    part: torch.Tensor, probe: tuple[int, int, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's terms of `fingerprint` (value and scale, float64 scalars), read where `probes` says."""
+    first, stride, weights = probe
+    weighted = part.detach().reshape(-1)[first::stride].to(torch.float64) * weights
+    return weighted.sum(), weighted.abs().sum()
+
+
+def _weights(probes: int, device: torch.device) -> torch.Tensor:
+    key = (probes, str(device))
+    if key not in _WEIGHTS:
+        generator = torch.Generator().manual_seed(probes)
+        weights = torch.rand(probes, generator=generator, dtype=torch.float64) * 2 - 1
+        _WEIGHTS[key] = weights.to(device)
+    return _WEIGHTS[key]
+
+
 def sources(
-    groups: int, group: int, epoch: int, batch: int, flat_grads: Sequence[torch.Tensor]
+    groups: int,
+    group: int,
+    epoch: int,
+    batch: int,
+    grads: Sequence[torch.Tensor],
+    had: Sequence[bool] = (),
+    fingerprinted: tuple[float, float] | None = None,
+    hyperparameters: float = 0.0,
 ) -> torch.Tensor:
-    """This group's addend to the sums that say what a step's average held (see the module docstring)."""
-    value, scale = fingerprint(flat_grads)
-    slots = torch.zeros(SLOTS * groups, dtype=torch.float64)
-    for k, number in enumerate((1.0, epoch, batch, value, scale)):
+    """This group's addend to the sums that say what a step's average held (see the module docstring): its
+    `SLOTS` slots, then one slot per parameter, 1 where the group had a gradient for it (`had`; `gradient_counts`
+    reads the sums). `fingerprinted`: the fingerprint of `grads` when taken already (before the sums overwrote
+    them)."""
+    value, scale = fingerprint(grads) if fingerprinted is None else fingerprinted
+    slots = torch.zeros(SLOTS * groups + len(had), dtype=torch.float64)
+    for k, number in enumerate((1.0, epoch, batch, value, scale, hyperparameters)):
         slots[k * groups + group] = number
+    slots[SLOTS * groups :] = torch.tensor([float(h) for h in had], dtype=torch.float64)
     return slots
+
+
+def hyperparameters_of(sources: torch.Tensor, groups: int) -> list[float]:
+    """Per group, the number that stands for its optimizer's hyperparameters (0 for a group not summed)."""
+    return [float(v) for v in sources[5 * groups : 6 * groups].tolist()]
+
+
+def gradient_counts(sources: torch.Tensor, groups: int) -> list[int]:
+    """Per parameter, how many of the summed groups had a gradient for it (from `sources`' last slots)."""
+    return [round(n) for n in sources[SLOTS * groups :].tolist()]
 
 
 def participants_of(sources: torch.Tensor | None, groups: int) -> list[int]:

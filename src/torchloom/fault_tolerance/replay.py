@@ -65,28 +65,36 @@ def replay(
     params = [p for p in model.parameters() if p.requires_grad]
     own_buffers = buffers.persistent([model])
     for entry in steps:
-        total: list[torch.Tensor] | None = None
+        total = [torch.zeros_like(q) for q in params]
+        had = [0] * len(params)
         # Each participant's forward starts from the step's buffers; the step leaves their mean (see `buffers`).
         start, ends = buffers.snapshot(own_buffers), []
         for p in entry.participants:
             buffers.restore(own_buffers, start)
             optimizer.zero_grad(set_to_none=True)
+            # The run's loss scale (16-mixed), so that the fp16 backward rounds as the run's did; its gradients
+            # divided by it (a power of two: exactly).
             (loss(model, batch(p.group, p.epoch, p.batch)) * entry.loss_scale).backward()
-            flats = record.flats([q.grad if q.grad is not None else torch.zeros_like(q) for q in params])
-            if entry.loss_scale != 1.0:  # (a power of two: exact)
-                flats = [flat / entry.loss_scale for flat in flats]
+            if entry.loss_scale != 1.0:
+                for q in params:
+                    if q.grad is not None:
+                        q.grad.div_(entry.loss_scale)
+            grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
             if check and entry.whole:
-                _check_participant(path, entry.step, p, flats)
-            total = flats if total is None else [t + f for t, f in zip(total, flats, strict=True)]
+                _check_participant(path, entry.step, p, grads)
+            for k, q in enumerate(params):
+                if q.grad is not None:
+                    total[k] += q.grad
+                    had[k] += 1
             ends.append(buffers.snapshot(own_buffers))
-        assert total is not None  # a committed step has at least one participant
         with torch.no_grad():
             for k, buffer in enumerate(own_buffers):
                 buffer.copy_(buffers.mean([end[k] for end in ends]))
-        # The groups' average: the sum of their gradients over their number, as the all-reduce computes it.
-        mean = [t / len(entry.participants) for t in total]
         if not record.skipped(entry):
-            _set_grads(params, mean)
+            # The groups' average: the sum of their gradients over their number, as the all-reduce computes it;
+            # a parameter that no participant had a gradient for keeps none, as in the run.
+            for q, t, n in zip(params, total, had, strict=True):
+                q.grad = t / len(entry.participants) if n else None
             if before_step is not None:
                 before_step(model)
             optimizer.step()
@@ -96,11 +104,11 @@ def replay(
 
 
 def _check_participant(
-    path: str | os.PathLike[str], step: int, participant: record.Participant, flats: list[torch.Tensor]
+    path: str | os.PathLike[str], step: int, participant: record.Participant, grads: list[torch.Tensor]
 ) -> None:
     if participant.grad is None or participant.scale is None or not math.isfinite(participant.grad):
         return
-    value, scale = record.fingerprint(flats)
+    value, scale = record.fingerprint(grads)
     bound = record.TOLERANCE * max(scale, participant.scale) + 1e-30
     if not abs(value - participant.grad) <= bound:
         raise TorchloomError(
@@ -110,12 +118,3 @@ def _check_participant(
             "group's batch (its shard, its batch size, its processes' parts), the model or loss may differ from "
             "the run's, or the run averaged a gradient that batch did not produce."
         )
-
-
-def _set_grads(params: list[nn.Parameter], flats: list[torch.Tensor]) -> None:
-    offsets = {flat.dtype: 0 for flat in flats}
-    by_dtype = {flat.dtype: flat for flat in flats}
-    for p in params:
-        flat, offset = by_dtype[p.dtype], offsets[p.dtype]
-        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-        offsets[p.dtype] = offset + p.numel()

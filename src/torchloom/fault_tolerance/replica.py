@@ -8,8 +8,10 @@ rest. Each step:
    the groups alive now. A group that is behind (restarted) receives the live state from a peer there, through
    torchft's checkpoint transport, before it reads its batch (`use_async_quorum=False`: the healed group then
    reads the batch of the step it joins and contributes a real gradient, never zeros);
-2. after backward, the gradients are averaged over the quorum's groups with `manager.allreduce` (called
-   directly: torchft's own DDP wrapper's comm hook crashes a survivor when a group dies mid-step);
+2. in the backward that synchronises (under `ddp`, bucket by bucket from DDP's comm hook; after it for the
+   other strategies), the gradients are summed over the quorum's groups with `manager.allreduce`, chunk by chunk
+   (`_averaging`: torchft's own DDP wrapper's comm hook crashes a survivor when a group dies mid-step), and
+   divided by the groups the sums count; a parameter no counted group had a gradient for keeps none;
 3. `optimizer.step()` runs only when `manager.should_commit()` agrees (a vote among this group's ranks) that
    the group's collectives of the step succeeded, so its average holds every group of the quorum; a step that
    failed is retried, on the same batch, and a group left behind by a peer that committed heals at the next
@@ -38,7 +40,7 @@ from torchloom import _run_protocol
 from torchloom.checkpointing import rng
 from torchloom.data.loader import LoomDataLoader
 from torchloom.errors import ConfigurationError, MisuseError
-from torchloom.fault_tolerance import _start, buffers, exchange
+from torchloom.fault_tolerance import _averaging, _start, buffers, exchange
 from torchloom.fault_tolerance import record as _record
 from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
 
@@ -111,6 +113,7 @@ class ReplicaGroup:
         # (epoch, batch) of the batch this step reads, (-1, -1) when no set-up loader hands it out.
         self._source = (-1, -1)
         self._sources: torch.Tensor | None = None
+        self._averager: _averaging.Averager | None = None
         self._applied = 0.0
         self._loss_scale = 1.0
         self._whole = True
@@ -205,12 +208,33 @@ class ReplicaGroup:
     def note_batch(self, epoch: int, batch: int) -> None:
         self._source = (epoch, batch)
 
+    def ddp_comm_hook(self, process_group: Any, bucket: Any) -> Any:
+        """DDP's comm hook in a replica group: the bucket averaged inside the group (DDP's own all-reduce), and,
+        inside a step's quorum, its pieces handed to the cross-group sums, which then overlap the rest of the
+        backward (`_averaging`). Never raises for a cross-group failure: torchft records it and the step does not
+        commit. Outside a quorum (a script without a set-up loader joins it after its backward, and may heal
+        there) the pieces wait for `average_gradients`."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        if process_group.size() == 1:  # a group of one process: its gradient is the group's (no pass over it)
+            ready: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            ready.set_result(bucket.buffer())
+        else:
+            ready = allreduce_hook(process_group, bucket)
+        if self._in_step:
+            self._averaging().deliver(zip(bucket.parameters(), bucket.gradients(), strict=True), ready)
+        return ready
+
     def average_gradients(self) -> None:
         """After a backward that synchronised the group's gradients (the strategy's own, inside the group): average
         the set-up modules' gradients over the quorum's groups (and learn which groups and batches the average
         holds). Each rank averages its local pieces with the same rank of the other groups (see `exchange`), so
         a sharded strategy's clipping, after this, clips the average over every group. A failure (a group
-        died) is recorded by torchft; the step will not commit."""
+        died) is recorded by torchft; the step will not commit.
+
+        A parameter that no counted group had a gradient for keeps none (`p.grad = None`: the optimizer leaves
+        it alone, as in one process); one that some had is averaged over every counted group, zeros for the
+        others."""
         from torch.distributed import ReduceOp
 
         heals = self._heals
@@ -220,30 +244,33 @@ class ReplicaGroup:
         # it steps with the others' average, from the peer's weights.
         stale = self._heals != heals
         self._averaged = True
-        grads = exchange.gradients(self._modules)
-        if stale:
-            with torch.no_grad():
-                for grad in grads:
-                    grad.zero_()
-        flats = _record.flats(grads)
-        # Slots per group: 1 from each group in the average, the epoch and batch it read, and the fingerprint of
-        # the gradient it sent (the record's proof that the average is whole), of the true gradient (unscaled);
-        # then this module's own: the group's optimizer hyperparameters (`_check_hyperparameters`).
-        scale = float(self.loss_scale())
-        sources = _record.sources(self.groups, self.group, *self._source, flats)
-        sources[3 * self.groups + self.group] /= scale
-        sources[4 * self.groups + self.group] /= scale
-        hyper = torch.zeros(self.groups, dtype=torch.float64)
-        hyper[self.group] = self._hyperparameters()
-        sources = torch.cat([sources, hyper]).to(self._device)
-        if stale:
-            sources.zero_()
+        averaging = self._averaging()
+        params = averaging.params
+        scale = float(
+            self.loss_scale()
+        )  # (16-mixed: the record's fingerprints are of the unscaled gradients)
         own_buffers = buffers.persistent(self._modules)
         gathered = buffers.slots(own_buffers, self.groups, self.group, send=not stale)
-        # Summed, then divided by the groups the sums count (torchft's average divides by its quorum's size,
-        # which counts a stale group).
         with self._watchdog():
-            works = [self._manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats]
+            works, (value, size) = averaging.finish(zeros=stale)
+            views = averaging.views
+            had = [not stale and p.grad is not None for p in params]
+            # Slots per group: 1 from each group in the average, the epoch and batch it read, the fingerprint of
+            # the gradient it sent (the record's proof that the average is whole), the group's optimizer
+            # hyperparameters (`_check_hyperparameters`); then per parameter whether the group had a gradient.
+            sources = _record.sources(
+                self.groups,
+                self.group,
+                *self._source,
+                views,
+                had,
+                (value / scale, size / scale),
+                self._hyperparameters(),
+            ).to(self._device)
+            if stale:
+                sources.zero_()
+            # Summed, then divided by the groups the sums count (torchft's average divides by its quorum's size,
+            # which counts a stale group).
             works.append(self._manager.allreduce(sources, reduce_op=ReduceOp.SUM))
             works.extend(self._manager.allreduce(rows, reduce_op=ReduceOp.SUM) for rows in gathered)
             for work in works:
@@ -255,22 +282,29 @@ class ReplicaGroup:
         if counted == 0:
             self._manager.report_error(RuntimeError("no group of the quorum sent a current gradient"))
             return
-        self._check_hyperparameters(sources[-self.groups :], participants)
+        self._check_hyperparameters(_record.hyperparameters_of(sources, self.groups), participants)
         buffers.write_mean(own_buffers, gathered, participants)
+        applied = []
         with torch.no_grad():
-            for flat in flats:  # the same order as `_record.flats` laid them out
-                flat.div_(counted)
-                offset = 0
-                for grad in (g for g in grads if g.dtype == flat.dtype):
-                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
-        self._applied = _record.fingerprint(flats)[0] / scale
+            for p, view, count in zip(
+                params, views, _record.gradient_counts(sources, self.groups), strict=True
+            ):
+                if count == 0:
+                    p.grad = None  # no group had one: the sums hold zeros only
+                    applied.append(view)
+                    continue
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                grad = exchange.local(p.grad)
+                torch.div(view, counted, out=grad)
+                applied.append(grad)
+        self._applied = _record.fingerprint(applied)[0] / scale
         self._loss_scale = scale
-        if scale != 1.0 and not all(bool(torch.isfinite(flat).all()) for flat in flats):
+        if scale != 1.0 and not all(bool(torch.isfinite(grad).all()) for grad in applied):
             # The loss scaler will skip this step (an overflow in some group): the record says so.
             self._applied = math.inf
         self._whole = exchange.whole(self._modules)
-        self._sources = sources[: -self.groups].cpu()
+        self._sources = sources.cpu()
 
     def _hyperparameters(self) -> float:
         """A number that differs between groups whose optimizers would step differently: the sum of every param
@@ -289,7 +323,7 @@ class ReplicaGroup:
                         total += float(number) * (1 + len(key))  # keyed, so that two swapped values differ
         return total
 
-    def _check_hyperparameters(self, hyper: torch.Tensor, participants: list[int]) -> None:
+    def _check_hyperparameters(self, hyper: list[float], participants: list[int]) -> None:
         """Refuse a step whose groups' optimizers hold different hyperparameters (every group sees the same sums,
         so every group raises): the groups would apply one average with different learning rates and part
         silently. An LR scheduler that was not handed to `loom.setup` does not heal, and restarts from its
@@ -302,6 +336,18 @@ class ReplicaGroup:
                 "scheduler must heal with the model: pass it to loom.setup(model, optimizer, scheduler=scheduler) "
                 "(as with Fabric), and change hyperparameters only through it or identically in every group."
             )
+
+    def _averaging(self) -> _averaging.Averager:
+        """The cross-group sums' layout for the set-up modules' trainable parameters as they are now."""
+        from torch.distributed import ReduceOp
+
+        if self._averager is None:
+            self._averager = _averaging.Averager(
+                lambda flat: self._manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+            )
+        if not self._averager.in_progress:  # between two backwards: the parameters may have been replaced
+            self._averager.lay_out(exchange.trainable(self._modules))
+        return self._averager
 
     def should_commit(self) -> bool:
         """At `optimizer.step()`: whether this group's step succeeded (torchft's vote among the group's ranks: every

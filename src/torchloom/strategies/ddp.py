@@ -45,7 +45,7 @@ class DDPStrategy(ParallelStrategy):
         self.ddp_kwargs = ddp_kwargs
 
     # In a replica group (torchloom.fault_tolerance): DDP averages the gradients inside the group, the group's
-    # `ReplicaGroup` across the groups after each backward that synchronised.
+    # `ReplicaGroup` across the groups, bucket by bucket in the backward that synchronises (its comm hook).
     replica_groups_refusal = None
 
     @property
@@ -66,6 +66,13 @@ class DDPStrategy(ParallelStrategy):
         wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         if self.replicas is not None:
             self.replicas.add_module(wrapped)
+            # The cross-group sums start bucket by bucket, overlapping the backward (torchft's own DDP wrapper's
+            # hook crashes a survivor when a group dies mid-step). A lambda: DDP refuses a hook whose annotations
+            # are not its own objects, and this module's are strings.
+            replicas = self.replicas
+            wrapped.register_comm_hook(
+                wrapped.process_group, lambda group, bucket: replicas.ddp_comm_hook(group, bucket)
+            )
         return wrapped
 
     @contextlib.contextmanager
