@@ -79,6 +79,31 @@ def launch_command(
     ]  # fmt: skip
 
 
+def run_script(
+    folder: Path, text: str, groups: int, per_group: int, *args: str, max_restarts: int, timeout: float = 400
+) -> subprocess.CompletedProcess[str]:
+    """A test's own script `text`, written to `folder/train.py`, run as a job of `groups` replica groups of
+    `per_group` processes (its arguments: `folder`, then `args`), the record at `folder/record.jsonl`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "train.py"
+    script.write_text(text)
+    command = launch_command(
+        groups, per_group, folder / "record.jsonl", script, str(folder), *args, max_restarts=max_restarts
+    )
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=timeout)
+
+
+def ends_bit_identical(folder: Path, groups: int) -> list[dict[str, Any]]:
+    """The groups' ends (`folder/group<g>.pt`: the state dict under "state", the step under "step"), checked to
+    be at the same step and bit for bit equal."""
+    ends = [torch.load(folder / f"group{g}.pt") for g in range(groups)]
+    for end in ends[1:]:
+        assert end["step"] == ends[0]["step"]
+        for key, value in ends[0]["state"].items():
+            assert torch.equal(value, end["state"][key]), key  # bit for bit
+    return ends
+
+
 def run_job(
     folder: Path,
     *,
@@ -207,11 +232,7 @@ def check_exact(job: Job) -> list[Step]:
     assert job.done.returncode == 0, job.output
     for k in range(len(job.events)):
         assert (job.folder / f"event{k}.json").exists(), (k, job.output)
-    ends = [torch.load(job.folder / f"group{g}.pt") for g in range(job.groups)]
-    for end in ends[1:]:
-        assert end["step"] == ends[0]["step"]
-        for key, value in ends[0]["state"].items():
-            assert torch.equal(value, end["state"][key]), key  # bit for bit
+    ends = ends_bit_identical(job.folder, job.groups)
     steps = job.steps()
     assert partial_steps(steps) == []
     expected, replayed_steps = replayed(job)

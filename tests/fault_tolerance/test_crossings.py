@@ -35,7 +35,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
 
-from _jobs import STREAK, launch_command  # noqa: E402
+from _jobs import STREAK, ends_bit_identical, run_script  # noqa: E402
 
 from torchloom.fault_tolerance import replay  # noqa: E402
 
@@ -167,11 +167,7 @@ _JOBS = {
 
 
 def _job(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    folder.mkdir()
-    script = folder / "train.py"
-    script.write_text(_SCRIPT)
-    command = launch_command(2, 1, folder / "record.jsonl", script, str(folder), *args, max_restarts=3)
-    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=400)
+    return run_script(folder, _SCRIPT, 2, 1, *args, max_restarts=3)
 
 
 @pytest.fixture(scope="module")
@@ -223,11 +219,8 @@ def _replayed(record: Path) -> tuple[dict[str, torch.Tensor], float, int]:
 
 
 def _check_against_the_replay(folder: Path) -> None:
-    ends = [torch.load(folder / f"group{g}.pt") for g in range(2)]
-    assert ends[0]["step"] == ends[1]["step"]
+    ends = ends_bit_identical(folder, 2)  # the BatchNorm's buffers too
     assert ends[0]["scale"] == ends[1]["scale"] and ends[0]["lr"] == ends[1]["lr"]
-    for name, value in ends[0]["state"].items():
-        assert torch.equal(value, ends[1]["state"][name]), name  # bit for bit, the BatchNorm's buffers too
     expected, lr, steps = _replayed(folder / "record.jsonl")
     assert steps == ends[0]["step"]
     assert lr == pytest.approx(ends[0]["lr"], rel=1e-12)

@@ -9,7 +9,6 @@ same, equals the run within 1e-5."""
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
 
-from _jobs import launch_command  # noqa: E402
+from _jobs import ends_bit_identical, run_script  # noqa: E402
 
 from torchloom.fault_tolerance import read_record, replay  # noqa: E402
 
@@ -89,15 +88,10 @@ class _Net(nn.Module):
 
 
 def test_a_parameter_no_group_used_is_left_alone_and_the_replay_agrees(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(_SCRIPT)
-    command = launch_command(2, 1, tmp_path / "record.jsonl", script, str(tmp_path), max_restarts=0)
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = run_script(tmp_path, _SCRIPT, 2, 1, max_restarts=0, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    ends = [torch.load(tmp_path / f"group{g}.pt") for g in range(2)]
-    assert ends[0]["step"] == ends[1]["step"] >= 6
-    for key, value in ends[0]["state"].items():
-        assert torch.equal(value, ends[1]["state"][key]), key  # the groups are bit-identical
+    ends = ends_bit_identical(tmp_path, 2)
+    assert ends[0]["step"] >= 6
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(640, 4), torch.randn(640, 1))
@@ -174,15 +168,9 @@ _NO_LOADER = textwrap.dedent(
 
 
 def test_a_group_that_heals_in_its_backward_is_not_counted_and_the_replay_agrees(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(_NO_LOADER)
-    command = launch_command(2, 1, tmp_path / "record.jsonl", script, str(tmp_path), max_restarts=2)
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = run_script(tmp_path, _NO_LOADER, 2, 1, max_restarts=2, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    ends = [torch.load(tmp_path / f"group{g}.pt") for g in range(2)]
-    assert ends[0]["step"] == ends[1]["step"]
-    for key, value in ends[0]["state"].items():
-        assert torch.equal(value, ends[1]["state"][key]), key
+    ends = ends_bit_identical(tmp_path, 2)
     steps = read_record(tmp_path / "record.jsonl")
     assert any(len(s.participants) == 1 for s in steps)  # group 1 away, then healed and not counted
 

@@ -32,7 +32,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 pytest.importorskip("torchft", reason="the `ft` extra (torchft) is not installed")
 
-from _jobs import STREAK, launch_command  # noqa: E402
+from _jobs import STREAK, ends_bit_identical, run_script  # noqa: E402
 
 from torchloom.fault_tolerance import read_record, replay  # noqa: E402
 
@@ -165,11 +165,7 @@ _JOBS = {
 
 
 def _job(folder: Path, kind: str, plan: str) -> subprocess.CompletedProcess[str]:
-    folder.mkdir()
-    script = folder / "train.py"
-    script.write_text(_SCRIPT)
-    command = launch_command(2, 2, folder / "record.jsonl", script, str(folder), kind, plan, max_restarts=4)
-    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=400)
+    return run_script(folder, _SCRIPT, 2, 2, kind, plan, max_restarts=4)
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +235,7 @@ def _replayed(record: Path, kind: str) -> tuple[dict[str, torch.Tensor], int]:
 def test_run_equals_the_replay_and_groups_end_bit_identical(jobs, key: tuple[str, str]) -> None:
     folder, done = jobs[key]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    ends = [torch.load(folder / f"group{g}.pt") for g in range(2)]
-    assert ends[0]["step"] == ends[1]["step"]
-    for name, value in ends[0]["state"].items():
-        assert torch.equal(value, ends[1]["state"][name]), name  # bit for bit, every full parameter
+    ends = ends_bit_identical(folder, 2)  # every full parameter
     expected, steps = _replayed(folder / "record.jsonl", key[0])
     assert steps == ends[0]["step"]
     for name, value in expected.items():
