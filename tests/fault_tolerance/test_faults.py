@@ -53,6 +53,11 @@ _PLANS: dict[str, dict[str, Any]] = {
             {"group": 2, "where": "lost"},
         ],
     },
+    # 3 groups, each killed in turn inside the cross-group all-reduce, twice (each kill 2 steps after the last heal).
+    "allreduce3": {
+        "groups": 3,
+        "events": [{"group": g, "where": "allreduce", "after": 2} for g in (1, 0, 2, 1, 0, 2)],
+    },
     # 2 groups launched as on a cluster (each its own `torchloom run --replica-group G --lighthouse ADDRESS`, the
     # lighthouse started by the test): group 1 killed between steps, restarted by its own agent, healed.
     "cluster": {"groups": 2, "cluster": True, "events": [{"group": 1, "where": "between", "after": 2}]},
@@ -153,6 +158,24 @@ def test_faults_during_a_heal_and_two_groups_lost_in_a_row(jobs: dict[str, Job])
     assert job.attempts(2) == 3
     assert job.attempts(0) == 2 + (server == 0)
     assert all(len(s.participants) == 3 for s in steps[-4:])
+
+
+def test_survivors_of_three_go_on_when_a_group_dies_inside_the_sum(jobs: dict[str, Job]) -> None:
+    """A group killed inside the cross-group all-reduce fails the sum of both survivors, and they commit their next
+    step together without it. gloo's ring reads from one neighbour, so only one survivor's sum fails at once; the
+    other waits on that survivor, which must close its connections then (its later collectives of the step are
+    torchft's no-ops). Before it did, the second survivor stayed inside the sum, and the first alone got no
+    quorum (one group of three heartbeating is no majority) until the dead group was back: 6 of 12 kills of this
+    plan stalled 2.9-4.0 s (two jobs), and their next step held the returned group; 0 of 24 since."""
+    job = jobs["allreduce3"]
+    assert job.done.returncode == 0, job.output
+    steps = job.steps()
+    for event in range(6):
+        kill = job.fired(event)
+        after = first_commit_after(steps, kill["time"])
+        assert after is not None
+        survivors = sorted({0, 1, 2} - {kill["group"]})
+        assert [p.group for p in after.participants] == survivors, (kill, after)
 
 
 def test_two_processes_per_group(jobs: dict[str, Job]) -> None:

@@ -196,3 +196,6 @@ class Averager:
                     current.error = error
             if last:
                 current.done.set()
+            # Nothing of a finished exchange stays referenced here while the thread waits: a failed step's works
+            # would keep its process group's connections open (`ReplicaGroup._close_failed_process_group`).
+            del current, ready, items

@@ -276,7 +276,9 @@ class ReplicaGroup:
             for work in works:
                 work.wait()
         if self._manager.errored() is not None:
-            return  # the step will not commit; the gradients may be partial, and are not used
+            # The step will not commit; the gradients may be partial, and are not used.
+            self._close_failed_process_group()
+            return
         participants = _record.participants_of(sources, self.groups)
         counted = len(participants)
         if counted == 0:
@@ -305,6 +307,18 @@ class ReplicaGroup:
             self._applied = math.inf
         self._whole = exchange.whole(self._modules)
         self._sources = sources.cpu()
+
+    def _close_failed_process_group(self) -> None:
+        """After a failed cross-group collective: destroy this rank's cross-group process group now, which closes
+        its connections, rather than at the next quorum's reconfigure. torchft turns this rank's remaining
+        collectives of the step into no-ops, so a survivor whose part of a sum waits on data from this rank (gloo's
+        ring reads from one neighbour: the dead group's other neighbour fails at once, the survivor downstream of it
+        does not) would wait until this rank's next quorum, and the lighthouse forms none for one group of three
+        while the stuck one still heartbeats: it waited for the dead group to come back (4-5 s). gloo's own
+        `abort()` leaves the connections open; only the process group's destruction closes them (torchft's
+        wrapper drops it here, and reconfigures a new one at the next quorum, whose id changes after a failed
+        commit)."""
+        self._manager._pg.abort()
 
     def _hyperparameters(self) -> float:
         """A number that differs between groups whose optimizers would step differently: the sum of every param
