@@ -927,3 +927,32 @@ def test_a_custom_batch_samplers_own_generator_resumes_its_next_epoch():
         )
 
     _assert_saved_between_epochs_resumes_the_next(loader)
+
+
+def test_a_resumed_pass_saved_before_its_first_batch_keeps_its_draw():
+    """A pass resumed inside its epoch (a custom sampler's draw replayed from the checkpoint's record) and saved
+    again after `iter()` but before its first batch, where a replica group keeps its step's start: the state holds
+    the draw the pass is about to replay, and a loader loaded from it reads the same batches. (Found by the
+    scenario engine's replica groups: it raised "handed out batches of a pass whose order it never drew".)"""
+    from torch.utils.data import SubsetRandomSampler
+
+    def loader(loom):
+        sampler = SubsetRandomSampler(range(12), generator=torch.Generator().manual_seed(5))
+        return loom.setup_dataloaders(
+            DataLoader(TensorDataset(torch.arange(12)), batch_size=2, sampler=sampler)
+        )
+
+    loom = Loom(accelerator="cpu", devices=1)
+    live = loader(loom)
+    batches = iter(live)
+    next(batches), next(batches)
+    state = live.state_dict()
+    expected = [idx.tolist() for (idx,) in batches]
+    resumed = loader(loom)
+    resumed.load_state_dict(state)
+    started = iter(resumed)
+    again = resumed.state_dict()
+    assert [idx.tolist() for (idx,) in started] == expected
+    third = loader(loom)
+    third.load_state_dict(again)
+    assert [idx.tolist() for (idx,) in third] == expected

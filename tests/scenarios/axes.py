@@ -100,6 +100,12 @@ AXES: dict[str, tuple[Any, ...]] = {
     # pipeline: where the checkpoint resumes: PipelineStrategy at pipeline degree 1 or 2 (same schedule and
     # micro-batches), or "ddp" / "fsdp2" (one unit at the root) without a pipeline. 1 elsewhere.
     "load_pp": (1, 2, "ddp", "fsdp2"),
+    # Fault tolerance's replica groups (`torchloom run --replica-groups`, torchloom.fault_tolerance): the job is
+    # this many groups of `world_size` ranks each (and of `load_world_size` at the resume), averaged across the
+    # groups through torchft, every group reading its own shard of each global batch; no fault (the faults are
+    # tests/fault_tolerance's). 1: no replica groups. Outside `replica_scenarios` pinned to 1 (like the
+    # pipeline's axes): the pairwise set stays the one it was before it.
+    "replicas": (1, 2),
 }
 
 SHARDED = ("fsdp", "fsdp2")
@@ -133,6 +139,10 @@ def conflicts(values: Mapping[str, Any]) -> bool:
     strategy = get("strategy")
     ws, mesh = get("world_size"), get("mesh")
     if _pipeline_conflicts(values):
+        return True
+    # Replica groups: at most 3 ranks a group (2 x 4 ranks on the 2 cores is too many), so that every rank's
+    # share of the global batch is whole (2 groups x 3 readers divide 12).
+    if get("replicas") == 2 and 4 in (ws, get("load_world_size")):
         return True
     if strategy == "single" and ws not in (None, 1):
         return True
@@ -205,6 +215,8 @@ def _batchnorm_conflicts(values: Mapping[str, Any]) -> bool:
     if get("microbatches") not in (None, 1) or 3 in (get("world_size"), get("load_world_size")):
         return True
     if get("mesh") == "2x1":
+        return True
+    if get("replicas") == 2:  # each group's forward sees its share of the global batch
         return True
     for phase in ("train", "resume"):
         dp = _dp(values, phase)
@@ -332,9 +344,18 @@ class Scenario:
         return self.pp_degree(phase) * (2 if self.schedule in MULTI_STAGE else 1)
 
     def dp(self, phase: str = "train") -> int:
-        """The ranks that read different data in a phase."""
+        """The ranks of one replica group (of the job, without replica groups) that read different data in a
+        phase: the strategy's data-parallel size."""
         world = self.world_size if phase == "train" else self.load_world_size
         return world // (self.tp(phase) * self.pp_degree(phase))
+
+    def readers(self, phase: str = "train") -> int:
+        """The job's ranks that read different data in a phase: every replica group's."""
+        return self.replicas * self.dp(phase)
+
+    def ranks(self, phase: str = "train") -> int:
+        """The processes the job of a phase launches: every replica group's."""
+        return self.replicas * (self.world_size if phase == "train" else self.load_world_size)
 
     def load_mesh(self) -> tuple[int, ...] | None:
         """fsdp2's HSDP mesh at load: the saved shape at the same world size, else the flat default (a reshard
@@ -383,8 +404,9 @@ class Scenario:
             if v["strategy"] == "pipeline":
                 load_tp = f"pp{v['load_pp']}" if isinstance(v["load_pp"], int) else v["load_pp"]
             ckpt = f"-{v['checkpoint']}{state}@{v['save_step']}>w{v['load_world_size']}{load_tp}"
+        replicas = "" if v["replicas"] == 1 else f"rg{v['replicas']}."
         return (
-            f"{strategy}.w{v['world_size']}{mesh}{layout}{'-tied' if v['tied'] else ''}{extras}-{opt}"
+            f"{replicas}{strategy}.w{v['world_size']}{mesh}{layout}{'-tied' if v['tied'] else ''}{extras}-{opt}"
             f"-{v['precision']}-acc.{v['accum']}-{'none' if v['set_to_none'] else 'zeros'}-clip.{v['clip']}"
             f"-{v['loop']}{sampler}{ckpt}"
         )

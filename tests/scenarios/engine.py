@@ -95,12 +95,12 @@ def run_scenarios(scenarios: list[Scenario], workdir: str, log=print) -> list[Ou
     """Both phases and the oracles for `scenarios`; one Outcome each, in the given order."""
     by_size: dict[int, list[Scenario]] = defaultdict(list)
     for s in scenarios:
-        by_size[s.world_size].append(s)
+        by_size[s.ranks("train")].append(s)
     trained = run_phase(by_size, "train", workdir, log)
     to_resume: dict[int, list[Scenario]] = defaultdict(list)
     for s in scenarios:
         if s.saves and all(r.get("ok") for r in trained[s.id]):
-            to_resume[s.load_world_size].append(s)
+            to_resume[s.ranks("resume")].append(s)
     resumed = run_phase(to_resume, "resume", workdir, log)
     outcomes = []
     for s in scenarios:

@@ -13,12 +13,13 @@ Pair = tuple[tuple[str, Any], tuple[str, Any]]
 
 # The axes of the pairwise set: every value but the costly ones (run by `extras` instead). The pipeline's own
 # axes are left out (pinned to their values outside "pipeline"), so the set stays the one it was before them.
+# Replica groups are pinned too (to none): `replica_scenarios` crosses them with every strategy.
 PAIRWISE_AXES = {
     axis: tuple(v for v in values if v not in COSTLY.get(axis, ()))
     for axis, values in AXES.items()
-    if axis not in PIPELINE_AXES
+    if axis not in PIPELINE_AXES and axis != "replicas"
 }
-NO_PIPELINE = {"pp": 1, "schedule": "none", "microbatches": 1, "load_pp": 1, "split": "fn"}
+NO_PIPELINE = {"pp": 1, "schedule": "none", "microbatches": 1, "load_pp": 1, "split": "fn", "replicas": 1}
 
 
 def feasible_pairs(axes: dict[str, tuple[Any, ...]] = PAIRWISE_AXES) -> set[Pair]:
@@ -429,6 +430,94 @@ def pipeline_scenarios() -> list[Scenario]:
     ]
 
 
+def replica_scenarios() -> list[Scenario]:
+    """`make test`'s replica-group scenarios (fault tolerance's groups, without a fault: 2 groups, each reading
+    its share of every global batch): each against one process on the global batch, its checkpoint against the
+    uninterrupted run, or a declared refusal, with every strategy. The pairwise set pins replica groups off;
+    these cross them with the axes that meet their own code (the cross-group average of sharded, tensor-parallel,
+    tied, frozen and unused parameters; the loss scaler and the schedulers they heal; accumulation; clipping after
+    the average; the data split over the groups; checkpoints written by one group and resumed at another size).
+    BatchNorm's statistics are each group's batch's (axes: a conflict, like data parallel)."""
+    plain = next(s for s in baselines() if s.strategy == "ddp" and s.world_size == 1).as_dict()
+    base = {**plain, "replicas": 2}
+    sharded = {**base, "units": "hand", "leftovers": True}
+    return [
+        # The plainest: fp32 SGD (its step scales with the gradient: an average divided wrongly shows), the
+        # two-loader loop, gradients zeroed in place.
+        Scenario.of(**{**base, "loop": "two_loaders", "set_to_none": False}),
+        # DDP in groups of 2: a tied and a frozen weight, fp16 with its loss scaler, AdamW with a scheduler,
+        # accumulation without sync, norm clipping, the user's sampler; a full checkpoint resumed in groups of 1.
+        Scenario.of(
+            **{
+                **base,
+                "world_size": 2,
+                "tied": True,
+                "frozen": True,
+                "precision": "16-mixed",
+                "optimizer": "adamw",
+                "scheduler": True,
+                "accum": "no_backward_sync",
+                "clip": "norm",
+                "sampler": "custom",
+                "checkpoint": "full",
+            }
+        ),
+        # HSDP across the groups: fsdp2 sharded over each group's 2 ranks (units by hand, leftovers replicated),
+        # built on the meta device, bf16-mixed Adam, plain accumulation, value clipping, an evaluation, the
+        # user's DistributedSampler over the job's readers, a cap per epoch; sharded, resumed in groups of 1.
+        Scenario.of(
+            **{
+                **sharded,
+                "strategy": "fsdp2",
+                "world_size": 2,
+                "empty_init": True,
+                "evaluate": True,
+                "precision": "bf16-mixed",
+                "optimizer": "adam",
+                "accum": "plain",
+                "clip": "value",
+                "sampler": "user_dist",
+                "loop": "break",
+                "checkpoint": "sharded",
+                "save_step": 3,
+            }
+        ),
+        # ModelParallelStrategy in groups of dp 1 x tp 2: sequence-parallel norms (the final one in a unit),
+        # activation checkpointing, AdamW over two param groups with a scheduler, norm clipping (over every
+        # group's average); an asynchronous save resumed in groups of one process (tp 1).
+        Scenario.of(
+            **{
+                **sharded,
+                "strategy": "model_parallel",
+                "world_size": 2,
+                "mesh": "1x2",
+                "leftovers": False,
+                "seq_parallel": "blocks+norm",
+                "act_ckpt": True,
+                "optimizer": "adamw",
+                "groups": 2,
+                "scheduler": True,
+                "clip": "norm",
+                "checkpoint": "async",
+            }
+        ),
+        # Refused: one process, FSDP1 and the pipeline inside a replica group; two optimizers (one step commits).
+        Scenario.of(**{**base, "strategy": "single"}),
+        Scenario.of(**{**sharded, "strategy": "fsdp"}),
+        Scenario.of(
+            **{
+                **sharded,
+                "strategy": "pipeline",
+                "world_size": 2,
+                "pp": 2,
+                "schedule": "1f1b",
+                "microbatches": 2,
+            }
+        ),
+        Scenario.of(**{**base, "n_opt": 2}),
+    ]
+
+
 # Values only the random samples hold (`make test`'s set has no scenario with them).
 RANDOM_ONLY: dict[str, tuple[Any, ...]] = {
     "compile": (True,),
@@ -441,9 +530,13 @@ PAIRWISE_SEED = 16
 
 
 def make_test_set(seed: int = PAIRWISE_SEED) -> list[Scenario]:
-    """What `make test` runs: the pairwise set, the baselines, the costly values' scenarios, the regressions and
-    the pipeline's scenarios."""
+    """What `make test` runs: the pairwise set, the baselines, the costly values' scenarios, the regressions, the
+    pipeline's scenarios and the replica groups'."""
     chosen = pairwise(seed)
     ids = {s.id for s in chosen}
-    extra = [s for s in [*baselines(), *extras(), *regressions(), *pipeline_scenarios()] if s.id not in ids]
+    extra = [
+        s
+        for s in [*baselines(), *extras(), *regressions(), *pipeline_scenarios(), *replica_scenarios()]
+        if s.id not in ids
+    ]
     return chosen + extra

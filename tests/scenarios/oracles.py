@@ -232,7 +232,7 @@ def _judge(
     if scenario.precision != "32-true" and _max_diff(reference["params"], initial) < 1e-3:
         problems.append("the reference hardly moved: the low-precision tolerance has no teeth")
     # (a) every rank's gathered parameters and optimizer state against one process on the global batch.
-    seen = _global(trained, scenario.tp("train"), scenario.dp("train"))
+    seen = _global(trained, scenario.tp("train"), scenario.readers("train"))
     if seen != reference["batches"]:
         problems.append(
             f"train: global batches differ from the sampler's order:\n{seen}\nvs\n{reference['batches']}"
@@ -293,7 +293,7 @@ def _judge(
     after = scenario.save_step * accumulation(scenario)
     if resumed[0]["loaded_step"] != scenario.save_step:
         problems.append(f"resume: loaded step {resumed[0]['loaded_step']}, saved at {scenario.save_step}")
-    seen = _global(resumed, scenario.tp("resume"), scenario.dp("resume"))
+    seen = _global(resumed, scenario.tp("resume"), scenario.readers("resume"))
     if seen != reference["batches"][after:]:
         problems.append(
             f"resume: global batches after the load differ from the uninterrupted run's:\n{seen}\n"

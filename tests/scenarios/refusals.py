@@ -193,11 +193,38 @@ for _phase in ("train", "resume"):
     )
 
 
+REFUSALS.append(
+    Refusal(
+        name="a strategy without a data-parallel dimension across replica groups",
+        applies=lambda s: s.replicas > 1 and s.strategy in ("single", "fsdp", "pipeline"),
+        error="ConfigurationError",
+        fragment="inside a replica group",
+        reason="the groups average their gradients and heal piece by piece: one process has no group to run in "
+        "(a group of one runs ddp), FSDP1's flat parameters hold no piece a peer shares, and a pipeline's "
+        "gradients and state are its stages' (not averaged or healed across groups in this version)",
+    )
+)
+
+
+REFUSALS.append(
+    Refusal(
+        name="two optimizers across replica groups",
+        applies=lambda s: (
+            s.replicas > 1 and s.n_opt == 2 and s.strategy in ("ddp", "fsdp2", "model_parallel")
+        ),
+        error="MisuseError",
+        fragment="a job has one optimizer",
+        reason="a step commits at one optimizer.step() when the groups' quorum agrees: a second optimizer's step "
+        "would commit apart from it (use one optimizer over all parameter groups)",
+    )
+)
+
+
 # ---- pipeline ----------------------------------------------------------------------------------------------------
 def _per_rank_batch(s: Scenario, phase: str) -> int:
     from .model import GLOBAL_BATCH
 
-    return GLOBAL_BATCH // s.dp(phase) * (2 if s.loop == "two_loaders" else 1)
+    return GLOBAL_BATCH // s.readers(phase) * (2 if s.loop == "two_loaders" else 1)
 
 
 for _phase in ("train", "resume"):

@@ -122,7 +122,9 @@ def _order_state(position: Position, sampler: ResumableSampler, epoch: int, cons
     if position.resume is not None:  # loaded, not yet iterated: pass the checkpoint's on
         base, draw = position.resume[2], sampler.replay
     elif position.current is not None:
-        base, draw = position.pass_base, sampler.record
+        # A pass that has begun but not drawn yet (saved between `iter()` and its first batch, as a replica group
+        # keeps its step's start) draws from what a resume handed it, if any.
+        base, draw = position.pass_base, sampler.record if sampler.record is not None else sampler.replay
     else:
         base, draw = None, None
     if base is not None:
