@@ -73,10 +73,17 @@ def setup_dataloaders(
         own = own if isinstance(own, DistributedSampler) else None
         if own is not None and replicas != world_size and (own.num_replicas, own.rank) != (replicas, rank):
             # Tensor-parallel ranks compute on one batch together: different samples on them is silently wrong.
+            # Replica groups each read their own shard: a split over one group's ranks reads the same in each.
+            why = (
+                "under replica groups (torchloom run --replica-groups) each group reads its own shard: split "
+                "over one group's ranks, every group would read the same samples"
+                if strategy.replicas is not None
+                else f"under {type(strategy).__name__} the ranks of one tensor-parallel group must read the "
+                "same samples"
+            )
             raise MisuseError(
                 f"The dataloader's {type(own).__name__} splits the data over {own.num_replicas} replicas (this "
-                f"rank reads part {own.rank}), but under {type(strategy).__name__} the ranks of one "
-                f"tensor-parallel group must read the same samples: the data is split over the {replicas} "
+                f"rank reads part {own.rank}), but {why}: the data is split over the {replicas} "
                 f"data-parallel replicas (this rank is replica {rank}). Build it as "
                 f"DistributedSampler(dataset, num_replicas={replicas}, rank={rank}) "
                 "(**loom.strategy.distributed_sampler_kwargs), or give the DataLoader an undistributed sampler "

@@ -78,3 +78,32 @@ def test_an_iterable_dataset_in_a_replica_group_is_refused_by_name() -> None:
     )
     with pytest.raises(MisuseError, match="reads an IterableDataset.*Use a map-style Dataset"):
         setup_dataloaders(rank, [torch.utils.data.DataLoader(_Stream(), batch_size=2)], True, None)  # type: ignore[arg-type]
+
+
+def test_a_distributed_sampler_over_one_groups_ranks_is_refused_by_name() -> None:
+    """The user's own DistributedSampler split over the ranks of one group (`num_replicas=loom.world_size`): every
+    group would read the same samples, silently. Refused at `setup_dataloaders`, naming the job's split (its
+    readers are every group's); a sampler over the job's readers is kept. (The strategy stands in for rank 0 of
+    group 1 of 2 groups of one process.)"""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from torchloom._loader_setup import setup_dataloaders
+    from torchloom.errors import MisuseError
+
+    rank = SimpleNamespace(
+        distributed_sampler_kwargs={"num_replicas": 2, "rank": 1},
+        world_size=1,
+        global_rank=0,
+        all_gather_object=lambda obj: [obj],
+        cluster_environment=None,
+        replicas=SimpleNamespace(add_loader=lambda loader: None),
+    )
+    data = TensorDataset(torch.arange(8))
+    group_only = DistributedSampler(data, num_replicas=1, rank=0)
+    with pytest.raises(MisuseError, match="each group reads its own shard.*num_replicas=2, rank=1"):
+        setup_dataloaders(rank, [DataLoader(data, sampler=group_only)], True, None)  # type: ignore[arg-type]
+    job = DistributedSampler(data, num_replicas=2, rank=1)
+    (loader,) = setup_dataloaders(rank, [DataLoader(data, sampler=job)], True, None)  # type: ignore[arg-type]
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (2, 1)
