@@ -129,6 +129,8 @@ WEIGHTS: dict[str, dict[Any, float]] = {
     "offload": {True: 0.1},
     "world_size": {4: 0.5},
     "load_world_size": {4: 0.5},
+    # Replica groups: in one sample in five (`run_many.py --replicas 2` draws them alone).
+    "replicas": {2: 0.25},
 }
 
 

@@ -91,16 +91,20 @@ def pairwise(seed: int = 0, candidates: int = 20) -> list[Scenario]:
     return chosen
 
 
-def random_sample(count: int, seed: int, strategy: str | None = None) -> list[Scenario]:
+def random_sample(
+    count: int, seed: int, strategy: str | None = None, fixed: dict[str, Any] | None = None
+) -> list[Scenario]:
     """`count` distinct scenarios: a strategy drawn uniformly (or the one given), then the other axes among the
-    feasible values (rejection sampling, values weighted by axes.WEIGHTS). Uniform over all feasible scenarios
-    would give fsdp2, whose layouts are most numerous, half of them and one process a handful."""
+    feasible values (rejection sampling, values weighted by axes.WEIGHTS); `fixed` axes keep the values given.
+    Uniform over all feasible scenarios would give fsdp2, whose layouts are most numerous, half of them and one
+    process a handful."""
     rng = random.Random(seed)
     seen: dict[str, Scenario] = {}
     tries = 0
+    given = {**(fixed or {}), **({} if strategy is None else {"strategy": strategy})}
     while len(seen) < count and tries < 200 * count:
         tries += 1
-        values: dict[str, Any] = {} if strategy is None else {"strategy": strategy}
+        values: dict[str, Any] = dict(given)
         for axis, options in AXES.items():
             if axis in values:
                 continue  # each axis among the values the earlier ones leave feasible

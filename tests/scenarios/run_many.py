@@ -5,6 +5,7 @@
     python tests/scenarios/run_many.py --rerun report.json --report again.md   # its unexpected results again
     python tests/scenarios/run_many.py --count 60 --seed 3 --strategy pipeline --report pp.md  # one strategy
     python tests/scenarios/run_many.py --count 50 --seed 21 22 23 --strategy pipeline --report pp.md  # 150
+    python tests/scenarios/run_many.py --count 60 --seed 51 --replicas 2 --report rg.md  # replica groups only
 
 With several seeds, each draws `--count` scenarios (a scenario two seeds draw runs once).
 
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         "--strategy", default=None, help="draw the random sample of this strategy only (e.g. pipeline)"
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="draw the random sample with this many replica groups only (the `replicas` axis)",
+    )
+    parser.add_argument(
         "--pairwise", action="store_true", help="run the set of `make test` (pairwise + baselines) instead"
     )
     parser.add_argument(
@@ -80,7 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.seed = args.seed or [0]
         drawn = {
-            s.id: s for seed in args.seed for s in random_sample(args.count, seed, strategy=args.strategy)
+            s.id: s
+            for seed in args.seed
+            for s in random_sample(
+                args.count,
+                seed,
+                strategy=args.strategy,
+                fixed=None if args.replicas is None else {"replicas": args.replicas},
+            )
         }
         scenarios = list(drawn.values())
     skipped = [s for s in scenarios if (k := known_failure(s)) is not None and not k.runs]
@@ -123,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         else f"random sample of {args.count}"
         + (" per seed" if len(args.seed or ()) > 1 else "")
         + (f" ({args.strategy})" if args.strategy else "")
+        + (f" ({args.replicas} replica groups)" if args.replicas else "")
     )
     seeds = " ".join(map(str, args.seed or []))
     lines = [
