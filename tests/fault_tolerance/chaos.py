@@ -10,11 +10,13 @@ the time until the killed group committed again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,12 @@ def report(job: Job, seconds: float, seed: int) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _kept(folder: Path) -> Iterator[str]:
+    folder.mkdir(parents=True)
+    yield str(folder)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=3)
@@ -87,9 +95,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="run the job in this new folder and keep it (logs, record)"
+    )
     args = parser.parse_args()
     events = plan(random.Random(args.seed), args.groups, args.kills)
-    with tempfile.TemporaryDirectory(prefix="torchloom-chaos-") as folder:
+    with (
+        tempfile.TemporaryDirectory(prefix="torchloom-chaos-") if args.keep is None else _kept(args.keep)
+    ) as folder:
         from _jobs import run_job
 
         started = time.perf_counter()
