@@ -62,7 +62,7 @@ class LoomOptimizer:
             check()
         kwargs = {} if closure is None else {"closure": closure}
         replicas = getattr(self._strategy, "replicas", None)
-        if replicas is not None and not replicas.should_commit():
+        if replicas is not None and not replicas.should_commit(self._optimizer):
             # Fault tolerance: a replica group failed this step, which the survivors retry.
             self._precision.abandon_step(self._optimizer)
             return None

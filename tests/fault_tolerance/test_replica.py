@@ -190,3 +190,103 @@ def test_a_group_that_heals_in_its_backward_is_not_counted_and_the_replay_agrees
     assert replayed == ends[0]["step"] == len(steps)
     for key, value in net.state_dict().items():
         torch.testing.assert_close(ends[0]["state"][key], value, rtol=0, atol=1e-5)
+
+
+# Two optimizers (AdamW for the first layer, SGD with momentum for the last), both stepped after each backward, as
+# a user of Muon plus AdamW does. Group 1 dies in its backward at step 3 of its first attempt: group 0's step fails
+# and is retried alone. The first `step()` asks the groups' vote and the second follows its answer, so a failed
+# step moves neither optimizer (the retried step applies each once).
+_TWO_OPTIMIZERS = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchloom import Loom
+    from torchloom import fault_tolerance as ft
+
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(640, 4), torch.randn(640, 1))
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    net.register_buffer("streak", torch.zeros((), dtype=torch.long))
+    loom = Loom(accelerator="cpu")
+    model, first, last = loom.setup(
+        net,
+        torch.optim.AdamW(net[0].parameters(), lr=0.01, weight_decay=0.1),
+        torch.optim.SGD(net[2].parameters(), lr=0.05, momentum=0.9),
+    )
+    loader = loom.setup_dataloaders(DataLoader(data, batch_size=4))
+    rg = ft.current()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    failed = 0
+    done = False
+    while not done:  # until 4 steps together after group 1 is back (the streak is a buffer: the groups agree)
+        for x, y in loader:
+            before = rg.step
+            hook = None
+            if rg.group == 1 and attempt == 0 and before == 3:
+                die = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+                hook = net[0].register_forward_hook(lambda m, i, o: (o.register_hook(die), None)[1])
+            loom.backward(nn.functional.mse_loss(model(x), y))
+            first.step()
+            last.step()
+            first.zero_grad()
+            last.zero_grad()
+            if rg.step == before:
+                failed += 1
+                continue
+            together = len(rg.participants) == rg.groups
+            net.streak.copy_(net.streak + 1 if together else 0)
+            if not together:
+                time.sleep(0.1)  # alone: wait for the other
+            if rg.step > 5 and int(net.streak) >= 4:
+                done = True
+                break
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    torch.save({"state": state, "step": rg.step, "failed": failed}, os.path.join(out, f"group{rg.group}.pt"))
+    """
+)
+
+
+class _Both:
+    """The replay's optimizer for the script's two: each steps on its own parameters."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def test_two_optimizers_follow_one_vote_and_the_replay_agrees(tmp_path: Path) -> None:
+    done = run_script(tmp_path, _TWO_OPTIMIZERS, 2, 1, max_restarts=2, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ends = ends_bit_identical(tmp_path, 2)
+    assert ends[0]["failed"] >= 1  # group 0 retried the step group 1 died in
+    steps = read_record(tmp_path / "record.jsonl")
+    assert any(len(s.participants) == 1 for s in steps)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(640, 4), torch.randn(640, 1))
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    both = _Both(
+        torch.optim.AdamW(net[0].parameters(), lr=0.01, weight_decay=0.1),
+        torch.optim.SGD(net[2].parameters(), lr=0.05, momentum=0.9),
+    )
+    shards = [list(DistributedSampler(data, num_replicas=2, rank=g, shuffle=False)) for g in range(2)]
+    replayed = replay(
+        tmp_path / "record.jsonl",
+        net,
+        both,  # type: ignore[arg-type]
+        batch=lambda group, epoch, index: data[shards[group][index * 4 : index * 4 + 4]],
+        loss=lambda model, xy: nn.functional.mse_loss(model(xy[0]), xy[1]),
+    )
+    assert replayed == ends[0]["step"] == len(steps)
+    for key, value in net.named_parameters():
+        torch.testing.assert_close(ends[0]["state"][key], value.detach(), rtol=0, atol=1e-5)

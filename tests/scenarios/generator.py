@@ -505,7 +505,9 @@ def replica_scenarios() -> list[Scenario]:
                 "checkpoint": "async",
             }
         ),
-        # Refused: one process, FSDP1 and the pipeline inside a replica group; two optimizers (one step commits).
+        # Two optimizers (the blocks' and the rest's): the first step() asks the groups' vote, the other follows.
+        Scenario.of(**{**base, "n_opt": 2}),
+        # Refused: one process, FSDP1 and the pipeline inside a replica group.
         Scenario.of(**{**base, "strategy": "single"}),
         Scenario.of(**{**sharded, "strategy": "fsdp"}),
         Scenario.of(
@@ -518,7 +520,6 @@ def replica_scenarios() -> list[Scenario]:
                 "microbatches": 2,
             }
         ),
-        Scenario.of(**{**base, "n_opt": 2}),
     ]
 
 

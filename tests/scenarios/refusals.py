@@ -206,20 +206,6 @@ REFUSALS.append(
 )
 
 
-REFUSALS.append(
-    Refusal(
-        name="two optimizers across replica groups",
-        applies=lambda s: (
-            s.replicas > 1 and s.n_opt == 2 and s.strategy in ("ddp", "fsdp2", "model_parallel")
-        ),
-        error="MisuseError",
-        fragment="a job has one optimizer",
-        reason="a step commits at one optimizer.step() when the groups' quorum agrees: a second optimizer's step "
-        "would commit apart from it (use one optimizer over all parameter groups)",
-    )
-)
-
-
 # ---- pipeline ----------------------------------------------------------------------------------------------------
 def _per_rank_batch(s: Scenario, phase: str) -> int:
     from .model import GLOBAL_BATCH

@@ -106,6 +106,9 @@ class ReplicaGroup:
         self._optimizers: list[Optimizer] = []
         self._loaders: list[ReplicaLoader] = []
         self._in_step = False
+        # The step's vote, once asked (by its first optimizer's `step()`): the answer for the step's other optimizers.
+        self._decision: bool | None = None
+        self._voted: list[Optimizer | None] = []  # the optimizers that stepped (or not) on it
         # Whether this step's gradients went through `average_gradients` (a step without it is refused).
         self._averaged = False
         #: The last step did not commit: the survivors retry it on the same batches.
@@ -160,11 +163,9 @@ class ReplicaGroup:
             self._buffers_at_start = buffers.snapshot(buffers.persistent(self._modules))
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
-        if self._optimizers:
-            raise MisuseError(
-                "With replica groups a job has one optimizer (its step commits the job's step); this script set "
-                "up a second one. Use one optimizer over all parameter groups."
-            )
+        """A set-up optimizer: it heals with the model, and its `step()` runs only when the step commits. With
+        several (Muon for the matrices and AdamW for the rest, say), the first `step()` after a backward asks the
+        groups' vote and the others of that step follow its answer."""
         self._optimizers.append(optimizer)
 
     def add_loader(self, loader: ReplicaLoader) -> None:
@@ -188,6 +189,7 @@ class ReplicaGroup:
         """Join this step's quorum (once a step); a group behind the others heals here."""
         if self._in_step:
             return
+        self._decision = None
         if self._manager is None:
             self._manager = self._start_manager()
             if self._resumed is not None:
@@ -363,9 +365,13 @@ class ReplicaGroup:
             self._averager.lay_out(exchange.trainable(self._modules))
         return self._averager
 
-    def should_commit(self) -> bool:
+    def should_commit(self, optimizer: Optimizer | None = None) -> bool:
         """At `optimizer.step()`: whether this group's step succeeded (torchft's vote among the group's ranks: every
-        cross-group collective completed, so the average is whole); then the step runs."""
+        cross-group collective completed, so the average is whole); then the step runs. The step's other
+        optimizers (each asks once) get the same answer without a vote of their own."""
+        if self._decision is not None and optimizer is not None and optimizer not in self._voted:
+            self._voted.append(optimizer)
+            return self._decision  # a later optimizer of this step: the vote has answered for the step
         self.begin_step()
         if not self._averaged:
             raise MisuseError(
@@ -377,6 +383,7 @@ class ReplicaGroup:
         with self._watchdog():
             committed = bool(self._manager.should_commit())
         self._in_step = False
+        self._decision, self._voted = committed, [optimizer]
         self.retrying = not committed
         if not committed and self._buffers_at_start is not None:
             # The step's forwards never happened (for the record and the replay): buffers as at its start.
