@@ -13,16 +13,19 @@ than it says. Each event names a group (`group`, or `groups` for `serve`), a `ra
 - `serve`: the first of `groups` asked to send its state to a healing peer dies doing so;
 - `healkill`: when group `group` heals, it SIGKILLs group `victim`'s rank 0 (a group killed during a heal);
 - `lost`: the group dies at its first commit that misses a group (two groups lost in a row);
-- `late` (with a kill): the group's next start waits until the others have committed `late` more steps.
+- `late` (with a kill): the group's next start waits until the others have committed `late` more steps;
+- `pause` (with `at`: `between`, `forward` or `allreduce`): the whole process is stopped (SIGSTOP, its heartbeat
+  threads too) for `seconds`, then continued, as a starved machine would stall it: alive, but silent.
 
-The job ends when every event has fired, the job has committed `min_steps` steps and the last 4 had every group:
-the first group to see it writes `OUT/stop.json` (a step 5 ahead), and every group stops after that step. Each
-group's rank 0 then saves its parameters and step to `OUT/group<g>.pt`.
+The job ends when every event has fired, the job has committed `min_steps` steps and 4 since the last event had
+every group: the first group to see it writes `OUT/stop.json` (a step 5 ahead), and every group stops after that
+step. Each group's rank 0 then saves its parameters and step to `OUT/group<g>.pt`.
 """
 
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -165,9 +168,36 @@ for k, event in enumerate(EVENTS):
             arm_healkill(k, event["victim"])
 
 
+def pause(k, seconds):
+    """Stop this whole process for `seconds` (a helper process stops and continues it)."""
+    if claim(k, step=rg.step):
+        code = f"import os, signal, time; os.kill({os.getpid()}, signal.SIGSTOP); time.sleep({seconds}); "
+        subprocess.Popen([sys.executable, "-c", code + f"os.kill({os.getpid()}, signal.SIGCONT)"])
+        time.sleep(0.5)  # stopped in here
+
+
 def arm(k, event):
-    """Make this process die (or hang) where the event says, in the step about to run."""
+    """Make this process die (or hang, or pause) where the event says, in the step about to run."""
     where = event["where"]
+    if where == "pause" and event["at"] == "forward":
+
+        def stall(*_):
+            handle.remove()
+            pause(k, event["seconds"])  # (returns None: the layer's input is left alone)
+
+        handle = net[0].register_forward_pre_hook(stall)
+        return
+    if where == "pause" and event["at"] == "allreduce":
+        real = rg._manager.allreduce
+
+        def paused(*args, **kwargs):
+            rg._manager.allreduce = real
+            work = real(*args, **kwargs)
+            pause(k, event["seconds"])
+            return work
+
+        rg._manager.allreduce = paused
+        return
     if where == "forward":
         net[0].register_forward_pre_hook(lambda *_: die(k, step=rg.step))
     elif where == "backward":
@@ -196,7 +226,6 @@ def arm(k, event):
 
 
 armed = set()
-streak = 0
 done = False
 while not done:
     for x, y in loader:
@@ -205,7 +234,10 @@ while not done:
             found
             and mine(found[1])
             and found[0] not in armed
-            and found[1]["where"] in ("forward", "backward", "allreduce", "optimizer", "hang")
+            and (
+                found[1]["where"] in ("forward", "backward", "allreduce", "optimizer", "hang")
+                or (found[1]["where"] == "pause" and found[1]["at"] != "between")
+            )
         ):
             armed.add(found[0])
             arm(*found)
@@ -217,17 +249,22 @@ while not done:
         if rg.step == before:
             continue  # the step failed: retried on the same batch
         together = len(rg.participants) == GROUPS
-        streak = streak + 1 if together else 0
         found = pending()
         if found and mine(found[1]):
             k, event = found
             if event["where"] == "between" or (event["where"] == "lost" and not together):
                 die(k, step=rg.step)
+            if event["where"] == "pause" and event["at"] == "between":
+                pause(k, event["seconds"])
         if not together:
             time.sleep(0.2)  # alone: slow down until the others are back
         stop = os.path.join(OUT, "stop.json")
         events_done = all(fired(j) for j in range(len(EVENTS)))
-        if events_done and streak >= 4 and rg.step >= PLAN["min_steps"] and not os.path.exists(stop):
+        # 4 steps with every group since the last event (counted in the record: a group paused by the last event
+        # is back in them, not merely before it).
+        last = fired(len(EVENTS) - 1) if EVENTS else {"time": 0.0}
+        together_since = events_done and steps_since(last["time"], together=True) >= 4
+        if together_since and rg.step >= PLAN["min_steps"] and not os.path.exists(stop):
             tmp = f"{stop}.{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump({"step": rg.step + 5}, f)

@@ -58,6 +58,18 @@ _PLANS: dict[str, dict[str, Any]] = {
         "groups": 3,
         "events": [{"group": g, "where": "allreduce", "after": 2} for g in (1, 0, 2, 1, 0, 2)],
     },
+    # 2 groups: group 1's whole process stopped for 2 s (SIGSTOP, its heartbeats too: a starved machine) between
+    # steps, in forward and inside the all-reduce; then group 0's, between steps.
+    "paused": {
+        "groups": 2,
+        "events": [
+            *(
+                {"group": 1, "where": "pause", "at": at, "after": 2, "seconds": 2.0}
+                for at in ("between", "forward", "allreduce")
+            ),
+            {"group": 0, "where": "pause", "at": "between", "after": 2, "seconds": 2.0},
+        ],
+    },
     # 2 groups launched as on a cluster (each its own `torchloom run --replica-group G --lighthouse ADDRESS`, the
     # lighthouse started by the test): group 1 killed between steps, restarted by its own agent, healed.
     "cluster": {"groups": 2, "cluster": True, "events": [{"group": 1, "where": "between", "after": 2}]},
@@ -176,6 +188,24 @@ def test_survivors_of_three_go_on_when_a_group_dies_inside_the_sum(jobs: dict[st
         assert after is not None
         survivors = sorted({0, 1, 2} - {kill["group"]})
         assert [p.group for p in after.participants] == survivors, (kill, after)
+
+
+def test_a_group_stalled_alive_heals_without_a_restart(jobs: dict[str, Job]) -> None:
+    """A group whose process stops for 2 s (heartbeats included) is left out of the quorum once the lighthouse
+    misses its heartbeats (300 ms): the other goes on alone, and the stalled group, when it runs again, finds its
+    step behind and heals from the other at its next quorum, in the same process (no group restarted), and
+    takes part again. Paused inside a step, the other waits in the collective instead (the step's quorum was
+    formed). The replay equals the run (`check_exact`)."""
+    job = jobs["paused"]
+    assert job.done.returncode == 0, job.output
+    assert (job.attempts(0), job.attempts(1)) == (1, 1)
+    steps = job.steps()
+    for event, group in ((0, 1), (3, 0)):  # the pauses between steps
+        paused = job.fired(event)
+        alone = first_commit_after(steps, paused["time"])
+        assert alone is not None and [p.group for p in alone.participants] == [1 - group]
+        assert first_commit_after(steps, alone.time, group=group) is not None  # back, healed
+    assert len(steps[-1].participants) == 2
 
 
 def test_two_processes_per_group(jobs: dict[str, Job]) -> None:
