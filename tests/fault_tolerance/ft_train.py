@@ -79,12 +79,17 @@ def lines():
         return []
 
 
-def steps_since(t, together):
-    """Distinct committed steps after time t: with every group (together) or without this group."""
+def together_since(event):
+    """Distinct steps with every group committed after `event` fired, and numbered after the step it fired in: a
+    group killed inside `optimizer.step()` had its vote counted, so the survivors commit that step with it, after
+    it died (counted, it let the next kill fire one step later: every group was lost, and the job started over)."""
     found = set()
     for line in lines():
-        groups = {p["group"] for p in line["participants"]}
-        if line["time"] > t and (len(groups) == GROUPS if together else GROUP not in groups):
+        if (
+            line["time"] > event["time"]
+            and line["step"] > event["step"]
+            and len({p["group"] for p in line["participants"]}) == GROUPS
+        ):
             found.add(line["step"])
     return len(found)
 
@@ -93,8 +98,8 @@ def pending():
     """The next event to fire, if the one before it has fired and enough steps had every group since."""
     for k, event in enumerate(EVENTS):
         if fired(k) is None:
-            before = fired(k - 1) if k else {"time": 0.0}
-            if steps_since(before["time"], together=True) >= event.get("after", 0):
+            before = fired(k - 1) if k else {"time": 0.0, "step": -1}
+            if together_since(before) >= event.get("after", 0):
                 return k, event
             return None
     return None
@@ -262,9 +267,13 @@ while not done:
         events_done = all(fired(j) for j in range(len(EVENTS)))
         # 4 steps with every group since the last event (counted in the record: a group paused by the last event
         # is back in them, not merely before it).
-        last = fired(len(EVENTS) - 1) if EVENTS else {"time": 0.0}
-        together_since = events_done and steps_since(last["time"], together=True) >= 4
-        if together_since and rg.step >= PLAN["min_steps"] and not os.path.exists(stop):
+        last = fired(len(EVENTS) - 1) if EVENTS else {"time": 0.0, "step": -1}
+        if (
+            events_done
+            and together_since(last) >= 4
+            and rg.step >= PLAN["min_steps"]
+            and not os.path.exists(stop)
+        ):
             tmp = f"{stop}.{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump({"step": rg.step + 5}, f)

@@ -98,6 +98,8 @@ class ReplicaGroup:
         self._all_gather_object = all_gather_object
         self._device = device
         self._manager: Any = None
+        # torchft's reconfigurable process group across the groups (this rank's, with the same rank of the others).
+        self._process_group: Any = None
         self._timeout_s, self._quorum_timeout_s = _run_protocol.ft_timeouts(
             COLLECTIVE_TIMEOUT_S, QUORUM_TIMEOUT_S
         )
@@ -320,7 +322,7 @@ class ReplicaGroup:
         `abort()` leaves the connections open; only the process group's destruction closes them (torchft's
         wrapper drops it here, and reconfigures a new one at the next quorum, whose id changes after a failed
         commit)."""
-        self._manager._pg.abort()
+        self._process_group.abort()
 
     def _hyperparameters(self) -> float:
         """A number that differs between groups whose optimizers would step differently: the sum of every param
@@ -506,6 +508,7 @@ class ReplicaGroup:
             pg: Any = ProcessGroupNCCL(timeout=timedelta(seconds=self._timeout_s))
         else:
             pg = ProcessGroupGloo(timeout=timedelta(seconds=self._timeout_s))
+        self._process_group = pg
         return Manager(
             pg=pg,
             load_state_dict=self._load,
