@@ -198,3 +198,28 @@ def test_the_fingerprint_of_the_per_parameter_gradients_is_that_of_their_flats()
     value = sum(float(t[0]) for t in reversed(terms))
     scale = sum(float(t[1]) for t in reversed(terms))
     assert (value, scale) == pytest.approx(flat, rel=1e-12)
+
+
+def test_a_job_that_started_over_replays_the_history_it_holds(tmp_path: Path) -> None:
+    """Every group lost without a checkpoint: the job starts over from step 0 and appends a second history to the
+    same record, shorter than the first. The replay follows the history written last (the state the job ends
+    with), not the longest; a history's dead end written before its later steps (a group that committed a step
+    its peers then retried without it) is passed over."""
+    spec = _spec(tmp_path)
+    path = tmp_path / "r.jsonl"
+    _simulate(path, spec, steps=4)  # the history lost with every group
+    net = spec["model"]()
+    opt = spec["optimizer"](net)
+    params, chain = list(net.parameters()), ""
+    for step in range(2):  # the job started over: group 0 alone for 2 steps
+        opt.zero_grad()
+        spec["loss"](net, spec["batch"](0, 0, step)).backward()
+        flats = record.flats([p.grad for p in params])
+        opt.step()
+        chain = record.append(
+            str(path), step, record.sources(2, 0, 0, step, flats), 2, chain, record.fingerprint(flats)[0]
+        )
+    steps = read_record(path)
+    assert [(s.step, [p.group for p in s.participants]) for s in steps] == [(0, [0]), (1, [0])]
+    for key, value in _replay(path, spec).state_dict().items():
+        torch.testing.assert_close(value, net.state_dict()[key], rtol=0, atol=1e-6)

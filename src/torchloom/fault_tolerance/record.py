@@ -242,11 +242,16 @@ def chained(parent: str, step: int, participants: list[dict[str, int]]) -> str:
 def read(path: str | os.PathLike[str]) -> list[Step]:
     """The committed steps of the run's history in the record at `path`, in order: the chain of its last step
     followed back to the first (see the module docstring). Raises when the record ends in two histories or has
-    a gap."""
+    a gap.
+
+    A job that lost every group without a checkpoint started over from step 0 in the same record: its history is
+    the one whose end was written last (the state the job holds), not the longest."""
     lines: dict[str, tuple[str, Step]] = {}
-    for line in Path(path).read_text().splitlines():
+    written: dict[str, int] = {}  # each chain's last line, in the order the lines were written
+    for number, line in enumerate(Path(path).read_text().splitlines()):
         if line.strip():
             data = json.loads(line)
+            written[data["chain"]] = number
             entry = Step(
                 int(data["step"]),
                 tuple(Participant(**p) for p in data["participants"]),
@@ -271,6 +276,11 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
         )
     steps: list[Step] = []
     chain = ends.pop()
+    continued = {parent for parent, _ in lines.values()}
+    latest = max((c for c in lines if c not in continued), key=written.__getitem__)
+    if written[latest] > written[chain]:
+        # Written after the end of the longest history, which nothing continues: the job started over.
+        chain = latest
     while chain:
         if chain not in lines:
             raise TorchloomError(
