@@ -43,7 +43,8 @@ def main() -> None:
     net = nn.Sequential(
         *(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(4))
     )
-    loom = Loom(accelerator="cpu")
+    # `fault_tolerance.py --strategy`: "ddp" (the default), or "fsdp2" (sharded inside a group; one unit, the root).
+    loom = Loom(accelerator="cpu", strategy=os.environ.get("TORCHLOOM_BENCH_STRATEGY", "ddp"))
     model, opt = loom.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
     loader = loom.setup_dataloaders(DataLoader(data, batch_size=tokens))
     replicas = ft.current()

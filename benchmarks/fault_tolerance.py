@@ -19,6 +19,7 @@ Measured (each side several times, alternately, ABBA):
   the job-steps that fault cost.
 
     python benchmarks/fault_tolerance.py             # 5 repeats of each
+    python benchmarks/fault_tolerance.py --strategy fsdp2 --healthy-only   # fsdp2's healthy step only
     python benchmarks/fault_tolerance.py --tiny      # one of each, a tiny model: the numbers mean nothing
 """
 
@@ -43,8 +44,17 @@ SCRIPT = HERE / "_ft_script.py"
 WARMUP = 5
 
 
+STRATEGY = "ddp"  # `--strategy`, handed to the script
+
+
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RUST_LOG="error")
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        RUST_LOG="error",
+        TORCHLOOM_BENCH_STRATEGY=STRATEGY,
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -107,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--strategy", default="ddp", choices=("ddp", "fsdp2"), help="inside the groups, and of the plain job"
+    )
+    parser.add_argument("--healthy-only", action="store_true", help="the healthy step only, no fault")
     args = parser.parse_args(argv)
+    global STRATEGY
+    STRATEGY = args.strategy
     if args.tiny:
         args.repeats, args.dim, args.steps, args.kill_at, args.ckpt_every = 1, 16, 12, 8, 4
     header("fault tolerance: per-step overhead, and what a fault costs, against a plain job restarted", args)
@@ -120,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
     )
     faults: dict[str, list[dict[str, float]]] = {"ft": [], "plain": []}
+    if args.healthy_only:
+        rows = [
+            ["step time, plain (s)", summary(healthy["plain"])],
+            ["step time, ft (s)", summary(healthy["ft"])],
+        ]
+        print(table(["measurement", "median [min..max]"], rows), flush=True)
+        ratios = [f / p for f, p in zip(healthy["ft"], healthy["plain"], strict=True)]
+        results = [ratio_line(f"ft-step-time-{args.strategy}", ratios, "<= 1.03")]
+        write_json(args.json, {"healthy": healthy, "results": results})
+        return 0
 
     def ft_fault() -> float:
         lines, kill = _job(True, args.steps, args.dim, args.kill_at, 0)
