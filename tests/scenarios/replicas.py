@@ -40,6 +40,10 @@ def replica_group(scenario: Scenario, phase: str, rank: int, ranks: int) -> Iter
         yield ranks
         return
     from torch.distributed import TCPStore
+
+    os.environ.setdefault(
+        "RUST_LOG", "warn"
+    )  # torchft's quorum log, a dozen lines a step, kept out of reports
     from torchft.coordination import LighthouseServer
 
     from torchloom.fault_tolerance import launch
