@@ -41,9 +41,8 @@ def replica_group(scenario: Scenario, phase: str, rank: int, ranks: int) -> Iter
         return
     from torch.distributed import TCPStore
 
-    os.environ.setdefault(
-        "RUST_LOG", "warn"
-    )  # torchft's quorum log, a dozen lines a step, kept out of reports
+    # torchft's quorum log (a dozen lines a step) kept out of the reports.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft.coordination import LighthouseServer
 
     from torchloom.fault_tolerance import launch
