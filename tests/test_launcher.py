@@ -431,3 +431,35 @@ def test_a_killed_launcher_takes_its_ranks_at_every_point_of_start_up(tmp_path, 
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_a_ranks_error_file_appears_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's uncaught exception reaches the agent's error file by a rename, never through the file opened empty
+    at its own path: the agent reads the file as soon as it sees the rank fail, and an empty one crashed
+    torchelastic's agent (JSONDecodeError) and ended a replica group for good (seen once in `make test`)."""
+    import builtins
+    import json
+    import sys
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.delenv(launcher.LAUNCHED_ENV, raising=False)
+    monkeypatch.setattr(sys, "excepthook", lambda *args: None)
+    launcher.record_errors_in_rank()
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spy(file, mode="r", *args, **kwargs):  # type: ignore[no-untyped-def]
+        if "w" in mode:
+            opened.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    try:
+        raise ValueError("boom")
+    except ValueError as error:
+        sys.excepthook(type(error), error, error.__traceback__)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert opened and str(path) not in opened
+    assert "ValueError: boom" in json.loads(path.read_text())["message"]["message"]
+    assert list(tmp_path.iterdir()) == [path]

@@ -501,9 +501,14 @@ def record_errors_in_rank() -> None:
                     },
                 }
             }
+            # Written aside and renamed into place: the agent reads the file as soon as it sees the rank fail (a
+            # peer's death may come first), and an empty file it opened between our open and write crashed it
+            # (torchelastic's JSONDecodeError), ending the whole replica group for good.
+            partial = f"{error_file}.{os.getpid()}.partial"
             try:
-                with open(error_file, "w") as f:
+                with open(partial, "w") as f:
                     json.dump(data, f)
+                os.replace(partial, error_file)
             except OSError:
                 pass
             previous(exc_type, exc, tb)
