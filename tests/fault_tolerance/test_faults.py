@@ -27,8 +27,6 @@ pytestmark = pytest.mark.timeout(420)
 _TIMEOUT = 3.0
 
 _PLANS: dict[str, dict[str, Any]] = {
-    # 2 groups, no fault.
-    "healthy": {"groups": 2, "events": []},
     # 2 groups: killed in forward; killed inside optimizer.step() after the commit vote, with half an update
     # applied, and back only after the survivor moved on by 4 steps; then stuck inside the all-reduce.
     "steps": {
@@ -59,9 +57,9 @@ _PLANS: dict[str, dict[str, Any]] = {
         "groups": 3,
         "events": [{"group": g, "where": "allreduce", "after": 2} for g in (1, 0, 2, 1)],
     },
-    # 2 groups: group 1's whole process stopped for 2 s (SIGSTOP, its heartbeats too: a starved machine) between
-    # steps, then inside the all-reduce.
-    "paused": {
+    # 2 groups: healthy steps; then group 1's whole process stopped for 2 s (SIGSTOP, its heartbeats too: a
+    # starved machine) between steps, then inside the all-reduce.
+    "stalled": {
         "groups": 2,
         "events": [
             {"group": 1, "where": "pause", "at": at, "after": 2, "seconds": 2.0}
@@ -195,7 +193,7 @@ def test_a_group_stalled_alive_heals_without_a_restart(jobs: dict[str, Job]) -> 
     step behind and heals from the other at its next quorum, in the same process (no group restarted), and
     takes part again. Paused inside the all-reduce, the other waits in the collective instead (the step's quorum
     was formed). The replay equals the run (`check_exact`)."""
-    job = jobs["paused"]
+    job = jobs["stalled"]
     assert job.done.returncode == 0, job.output
     assert (job.attempts(0), job.attempts(1)) == (1, 1)
     steps = job.steps()
