@@ -14,22 +14,13 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from unittest import mock
 
 from torchloom import _run_protocol
 
 from .axes import Scenario
 
 _STORE_TIMEOUT = timedelta(seconds=120)
-_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_PORT",
-    _run_protocol.REPLICA_GROUPS_ENV,
-    _run_protocol.REPLICA_GROUP_ENV,
-    _run_protocol.LIGHTHOUSE_ENV,
-)
 
 
 @contextlib.contextmanager
@@ -70,27 +61,20 @@ def replica_group(scenario: Scenario, phase: str, rank: int, ranks: int) -> Iter
     if group_rank == 0:  # the group's process group store, as a group's agent hosts it
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         launcher.set(f"{key}/group{group}", str(store.port))
-    saved = {name: os.environ.get(name) for name in _VARIABLES}
-    os.environ.update(
-        {
-            "RANK": str(group_rank),
-            "LOCAL_RANK": str(group_rank),
-            "WORLD_SIZE": str(size),
-            "LOCAL_WORLD_SIZE": str(size),
-            "MASTER_PORT": launcher.get(f"{key}/group{group}").decode(),
-            _run_protocol.REPLICA_GROUPS_ENV: str(groups),
-            _run_protocol.REPLICA_GROUP_ENV: str(group),
-            _run_protocol.LIGHTHOUSE_ENV: launcher.get(f"{key}/lighthouse").decode(),
-        }
-    )
+    environment = {
+        "RANK": str(group_rank),
+        "LOCAL_RANK": str(group_rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_WORLD_SIZE": str(size),
+        "MASTER_PORT": launcher.get(f"{key}/group{group}").decode(),
+        _run_protocol.REPLICA_GROUPS_ENV: str(groups),
+        _run_protocol.REPLICA_GROUP_ENV: str(group),
+        _run_protocol.LIGHTHOUSE_ENV: launcher.get(f"{key}/lighthouse").decode(),
+    }
     try:
-        yield size
+        with mock.patch.dict(os.environ, environment):  # the launched rank's own again afterwards
+            yield size
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         # The lighthouse and a group's store outlive every rank that uses them.
         launcher.add(f"{key}/done", 1)
         if lighthouse is not None or store is not None:
