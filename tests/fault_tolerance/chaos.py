@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -106,14 +107,22 @@ def main() -> int:
         from _jobs import run_job
 
         started = time.perf_counter()
-        job = run_job(
-            Path(folder) / "job",
-            groups=args.groups,
-            events=events,
-            min_steps=args.steps,
-            timeout=args.timeout,
-        )
-        text = report(job, time.perf_counter() - started, args.seed)
+        try:
+            job = run_job(
+                Path(folder) / "job",
+                groups=args.groups,
+                events=events,
+                min_steps=args.steps,
+                timeout=args.timeout,
+            )
+            text = report(job, time.perf_counter() - started, args.seed)
+        except BaseException:
+            if args.keep is None:
+                # A failure's evidence (the record, the event tokens, each group's log) outlives the temp dir.
+                kept = Path(tempfile.mkdtemp(prefix=f"torchloom-chaos-failed-seed{args.seed}-"))
+                shutil.copytree(folder, kept, dirs_exist_ok=True)
+                print(f"chaos run failed; its folder is kept in {kept}", file=sys.stderr)
+            raise
     print(text)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
