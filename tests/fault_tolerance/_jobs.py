@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from torchloom.fault_tolerance import read_record, replay
-from torchloom.fault_tolerance.record import Step, partial_steps
+from torchloom.fault_tolerance.record import TOLERANCE, Step, partial_steps
 
 SCRIPT = Path(__file__).with_name("ft_train.py")
 
@@ -226,13 +226,22 @@ def replayed(job: Job) -> tuple[dict[str, torch.Tensor], int]:
     return {k: v.detach() for k, v in net.named_parameters()}, steps
 
 
+#: What a group prints (or raises) when the groups of a step computed their gradients on different weights.
+DIVERGED = "The replica groups' weights differ"
+
+
 def check_exact(job: Job) -> list[Step]:
     """What every job must show: it ended, every event fired, the groups ended bit-identical at the same step,
-    no step averaged partial gradients, and the replay equals the run within 1e-5."""
+    no step averaged partial gradients, the groups that wrote a step's line applied the same average, no group's
+    weights parted from the others' (unless the plan made them: a `perturb` event), and the replay equals the run
+    within 1e-5."""
     assert job.done.returncode == 0, job.output
     for k in range(len(job.events)):
         assert (job.folder / f"event{k}.json").exists(), (k, job.output)
+    perturbed = any(event["where"] == "perturb" for event in job.events)
+    assert (DIVERGED in job.done.stderr) == perturbed, job.output
     ends = ends_bit_identical(job.folder, job.groups)
+    assert disagreeing_lines(job.folder / "record.jsonl") == []
     steps = job.steps()
     assert partial_steps(steps) == []
     expected, replayed_steps = replayed(job)
@@ -240,6 +249,26 @@ def check_exact(job: Job) -> list[Step]:
     for key, value in expected.items():
         torch.testing.assert_close(ends[0]["state"][key], value, rtol=0, atol=1e-5)
     return steps
+
+
+def disagreeing_lines(path: Path) -> list[int]:
+    """The steps whose lines (one per group that committed it, of one chain) hold different applied averages: a
+    group that applied another update than its peers shows here, at the step it did so, and not only at its
+    next gradient (`read_record` keeps one line per chain)."""
+    applied: dict[str, list[float]] = {}
+    scales: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for text in path.read_text().splitlines():
+        if text.strip():
+            line = json.loads(text)
+            applied.setdefault(line["chain"], []).append(line["applied"])
+            scales[line["chain"]] = max(p["scale"] for p in line["participants"])
+            steps[line["chain"]] = line["step"]
+    return sorted(
+        steps[chain]
+        for chain, values in applied.items()
+        if max(values) - min(values) > TOLERANCE * scales[chain]
+    )
 
 
 def without(steps: list[Step], group: int) -> list[int]:

@@ -13,6 +13,8 @@ than it says. Each event names a group (`group`, or `groups` for `serve`), a `ra
 - `serve`: the first of `groups` asked to send its state to a healing peer dies doing so;
 - `healkill`: when group `group` heals, it SIGKILLs group `victim`'s rank 0 (a group killed during a heal);
 - `lost`: the group dies at its first commit that misses a group (two groups lost in a row);
+- `perturb`: after a commit, the group adds 1e-3 to one weight (a change outside `optimizer.step()` in one group
+  only: its weights part from the others', which torchloom must find at the next step and never commit);
 - `late` (with a kill): the group's next start waits until the others have committed `late` more steps;
 - `pause` (with `at`: `between`, `forward` or `allreduce`): the whole process is stopped (SIGSTOP, its heartbeat
   threads too) for `seconds`, then continued, as a starved machine would stall it: alive, but silent.
@@ -259,6 +261,9 @@ while not done:
             k, event = found
             if event["where"] == "between" or (event["where"] == "lost" and not together):
                 die(k, step=rg.step)
+            if event["where"] == "perturb" and claim(k, step=rg.step):
+                with torch.no_grad():
+                    net[0].weight[0, 0] += 1e-3
             if event["where"] == "pause" and event["at"] == "between":
                 pause(k, event["seconds"])
         if not together:

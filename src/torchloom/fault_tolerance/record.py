@@ -41,9 +41,9 @@ import torch
 from torchloom.errors import TorchloomError
 
 #: Slots per group in the sums that carry the sources: taking part (1), epoch, batch, the gradient's
-#: fingerprint and its scale, and a number standing for the group's optimizer hyperparameters (the groups must
-#: agree on them: `fault_tolerance.replica`).
-SLOTS = 6
+#: fingerprint and its scale, a number standing for the group's optimizer hyperparameters, and a fingerprint of
+#: the weights the gradient was computed on (the groups must agree on both: `fault_tolerance.replica`).
+SLOTS = 7
 #: Elements of a gradient the fingerprint reads (evenly strided): a fixed cost however large the model.
 _PROBES = 4096
 #: How far a fingerprint may be from the one it is checked against, as a share of its scale (fp32 sums of a few
@@ -152,14 +152,15 @@ def sources(
     had: Sequence[bool] = (),
     fingerprinted: tuple[float, float] | None = None,
     hyperparameters: float = 0.0,
+    weights: float = 0.0,
 ) -> torch.Tensor:
     """This group's addend to the sums that say what a step's average held (see the module docstring): its
     `SLOTS` slots, then one slot per parameter, 1 where the group had a gradient for it (`had`; `gradient_counts`
     reads the sums). `fingerprinted`: the fingerprint of `grads` when taken already (before the sums overwrote
-    them)."""
+    them). `weights`: `weights_fingerprint` of the parameters the gradient was computed on."""
     value, scale = fingerprint(grads) if fingerprinted is None else fingerprinted
     slots = torch.zeros(SLOTS * groups + len(had), dtype=torch.float64)
-    for k, number in enumerate((1.0, epoch, batch, value, scale, hyperparameters)):
+    for k, number in enumerate((1.0, epoch, batch, value, scale, hyperparameters, weights)):
         slots[k * groups + group] = number
     slots[SLOTS * groups :] = torch.tensor([float(h) for h in had], dtype=torch.float64)
     return slots
@@ -168,6 +169,22 @@ def sources(
 def hyperparameters_of(sources: torch.Tensor, groups: int) -> list[float]:
     """Per group, the number that stands for its optimizer's hyperparameters (0 for a group not summed)."""
     return [float(v) for v in sources[5 * groups : 6 * groups].tolist()]
+
+
+def weights_of(sources: torch.Tensor, groups: int) -> list[float]:
+    """Per group, the fingerprint of the weights its gradient was computed on (0 for a group not summed)."""
+    return [float(v) for v in sources[6 * groups : 7 * groups].tolist()]
+
+
+def weights_fingerprint(params: Sequence[torch.Tensor]) -> float:
+    """`fingerprint`'s value for the parameters themselves (their local pieces), read from the device once. The
+    same weights give the same number bit for bit, so groups whose weights differ anywhere it reads (up to
+    4,096 evenly strided elements) disagree on it (a step applied differently moves every element it reads that
+    had a gradient)."""
+    if not params:
+        return 0.0
+    parts = [fingerprint_part(p.detach(), probe)[0] for p, probe in zip(params, probes(params), strict=True)]
+    return float(torch.stack(parts).sum())
 
 
 def gradient_counts(sources: torch.Tensor, groups: int) -> list[int]:

@@ -28,6 +28,7 @@ import contextlib
 import faulthandler
 import math
 import os
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -39,7 +40,7 @@ from torch.optim import Optimizer
 from torchloom import _run_protocol
 from torchloom.checkpointing import rng
 from torchloom.data.loader import LoomDataLoader
-from torchloom.errors import ConfigurationError, MisuseError
+from torchloom.errors import ConfigurationError, MisuseError, TorchloomError
 from torchloom.fault_tolerance import _averaging, _start, buffers, exchange
 from torchloom.fault_tolerance import record as _record
 from torchloom.fault_tolerance._torchft import lighthouse_url, require_torchft
@@ -255,6 +256,7 @@ class ReplicaGroup:
         )  # (16-mixed: the record's fingerprints are of the unscaled gradients)
         own_buffers = buffers.persistent(self._modules)
         gathered = buffers.slots(own_buffers, self.groups, self.group, send=not stale)
+        weights = _record.weights_fingerprint([exchange.local(p) for p in params])
         with self._watchdog():
             works, (value, size) = averaging.finish(zeros=stale)
             views = averaging.views
@@ -270,6 +272,7 @@ class ReplicaGroup:
                 had,
                 (value / scale, size / scale),
                 self._hyperparameters(),
+                weights,
             ).to(self._device)
             if stale:
                 sources.zero_()
@@ -289,6 +292,8 @@ class ReplicaGroup:
             self._manager.report_error(RuntimeError("no group of the quorum sent a current gradient"))
             return
         self._check_hyperparameters(_record.hyperparameters_of(sources, self.groups), participants)
+        if not self._weights_agree(_record.weights_of(sources, self.groups), participants):
+            return
         buffers.write_mean(own_buffers, gathered, participants)
         applied = []
         with torch.no_grad():
@@ -354,6 +359,44 @@ class ReplicaGroup:
                 "scheduler must heal with the model: pass it to loom.setup(model, optimizer, scheduler=scheduler) "
                 "(as with Fabric), and change hyperparameters only through it or identically in every group."
             )
+
+    def _weights_agree(self, weights: list[float], participants: list[int]) -> bool:
+        """Whether every group of the step computed its gradient on the same weights (their fingerprints, which
+        each group sent with its gradient, are equal). Groups that hold the same state are bit-identical, so a
+        difference means a group's state parted from the others' (a defect, in torchloom or in the script, e.g.
+        an update outside `optimizer.step()`), and its average would mix gradients of different models.
+        Then the step commits nowhere: a group in the minority raises (its agent restarts it, and it heals from
+        a peer); the majority warns and retries the step without it. Without a majority (two groups, or every
+        group different) every group raises, and the job goes on from its last checkpoint, as after losing
+        every group."""
+        values = {g: weights[g] for g in participants}
+        if len(set(values.values())) <= 1:
+            return True
+        counts = {value: list(values.values()).count(value) for value in values.values()}
+        majority = max(counts, key=counts.__getitem__)
+        if counts[majority] * 2 <= len(values):
+            majority = None  # no state that most groups hold
+        message = (
+            f"The replica groups' weights differ at step {self.step}: the fingerprints of the weights each group "
+            f"computed its gradient on are {values}; groups holding one state are bit-identical, so a group's "
+            "state parted from the others' (a change to the parameters outside optimizer.step(), in one group "
+            "only, does it). The step is not committed."
+        )
+        if values[self.group] != majority:
+            raise TorchloomError(
+                message + f" Replica group {self.group} "
+                + ("is not in the majority: it restarts and heals from a peer." if majority is not None
+                   else "restarts; with no majority every group does, and the job goes on from its last "
+                   "checkpoint.")
+            )  # fmt: skip
+        self._manager.report_error(TorchloomError(message))
+        print(
+            f"torchloom: {message} Groups {sorted(g for g, v in values.items() if v != majority)} restart and "
+            "heal from a peer; the others retry the step.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
 
     def _averaging(self) -> _averaging.Averager:
         """The cross-group sums' layout for the set-up modules' trainable parameters as they are now."""
