@@ -223,3 +223,41 @@ def test_a_job_that_started_over_replays_the_history_it_holds(tmp_path: Path) ->
     assert [(s.step, [p.group for p in s.participants]) for s in steps] == [(0, [0]), (1, [0])]
     for key, value in _replay(path, spec).state_dict().items():
         torch.testing.assert_close(value, net.state_dict()[key], rtol=0, atol=1e-6)
+
+
+def test_the_weights_fingerprint_tells_parted_weights_apart() -> None:
+    """The number each group sends for the weights its gradient was computed on (`replica._weights_agree`
+    compares them): equal bit for bit for equal weights, different after any change to an element it reads (one
+    step of an optimizer, or 1e-6 on one element of a small model, which it reads whole), and carried in the
+    group's own slot of the sums."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.LayerNorm(1))
+    twin = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.LayerNorm(1))
+    twin.load_state_dict(net.state_dict())
+    params, twins = list(net.parameters()), list(twin.parameters())
+    value = record.weights_fingerprint(params)
+    assert value == record.weights_fingerprint(twins)
+    assert value == record.weights_fingerprint(params)  # the kept layout gives the same
+    for k, p in enumerate(twins):
+        for index in (0, p.numel() - 1):
+            kept = p.view(-1)[index].item()
+            with torch.no_grad():
+                p.view(-1)[index] += 1e-6
+            assert record.weights_fingerprint(twins) != value, (k, index)
+            with torch.no_grad():
+                p.view(-1)[index] = kept
+            assert record.weights_fingerprint(twins) == value
+    # A layout of the same sizes in another order reads other elements with other weights.
+    assert record.weights_fingerprint(params[::-1]) != value
+    # Larger than the probes (8,000 elements: every second one read, in every parameter): a change to an element
+    # read shows, one between the probes does not (the limit the docs state).
+    big = [torch.randn(3000), torch.randn(5000)]
+    before = record.weights_fingerprint(big)
+    with torch.no_grad():
+        big[1][-1] += 1.0  # element 7,999 of the layout
+    assert record.weights_fingerprint(big) == before
+    with torch.no_grad():
+        big[1][-2] += 1.0  # element 7,998
+    assert record.weights_fingerprint(big) != before
+    sums = sum(record.sources(3, g, 0, 5, params, weights=w) for g, w in ((1, value), (2, -2.5)))
+    assert record.weights_of(sums, 3) == [0.0, value, -2.5]

@@ -179,12 +179,41 @@ def weights_of(sources: torch.Tensor, groups: int) -> list[float]:
 def weights_fingerprint(params: Sequence[torch.Tensor]) -> float:
     """`fingerprint`'s value for the parameters themselves (their local pieces), read from the device once. The
     same weights give the same number bit for bit, so groups whose weights differ anywhere it reads (up to
-    4,096 evenly strided elements) disagree on it (a step applied differently moves every element it reads that
-    had a gradient)."""
+    4,096 evenly strided elements per dtype) disagree on it (a step applied differently moves every element it
+    reads that had a gradient)."""
     if not params:
         return 0.0
-    parts = [fingerprint_part(p.detach(), probe)[0] for p, probe in zip(params, probes(params), strict=True)]
-    return float(torch.stack(parts).sum())
+    positions, weights = _weights_layout(params)
+    # Per dtype, the strided views gathered by one `cat`, the layout kept: a few kernels however many parameters
+    # (144 parameters on these shared CPUs: 0.6-0.9 ms a step, against 3 ms and more part by part).
+    samples: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p, (first, stride) in zip(params, positions, strict=True):
+        samples.setdefault(p.dtype, []).append(p.detach().reshape(-1)[first::stride])
+    total = sum(
+        (torch.cat(parts).to(torch.float64) * weights[dtype]).sum() for dtype, parts in samples.items()
+    )
+    return float(total)
+
+
+_LAYOUTS: dict[tuple[object, ...], tuple[list[tuple[int, int]], dict[torch.dtype, torch.Tensor]]] = {}
+
+
+def _weights_layout(
+    params: Sequence[torch.Tensor],
+) -> tuple[list[tuple[int, int]], dict[torch.dtype, torch.Tensor]]:
+    """`probes` for `params` (each one's first element read and stride; per dtype, the weights of the elements
+    read, in order), kept per layout: the same every step."""
+    key = (params[0].device, *((p.dtype, p.numel()) for p in params))
+    if key not in _LAYOUTS:
+        found = probes(params)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p, (_, _, w) in zip(params, found, strict=True):
+            by_dtype.setdefault(p.dtype, []).append(w)
+        _LAYOUTS[key] = (
+            [(first, stride) for first, stride, _ in found],
+            {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()},
+        )
+    return _LAYOUTS[key]
 
 
 def gradient_counts(sources: torch.Tensor, groups: int) -> list[int]:
