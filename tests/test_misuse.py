@@ -1216,6 +1216,37 @@ def test_save_on_rank_zero_while_the_others_train_names_save_at_once(
     assert "Call loom.save on every rank at the same point" in peer_text, peer_text
 
 
+def _a_later_job_counts_its_saves_afresh(rank: int, world_size: int, tmp: Path) -> Any:
+    """Two jobs in the same processes, one after the other (as the scenario engine runs them, or a script that
+    builds a new Loom after closing one). In the first, rank 0 called loom.save() alone and caught the error
+    (rank 1 was in a barrier), so the ranks left it having entered save a different number of times."""
+    first = launched(devices=world_size, timeout=timedelta(seconds=20))
+    caught = None
+    if rank == 0:
+        try:
+            first.save(tmp / "alone.ckpt", {"x": torch.zeros(1)})
+        except MisuseError as error:
+            caught = str(error)
+    first.barrier()
+    first.close()
+    second = launched(devices=world_size, timeout=timedelta(seconds=20))
+    second.save(tmp / "both.ckpt", {"x": torch.full((1,), 1.0 + rank)})
+    second.close()
+    return caught
+
+
+def test_a_later_job_in_the_same_processes_counts_its_saves_afresh(tmp_path: Path) -> None:
+    """Each process group counts the calls every rank must make (loom.save's meeting) from its start: the second
+    job's first save is the first on every rank, whatever the first job left. Before, the counts carried over
+    from the first job, and the second job's save on rank 0 (its #2) waited for rank 1's #1 and raised that rank
+    1 "did not call it" (the scenario engine's rank groups, after a replica-group scenario in which one group's
+    ranks saved and the other's did not, seed 77)."""
+    caught, nothing = run_ranks(_a_later_job_counts_its_saves_afresh, 2, tmp_path, timeout=90)
+    assert caught is not None and "but they did not call it: rank 1 is in " in caught, caught
+    assert nothing is None
+    assert torch.load(tmp_path / "both.ckpt", weights_only=True)["x"].item() == 1.0  # rank 0 wrote it
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 CLI = [
     Case(

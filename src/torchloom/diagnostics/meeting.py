@@ -129,7 +129,7 @@ def _where_others(store: Any, call: str, n: int) -> tuple[dict[int, str], dict[i
             continue
         where = answer["at"]
         if meeting:
-            where = f"in loom.{meeting[0]}() #{meeting[1]} (this rank is in #{n}), at {where}"
+            where = f"in loom.{meeting[0]}() #{meeting[1]} (this rank is in #{n}), {where}"
             blocked[r] = where
         elif answer["blocked"]:
             blocked[r] = where

@@ -98,6 +98,11 @@ def start(
     (for backends whose collectives do not raise in Python when they time out: NCCL)."""
     global _watchdog
     RECORD.rank, RECORD.world_size = rank, world_size
+    if namespace != RECORD.namespace:
+        # A new process group counts its calls that every rank must make afresh (`meet`): an earlier group in this
+        # process may have made them a different number of times on different ranks (a replica group's ranks
+        # save, the others' do not), and its counts would pair this group's n-th call with another rank's m-th.
+        RECORD.meetings, RECORD.meeting = {}, None
     if _watchdog is not None and _watchdog.is_alive() or namespace is None:
         return
     RECORD.namespace = namespace
