@@ -17,39 +17,8 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# The files that take longest (wall seconds, mostly waiting on their rank groups: `TORCHLOOM_TEST_CPU` and
-# tests/cost_report.py), longest first. `make test` runs files on 3 workers; a long file handed out last keeps one
-# worker busy after the others are done, so these are collected first.
-_LONGEST_FILES = (
-    "test_elastic.py",
-    "test_launcher.py",
-    "fault_tolerance/test_faults.py",
-    "fault_tolerance/test_strategies.py",
-    "planning/test_plan.py",
-    "test_exit.py",
-    "test_desync.py",
-    "fault_tolerance/test_replica.py",
-    "test_docs.py",
-    "test_example_lm.py",
-    "test_benchmarks.py",
-    "fault_tolerance/test_crossings.py",
-    "test_scenarios.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_cuda_tests(items)
-    _longest_files_first(items)
-
-
-def _longest_files_first(items: list[pytest.Item]) -> None:
-    tests = Path(__file__).parent
-
-    def rank(item: pytest.Item) -> int:
-        name = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
-        return _LONGEST_FILES.index(name) if name in _LONGEST_FILES else len(_LONGEST_FILES)
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 def _skip_cuda_tests(items: list[pytest.Item]) -> None:
