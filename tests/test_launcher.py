@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -22,6 +23,7 @@ from harness import PYTHON, TOKEN_ENV, free_port, kill_token, run_job, wait_no_s
 from launch_helpers import READY_TAG, SCRIPT, failing_at, fn_fail, fn_ok, reference_params, results
 
 from torchloom import LaunchError, Loom, launcher
+from torchloom.errors import ConfigurationError
 
 TESTS = Path(__file__).resolve().parent
 # A guard against hangs, not a claim: at a load average of 50 (2026-12-03) a 2-rank job took 81 s to start.
@@ -73,11 +75,25 @@ def test_plain_python_reexec(script):
 
 
 def test_launch_function_returns_rank_zero_result(monkeypatch):
+    """...also when the port torchloom drew for the rendezvous store was taken before its agent bound it (seen
+    in `make test`: the launcher exited 1 before any rank started): the agent's launch is tried on a new draw."""
+    from torchloom import environments
+
     resource_tracker.ensure_running()  # started now, so it does not carry the job's token below
     token = f"fn-{os.getpid()}-{time.monotonic_ns()}"
     monkeypatch.setenv(TOKEN_ENV, token)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    draws = [taken]
+    real_draw = environments.find_free_port
+    monkeypatch.setattr(environments, "find_free_port", lambda *a: draws.pop() if draws else real_draw(*a))
     loom = Loom(accelerator="cpu", devices=2)
-    result = loom.launch(fn_ok)
+    with held:
+        result = loom.launch(fn_ok)
+    assert not draws and loom.strategy.cluster_environment.main_port != taken
     assert isinstance(result, dict)
     assert result["rank"] == 0  # rank 0's result comes back
     _check_report(result, "TorchElasticEnvironment")
@@ -404,19 +420,22 @@ def test_a_killed_launcher_takes_its_ranks_at_every_point_of_start_up(tmp_path, 
     env = {**os.environ, TOKEN_ENV: token}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
-    proc = subprocess.Popen(
-        [PYTHON, str(script), str(marks), ",".join(phases)],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path / "launcher.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [PYTHON, str(script), str(marks), ",".join(phases)],
+            env=env,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     ranks = max(2, len(phases))
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         while len(list(marks.iterdir())) < ranks:
             assert proc.poll() is None, (
-                f"the launcher ended (exit code {proc.returncode}) before its ranks got there"
+                f"the launcher ended (exit code {proc.returncode}) before its ranks got there:\n"
+                f"{log.read_text()[-3000:]}"
             )
             assert time.monotonic() < deadline, (
                 f"the ranks never reached the phases; there: {sorted(p.name for p in marks.iterdir())}"
@@ -465,3 +484,80 @@ def test_a_ranks_error_file_appears_whole(tmp_path: Path, monkeypatch: pytest.Mo
     assert opened and str(path) not in opened
     assert "ValueError: boom" in json.loads(path.read_text())["message"]["message"]
     assert list(tmp_path.iterdir()) == [path]
+
+
+# ---- the rendezvous port ----------------------------------------------------------------------------------------
+def _store_on(port: int | None) -> int:
+    """What torch's static rendezvous does first: listen on the port (a real bind)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    assert port is not None
+    TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=5), wait_for_workers=False)
+    return port
+
+
+def test_a_drawn_port_is_drawn_again_and_a_chosen_one_is_not():
+    """`launcher.on_a_free_port` (every launch path's: `loom.launch()`, `loom.launch(fn)`, `torchloom run`):
+    a port torchloom drew and found taken is drawn again; one the user chose fails as it is; an error that is not
+    a store failing to listen (a rank's failure whose text mentions EADDRINUSE) is never retried."""
+    from torchloom.environments import find_free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        fresh = find_free_port()
+        assert launcher.on_a_free_port(_store_on, taken, lambda: fresh) == fresh
+        with pytest.raises(RuntimeError, match="EADDRINUSE") as caught:
+            launcher.on_a_free_port(_store_on, taken, None)
+        assert launcher.port_taken(caught.value)
+        draws = []
+
+        def redraw() -> int:
+            draws.append(taken)
+            return taken
+
+        with pytest.raises(RuntimeError, match="EADDRINUSE"):
+            launcher.on_a_free_port(_store_on, taken, redraw)
+        assert len(draws) == launcher._PORT_DRAWS - 1  # then it gives up, with the store's own error
+
+    def rank_failed(port: int | None) -> None:
+        raise RuntimeError("rank 1 failed: OSError: [Errno 98] EADDRINUSE (the user's own server)")
+
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        launcher.on_a_free_port(rank_failed, 1234, lambda: pytest.fail("a rank's failure was retried"))
+
+
+def test_torchloom_run_draws_its_port_again(monkeypatch, tmp_path):
+    """`torchloom run` without --main-port hands torchrun a new port when its draw was taken; with one, none."""
+    import torch.distributed.run
+
+    from torchloom import run
+    from torchloom.cli import _parser, split_run_args
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    seen: list[int] = []
+
+    def agent(config) -> None:  # torchrun's run: listen as its static rendezvous does, start no rank
+        seen.append(config.master_port)
+        _store_on(config.master_port)
+
+    monkeypatch.setattr(torch.distributed.run, "run", agent)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws = [taken, taken]  # the check's draw, then the first try's
+        real_draw = run.find_free_port
+        monkeypatch.setattr(run, "find_free_port", lambda *a: draws.pop() if draws else real_draw(*a))
+        ours, _ = split_run_args(["--devices", "2", str(script)])
+        assert run.run(_parser().parse_args(["run", *ours])) == 0
+        assert seen[0] == taken and len(seen) == 2 and seen[1] != taken
+        seen.clear()
+        ours, _ = split_run_args(["--devices", "2", "--main-port", str(taken), str(script)])
+        with pytest.raises(ConfigurationError, match=str(taken)):  # checked before torchrun starts
+            run.run(_parser().parse_args(["run", *ours]))
+        assert seen == []

@@ -10,7 +10,7 @@ from typing import Any
 
 from torchloom import launcher
 from torchloom._callbacks import takes_the_loom
-from torchloom.environments import TorchElasticEnvironment
+from torchloom.environments import LocalEnvironment, TorchElasticEnvironment
 from torchloom.errors import MisuseTypeError
 from torchloom.strategies.base import Strategy
 from torchloom.strategies.parallel import ParallelStrategy
@@ -77,14 +77,19 @@ def start_ranks(
     env = strategy.cluster_environment
     num_processes = len(strategy.parallel_devices)
     where = (num_processes, strategy.num_nodes, env.node_rank(), env.main_address, env.main_port)
+    # A port drawn here may be taken before the agent binds it: drawn again then. One the user set is kept.
+    redraw = None
+    if isinstance(env, LocalEnvironment) and env.drew_port and not (elastic and elastic.rdzv_endpoint):
+        redraw = env.draw_port_again
     if method == "fork":
         launcher.check_fork_is_safe(fn)
     if fn is None:
-        launcher.launch_script(*where, elastic)  # never returns: this process waits for the ranks, then exits
+        # never returns: this process waits for the ranks, then exits
+        launcher.launch_script(*where, elastic, redraw=redraw)
         return None
     if kwargs:
         fn = functools.partial(fn, **kwargs)  # picklable when fn is
-    return launcher.launch_function(loom, fn, args, *where, elastic, start_method=method)
+    return launcher.launch_function(loom, fn, args, *where, elastic, start_method=method, redraw=redraw)
 
 
 def set_up_rank(strategy: Strategy) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 
@@ -266,6 +267,16 @@ class LocalEnvironment(ClusterEnvironment):
             self._port = find_free_port()
         return self._port
 
+    @property
+    def drew_port(self) -> bool:
+        """Whether `main_port` is this environment's own draw (no MASTER_PORT set), which may be drawn again."""
+        return "MASTER_PORT" not in os.environ and self._port is not None
+
+    def draw_port_again(self) -> int:
+        """A new `main_port`, where the one drawn was taken before the launcher's agent could bind it."""
+        self._port = find_free_port()
+        return self._port
+
     def world_size(self) -> int:
         return self.num_processes * self.num_nodes
 
@@ -283,10 +294,32 @@ class LocalEnvironment(ClusterEnvironment):
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now. Another process can still take it before we bind; callers retry."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on `host` that was free a moment ago, for a job that binds it itself (the rendezvous store).
+
+    Drawn at random below the kernel's ephemeral range: a port the kernel hands out for a bind to port 0 is
+    handed out again to the next outgoing connection, and beside other jobs' gloo ranks (which open connections
+    by the dozen) one of them took it before the agent bound it (EADDRINUSE: the launch failed before any rank
+    started). Another process can still draw the same port in between; `launcher.on_a_free_port` retries then."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every draw taken: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _first_slurm_host(nodelist: str) -> str:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torchloom import _torch_compat
 from torchloom.errors import ConfigurationError, LaunchError, MisuseError, MisuseTypeError
@@ -35,6 +35,10 @@ AGENT_PID_ENV = "TORCHLOOM_AGENT_PID"
 # `loom.launch()` on. Linux only: elsewhere there is no parent-death signal to ask for.
 _BOOT = str(Path(__file__).with_name("_rank_boot.py"))
 _BOOTS = sys.platform.startswith("linux")
+# Ports drawn for the rendezvous store before the launch gives up (each draw taken by another process first).
+_PORT_DRAWS = 5
+
+_T = TypeVar("_T")
 
 
 def shutdown_timeout() -> int:
@@ -243,6 +247,38 @@ def script_command() -> list[str]:
     return list(sys.orig_argv[1:])
 
 
+def on_a_free_port(
+    start: Callable[[int | None], _T], port: int | None, redraw: Callable[[], int] | None
+) -> _T:
+    """`start(port)`, which runs torch's agent with its rendezvous store at `port`.
+
+    Where torchloom drew the port itself (`redraw` given), another process can bind it between the draw and the
+    agent's bind. The agent then fails to listen before it starts any rank, so the launch is tried again on a
+    new draw. A port the user chose is the user's: its failure is raised as it is."""
+    for draw in range(1, _PORT_DRAWS + 1):
+        try:
+            return start(port)
+        except Exception as error:
+            if redraw is None or draw == _PORT_DRAWS or not port_taken(error):
+                raise
+            port = redraw()
+    raise AssertionError("unreachable")
+
+
+def port_taken(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from: the c10d rendezvous wraps the store's) is a store's
+    failure to listen on a port another process holds. A rank's failure (ChildFailedError) never is, whatever
+    its message says: its job ran, and is not started again."""
+    import torch.distributed as dist
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, dist.DistNetworkError) and "EADDRINUSE" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def launch_script(
     num_processes: int,
     num_nodes: int,
@@ -250,21 +286,28 @@ def launch_script(
     address: str,
     port: int,
     elastic: Elastic | None = None,
+    redraw: Callable[[], int] | None = None,
 ) -> None:
-    """Run this script once per local rank and exit with the job's status; never returns."""
+    """Run this script once per local rank and exit with the job's status; never returns. `redraw`: where
+    torchloom drew `port` itself, how to draw another if it was taken (`on_a_free_port`)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     command = script_command()
-    config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
-    avoid_shared_rendezvous_store(config.rdzv_backend)
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     if _BOOTS:
         command = ["-S", _BOOT, *command]
+
+    def start(port: int | None) -> None:
+        assert port is not None
+        config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic)
+        avoid_shared_rendezvous_store(config.rdzv_backend)
+        elastic_launch(config, sys.executable)(*command)
+
     try:
         with forwarding_signals_to_ranks():
-            elastic_launch(config, sys.executable)(*command)
+            on_a_free_port(start, port, redraw)
     except ChildFailedError as error:
         print(_describe_failure(error), file=sys.stderr, flush=True)
         raise SystemExit(_exit_status(error)) from None
@@ -350,20 +393,25 @@ def launch_function(
     port: int,
     elastic: Elastic | None = None,
     start_method: str = "spawn",
+    redraw: Callable[[], int] | None = None,
 ) -> Any:
     """Run `fn(loom, *args)` on every local rank, started with `start_method` ("spawn", or "fork" for
-    notebooks); return rank 0's result or raise `LaunchError`."""
+    notebooks); return rank 0's result or raise `LaunchError`. `redraw`: as for `launch_script`."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic, start_method)
-    avoid_shared_rendezvous_store(config.rdzv_backend)
+    def start(port: int | None) -> Any:
+        assert port is not None
+        config = _launch_config(num_processes, num_nodes, node_rank, address, port, elastic, start_method)
+        avoid_shared_rendezvous_store(config.rdzv_backend)
+        return elastic_launch(config, _run_function)(loom, fn, args)
+
     previous = {key: os.environ.get(key) for key in (LAUNCHED_ENV, AGENT_PID_ENV)}
     os.environ[LAUNCHED_ENV] = "1"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     try:
         with _spawned_ranks_boot(), forwarding_signals_to_ranks():
-            results = elastic_launch(config, _run_function)(loom, fn, args)
+            results = on_a_free_port(start, port, redraw)
     except ChildFailedError as error:
         rank, failure = _root_failure(error)
         message = _describe_failure(error, with_traceback=True)

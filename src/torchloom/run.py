@@ -61,8 +61,9 @@ def _node_range(args: argparse.Namespace) -> tuple[int, int]:
     return low, high
 
 
-def torchrun_args(args: argparse.Namespace) -> list[str]:
-    """The `torch.distributed.run` command line for these options (checked first)."""
+def torchrun_args(args: argparse.Namespace, port: int | None = None) -> list[str]:
+    """The `torch.distributed.run` command line for these options (checked first). `port`: the rendezvous
+    port where the user set none (`_drawn_port_host`); drawn here when None."""
     script = Path(args.script)
     program: list[str] = [str(script)]
     if getattr(args, "fabric_compat", False):
@@ -81,7 +82,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         f"--monitor-interval={args.monitor_interval}",
     ]
     if (args.rdzv_backend or "static") != "static":
-        return [*common, *_elastic_rendezvous(args, low, high), *program, *args.script_args]
+        return [*common, *_elastic_rendezvous(args, low, high, port), *program, *args.script_args]
     if not 0 <= args.node_rank < high:
         raise ConfigurationError(f"--node-rank {args.node_rank} must be in 0..{high - 1} for {high} nodes.")
     if high > 1 and (args.main_address is None or args.main_port is None):
@@ -89,11 +90,12 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
             "--num-nodes > 1 needs --main-address (node 0's address, reachable from every node) and --main-port."
         )
     address = args.main_address or "127.0.0.1"
-    port = args.main_port
-    if port is None:
-        port = find_free_port(address)
-    elif args.node_rank == 0:
-        _check_port_free(address, port)
+    if args.main_port is None:
+        port = port or find_free_port(address)
+    else:
+        port = args.main_port
+        if args.node_rank == 0:
+            _check_port_free(address, port)
     return [
         *common,
         f"--nnodes={high}",
@@ -105,7 +107,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int) -> list[str]:
+def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int, port: int | None) -> list[str]:
     """torchrun's options for an elastic rendezvous (c10d, etcd): the agents meet at the endpoint, node ranks
     are assigned there, and each attempt may have another node count within MIN:MAX."""
     from torchloom.launcher import _split_endpoint
@@ -117,7 +119,7 @@ def _elastic_rendezvous(args: argparse.Namespace, low: int, high: int) -> list[s
                 f"--rdzv-backend {args.rdzv_backend} with up to {high} nodes needs --rdzv-endpoint HOST:PORT, the "
                 "same on every node (a port on one of them, reachable from all)."
             )
-        endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
+        endpoint = f"127.0.0.1:{port or find_free_port('127.0.0.1')}"
     _split_endpoint(endpoint)
     run_id = args.rdzv_id or ("torchloom" if high > 1 else f"torchloom-{os.getpid()}")
     extra = [f"--rdzv-conf={args.rdzv_conf}"] if args.rdzv_conf else []
@@ -155,6 +157,13 @@ def _refuse_ft_options(args: argparse.Namespace) -> None:
             )
 
 
+def _drawn_port_host(args: argparse.Namespace) -> str | None:
+    """Where the rendezvous port is torchloom's draw (the user set none), the host it is drawn on; else None."""
+    if (args.rdzv_backend or "static") == "static":
+        return (args.main_address or "127.0.0.1") if args.main_port is None else None
+    return "127.0.0.1" if args.rdzv_endpoint is None else None
+
+
 def _run_agent(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
@@ -166,6 +175,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         _exit_status,
         avoid_shared_rendezvous_store,
         forwarding_signals_to_ranks,
+        on_a_free_port,
     )
 
     options = {
@@ -181,14 +191,19 @@ def _run_agent(args: argparse.Namespace) -> int:
     # The ranks die with this agent (a node lost takes its ranks along, as a killed `loom.launch()` does).
     os.environ[LAUNCHED_ENV] = "1"
     avoid_shared_rendezvous_store(args.rdzv_backend)
-    launch_args = get_args_parser().parse_args(torchrun_args(args))
+    torchrun_args(args)  # its errors before anything starts
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout
 
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout()))
     try:
         with forwarding_signals_to_ranks():
-            torchrun(launch_args)
+            host = _drawn_port_host(args)
+            on_a_free_port(
+                lambda port: torchrun(get_args_parser().parse_args(torchrun_args(args, port))),
+                None,
+                None if host is None else lambda: find_free_port(host),
+            )
     except ChildFailedError as error:
         print(_describe_failure(error), file=sys.stderr, flush=True)
         return _exit_status(error)

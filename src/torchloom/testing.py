@@ -9,10 +9,8 @@ import faulthandler
 import io
 import os
 import queue as queue_module
-import random
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -26,28 +24,10 @@ END_TIMEOUT = timedelta(seconds=30)
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, for a job that binds it itself (torchrun's
-    `--master-port`). Drawn at random below the kernel's ephemeral range: a port the kernel handed out (bind to
-    port 0) is handed out again to the next outgoing connection, and with dozens of gloo ranks connecting at
-    once one of them took it before the job bound it (EADDRINUSE, 1 run of the suite in a few)."""
-    low = _ephemeral_low()
-    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every draw taken: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    `--master-port`): drawn below the kernel's ephemeral range (`environments.find_free_port`)."""
+    from torchloom.environments import find_free_port
 
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+    return find_free_port("127.0.0.1")
 
 
 def rank_environment(rank: int, world_size: int, port: int, agent_store: bool = False) -> dict[str, str]:
