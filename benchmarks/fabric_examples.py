@@ -49,7 +49,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -309,9 +308,10 @@ def command(example: Example, kind: str, port: int | str = "FREE_PORT") -> list[
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from torchloom.environments import find_free_port
+
+    # below the ephemeral range, where outgoing connections do not land
+    return find_free_port("127.0.0.1")
 
 
 def _shown(cmd: list[str]) -> str:
