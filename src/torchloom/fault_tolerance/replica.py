@@ -24,6 +24,7 @@ and which batch each used, as the all-reduce that carried the gradients reports 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import math
@@ -372,9 +373,9 @@ class ReplicaGroup:
         values = {g: weights[g] for g in participants}
         if len(set(values.values())) <= 1:
             return True
-        counts = {value: list(values.values()).count(value) for value in values.values()}
-        majority = max(counts, key=counts.__getitem__)
-        if counts[majority] * 2 <= len(values):
+        majority: float | None
+        ((majority, held),) = collections.Counter(values.values()).most_common(1)
+        if held * 2 <= len(values):
             majority = None  # no state that most groups hold
         message = (
             f"The replica groups' weights differ at step {self.step}: the fingerprints of the weights each group "
