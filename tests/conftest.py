@@ -55,6 +55,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_OWN_ENV = ("TORCHLOOM_", "TORCHELASTIC_", "TORCH_ELASTIC_")
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +63,17 @@ def _no_process_group_outlives_its_test():
     """A test that runs a one-process sharded Loom in the test process (and does not close it) must not leave
     its process group or its exported rank variables to the next test, which would see a torchrun job."""
     before = {key: os.environ.get(key) for key in _GROUP_ENV}
+    ours = {key: value for key, value in os.environ.items() if key.startswith(_OWN_ENV)}
     yield
+    now = {key: value for key, value in os.environ.items() if key.startswith(_OWN_ENV)}
+    if now != ours:
+        # `torchloom run` (or a launcher) called in the test process publishes its options here, and every later
+        # test in this worker then looked like a rank of that command (seen: 62 tests failed after one).
+        for key in now:
+            os.environ.pop(key)
+        os.environ.update(ours)
+        changed = sorted(k for k in {*now, *ours} if now.get(k) != ours.get(k))
+        pytest.fail(f"the test left torchloom's environment changed ({changed}): restore it (monkeypatch)")
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist
 

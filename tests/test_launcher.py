@@ -5,6 +5,7 @@ Every job runs with an explicit timeout through the harness; afterwards no proce
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -546,7 +547,9 @@ def test_torchloom_run_draws_its_port_again(monkeypatch, tmp_path):
         _store_on(config.master_port)
 
     monkeypatch.setattr(torch.distributed.run, "run", agent)
-    with socket.socket() as held:
+    environment = dict(os.environ)  # `torchloom run` publishes its options there, for the ranks it starts
+    with socket.socket() as held, contextlib.ExitStack() as restore:
+        restore.callback(lambda: (os.environ.clear(), os.environ.update(environment)))
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]

@@ -8,6 +8,7 @@ ranks runs those checks; one of 4 runs pp 2 x dp 2 (copies inside fully_shard un
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,23 +205,45 @@ def _pipeline_checks(rank: int, world: int, tmp: str) -> dict:
     # stages (interleaved: rank 0 holds two copies); a frozen tied weight
     out["split_fn"] = _results(run(pipeline(world, split_fn=Stage)))
     out["traced_meta"] = _results(run(pipeline(world), meta=True))
-    out["three_users"] = _results(
-        run(
-            pipeline(
-                world,
-                schedule="interleaved_1f1b",
-                stages_per_rank=2,
-                split_points=["layers.1", "layers.2", "layers.3"],
-            ),
-            third=True,
-        )
+    res = run(
+        pipeline(
+            world,
+            schedule="interleaved_1f1b",
+            stages_per_rank=2,
+            split_points=["layers.1", "layers.2", "layers.3"],
+        ),
+        third=True,
     )
+    out["three_users"] = _results(res)
+    res["loom"].save_raw(f"{tmp}/raw_three", res["model"])  # rank 0 holds two of the three copies
     out["frozen"] = _results(run(pipeline(world, split_fn=Stage), frozen=True))
     # accumulation over two halves, each backward synchronising: the copies' sum counts each batch once
     out["accumulate"] = _results(run(pipeline(world, split_fn=Stage), accumulate=True))
     # ---- checkpoints: saved at pp 2 after 2 steps, resumed at pp 1, under ddp, and at pp 2 from ddp's --------------
     res = run(pipeline(world, split_fn=Stage), steps=range(2))
     state = {"model": res["model"], "opt": res["opt"]}
+    res["loom"].save_raw(f"{tmp}/raw", res["model"])
+    # read back at pp 2 by another cut: the head's copy from the one tensor the file holds (embed.weight)
+    loom = pipeline(world)
+    model = build(loom)
+    loom.load_raw(f"{tmp}/raw", model)
+    out["load_raw"] = full_state(loom, model)
+    # a file that lacks a tensor of stage 1 only: every rank raises the same error, none trains on alone
+    if rank == 0:
+        from safetensors.torch import load_file, save_file
+
+        whole = {}
+        for file in sorted(Path(f"{tmp}/raw").glob("*.safetensors")):
+            whole.update(load_file(str(file)))
+        del whole["head.bias"]
+        Path(f"{tmp}/lacking").mkdir()
+        save_file(whole, f"{tmp}/lacking/model.safetensors", metadata={"format": "pt"})
+    loom.barrier()
+    try:
+        loom.load_raw(f"{tmp}/lacking", model)
+        out["load_raw_lacking"] = None
+    except CheckpointError as error:
+        out["load_raw_lacking"] = str(error)
     res["loom"].save(f"{tmp}/sharded", state)
     res["loom"].strategy.save_distributed_checkpoint = False
     res["loom"].save(f"{tmp}/full.pt", state)
@@ -415,6 +438,46 @@ def test_pipeline_checkpoints_resume_at_other_degrees(results, folder) -> None:
         "ddp->pp2",
     ):
         assert close(merged(results, "pipeline", case), expected) <= TOL, case
+
+
+def _raw(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a save_raw directory, read with plain safetensors."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+@pytest.mark.parametrize("case", ["raw", "raw_three"])
+def test_pipeline_save_raw_writes_a_tied_weight_once_as_one_process(results, folder, case) -> None:
+    """The oracle: one process's save_raw of the model trained alike (the weight under its first name only)."""
+    pytest.importorskip("safetensors")
+    third = case == "raw_three"
+    expected = reference(steps=2 if case == "raw" else STEPS, third=third)["state"]
+    one = Loom(accelerator="cpu", devices=1)
+    net = TiedNet(third)
+    net.load_state_dict(expected)
+    one.save_raw(folder / f"{case}_one", one.setup_module(net))
+    want, got = _raw(folder / f"{case}_one"), _raw(folder / case)
+    assert "head.weight" not in want and "embed.weight" in want  # what the check below rests on
+    assert close(got, want) <= TOL, case
+
+
+def test_pipeline_load_raw_fills_every_copy_and_refuses_a_lacking_file_on_every_rank(results, folder) -> None:
+    pytest.importorskip("safetensors")
+    written = _raw(folder / "raw")
+    assert "head.weight" not in written
+    assert (
+        close(merged(results, "pipeline", "load_raw"), {**written, "head.weight": written["embed.weight"]})
+        == 0
+    )
+    for r in results:
+        message = r["pipeline"]["load_raw_lacking"]
+        assert (
+            message is not None and "no tensor for 1 of the model's" in message and "'head.bias'" in message
+        )
 
 
 def test_pipeline_resumes_a_tied_weight_of_an_optimizer_without_state(results) -> None:

@@ -54,6 +54,12 @@ class StateAccess(Protocol):
 
     def module_state_dict(self, module: nn.Module, full: bool = True) -> dict[str, Any]: ...
 
+    def tied_weight_names(self) -> list[list[str]]:
+        """The names of each weight that the layout holds as several tensors although the model ties them (a
+        pipeline's copies of a weight tied across stages), which a file stores once. Ties the module itself
+        holds as one tensor need not be listed: they are found by identity."""
+        ...
+
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
     ) -> Any: ...

@@ -201,7 +201,26 @@ def load(io: StateAccess, module: nn.Module, path: Path, strict: bool = True) ->
     groups = _names_by_tensor(module, set(template))
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, stack)
-        sources, missing, unexpected = _match(module, reader, template, groups, path)
+        sources, missing, used, mismatched = _match(
+            module, reader, template, groups, io.tied_weight_names()
+        )
+        if io.is_distributed and io.world_size > 1:
+            # Pipeline stages hold different parts of the model: a key is expected when some rank has a place
+            # for it, and every rank raises the same error (a stage that raised alone would leave the others
+            # training into its collectives).
+            everyone = io.all_gather_object((missing, sorted(used), mismatched))
+            missing = sorted({k for m, _, _ in everyone for k in m})
+            used = {k for _, u, _ in everyone for k in u}
+            mismatched = list(dict.fromkeys(x for _, _, m in everyone for x in m))
+        if mismatched:
+            raise CheckpointError(
+                f"The checkpoint {str(path)!r} has tensors that do not fit the model: {'; '.join(mismatched)}. "
+                "Build the model from the checkpoint's own config (hidden_size, vocab_size, number of heads...)."
+            )
+        ignore_unexpected = _ignored(module, "_keys_to_ignore_on_load_unexpected")
+        unexpected = sorted(
+            k for k in reader.files if k not in used and not any(p.search(k) for p in ignore_unexpected)
+        )
         if missing and strict:
             raise CheckpointError(
                 f"The checkpoint {str(path)!r} has no tensor for {len(missing)} of the model's parameters/buffers: "
@@ -242,15 +261,18 @@ def _match(
     reader: _Reader,
     template: dict[str, torch.Tensor],
     groups: list[list[str]],
-    path: Path,
-) -> tuple[list[tuple[list[str], str]], list[str], list[str]]:
-    """(names, checkpoint key) for every tensor the checkpoint provides; the missing and unexpected keys. Shape
-    mismatches are errors whatever `strict` says: no value could be loaded."""
+    copies: list[list[str]],
+) -> tuple[list[tuple[list[str], str]], list[str], set[str], list[str]]:
+    """(names, checkpoint key) for every tensor the checkpoint provides; the missing keys, the checkpoint keys
+    used, and the shape mismatches (errors whatever `strict` says: no value could be loaded). A pipeline stage's
+    copy of a weight tied across stages (`copies`: each tie's names) loads from whichever of the tie's names the
+    checkpoint holds: a file written by one process holds the weight once, under the name the others drop."""
     ignore_missing = _ignored(module, "_keys_to_ignore_on_load_missing")
-    ignore_unexpected = _ignored(module, "_keys_to_ignore_on_load_unexpected")
+    tie_of = {n: names for names in copies for n in names}
     sources, missing, used, mismatched = [], [], set(), []
     for names in groups:
-        found = [n for n in names if n in reader.files]
+        candidates = list(dict.fromkeys([*names, *(t for n in names for t in tie_of.get(n, ()))]))
+        found = [n for n in candidates if n in reader.files]
         used.update(found)
         if not found:
             if not any(p.search(n) for p in ignore_missing for n in names):
@@ -261,15 +283,7 @@ def _match(
             mismatched.append(f"{found[0]}: checkpoint shape {got} vs model shape {want}")
             continue
         sources.append((names, found[0]))
-    if mismatched:
-        raise CheckpointError(
-            f"The checkpoint {str(path)!r} has tensors that do not fit the model: {'; '.join(mismatched)}. Build the "
-            "model from the checkpoint's own config (hidden_size, vocab_size, number of heads...)."
-        )
-    unexpected = [
-        k for k in reader.files if k not in used and not any(p.search(k) for p in ignore_unexpected)
-    ]
-    return sources, missing, sorted(unexpected)
+    return sources, missing, used, mismatched
 
 
 def _fill(target: torch.Tensor, reader: _Reader, key: str) -> None:
@@ -398,9 +412,14 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _stored_names(module: nn.Module, template: dict[str, torch.Tensor]) -> list[str]:
+def _stored_names(
+    module: nn.Module, template: dict[str, torch.Tensor], copies: list[list[str]]
+) -> list[str]:
     """The keys to store: every tensor once. Of tied names, the one transformers keeps (its `_tied_weights_keys`
-    lists those it drops, e.g. lm_head.weight); otherwise the first in state-dict order."""
+    lists those it drops, e.g. lm_head.weight); otherwise the first in the model's order. `copies`: ties the
+    layout holds as separate tensors (a pipeline's copies on several stages, names in model order), of which
+    this rank may hold any: the kept name is chosen among all of a tie's names, so the stages agree on it and
+    the file holds the weight once, as one process writes it."""
     tied = getattr(_user_module(module), "_tied_weights_keys", None) or {}
     dropped = set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()
     drop: set[str] = set()
@@ -409,6 +428,9 @@ def _stored_names(module: nn.Module, template: dict[str, torch.Tensor]) -> list[
             ordered = sorted(names, key=list(template).index)
             keep = next((n for n in ordered if n not in dropped), ordered[0])
             drop.update(n for n in names if n != keep)
+    for names in copies:
+        keep = next((n for n in names if n not in dropped), names[0])
+        drop.update(n for n in names if n != keep)
     return [k for k in template if k not in drop]
 
 
@@ -463,7 +485,7 @@ def save(
     max_bytes = parse_size(max_shard_size)
     template = io.module_state_dict(module, full=False)
     template = {k: v for k, v in template.items() if isinstance(v, torch.Tensor)}
-    names = _stored_names(module, template)
+    names = _stored_names(module, template, io.tied_weight_names())
     _write({n: template[n] for n in names}, out_dir, dtype, max_bytes, config, fsync, io)
 
 

@@ -314,6 +314,10 @@ class Strategy:
 
         return get_model_state_dict(module, options=self._state_dict_options(full))
 
+    def tied_weight_names(self) -> list[list[str]]:
+        """Ties held as separate tensors: none here (a tie inside the module is one parameter)."""
+        return []
+
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
     ) -> Any:

@@ -506,6 +506,10 @@ class PipelineStrategy(ParallelStrategy):
             return {}
         return _ties.alias_names(_state.merge_modules(pieces), self._tie_groups)
 
+    def tied_weight_names(self) -> list[list[str]]:
+        """Each tied weight's names (model order): a weight used on several stages is a copy on each."""
+        return [list(names) for names in self._tie_groups]
+
     def load_module_state_dict(
         self, module: nn.Module, state: dict[str, Any], strict: bool = True, full: bool = True
     ) -> Any:
