@@ -201,9 +201,7 @@ def load(io: StateAccess, module: nn.Module, path: Path, strict: bool = True) ->
     groups = _names_by_tensor(module, set(template))
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, stack)
-        sources, missing, used, mismatched = _match(
-            module, reader, template, groups, io.tied_weight_names()
-        )
+        sources, missing, used, mismatched = _match(module, reader, template, groups, io.tied_weight_names())
         if io.is_distributed and io.world_size > 1:
             # Pipeline stages hold different parts of the model: a key is expected when some rank has a place
             # for it, and every rank raises the same error (a stage that raised alone would leave the others
@@ -412,9 +410,7 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _stored_names(
-    module: nn.Module, template: dict[str, torch.Tensor], copies: list[list[str]]
-) -> list[str]:
+def _stored_names(module: nn.Module, template: dict[str, torch.Tensor], copies: list[list[str]]) -> list[str]:
     """The keys to store: every tensor once. Of tied names, the one transformers keeps (its `_tied_weights_keys`
     lists those it drops, e.g. lm_head.weight); otherwise the first in the model's order. `copies`: ties the
     layout holds as separate tensors (a pipeline's copies on several stages, names in model order), of which
