@@ -55,7 +55,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-_OWN_ENV = ("TORCHLOOM_", "TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+def _launch_env() -> list[str]:
+    """The variables that tell `Loom()` it is a rank of a launch (`torchloom run`'s options, the agent's marks)."""
+    from torchloom import _run_protocol, launcher
+
+    return [
+        _run_protocol.RUN_ENV,
+        _run_protocol.AFTER_SCRIPT_ENV,
+        *_run_protocol.CLI_ENV.values(),
+        launcher.LAUNCHED_ENV,
+        launcher.AGENT_PID_ENV,
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +75,9 @@ def _no_process_group_outlives_its_test():
     """A test that runs a one-process sharded Loom in the test process (and does not close it) must not leave
     its process group or its exported rank variables to the next test, which would see a torchrun job."""
     before = {key: os.environ.get(key) for key in _GROUP_ENV}
-    ours = {key: value for key, value in os.environ.items() if key.startswith(_OWN_ENV)}
+    ours = {key: os.environ[key] for key in _launch_env() if key in os.environ}
     yield
-    now = {key: value for key, value in os.environ.items() if key.startswith(_OWN_ENV)}
+    now = {key: os.environ[key] for key in _launch_env() if key in os.environ}
     if now != ours:
         # `torchloom run` (or a launcher) called in the test process publishes its options here, and every later
         # test in this worker then looked like a rank of that command (seen: 62 tests failed after one).
@@ -73,7 +85,9 @@ def _no_process_group_outlives_its_test():
             os.environ.pop(key)
         os.environ.update(ours)
         changed = sorted(k for k in {*now, *ours} if now.get(k) != ours.get(k))
-        pytest.fail(f"the test left torchloom's environment changed ({changed}): restore it (monkeypatch)")
+        pytest.fail(
+            f"the test left torchloom's launch variables changed ({changed}): restore them (monkeypatch)"
+        )
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
