@@ -91,8 +91,9 @@ AXES: dict[str, tuple[Any, ...]] = {
     "checkpoint": ("none", "full", "sharded", "async"),
     # What the checkpoint holds: "all"; "filter": save(filter={"model": blocks only}), loaded with strict=False
     # (the projections restart from their initial values); "partial": the optimizers neither saved nor loaded
-    # (they restart empty).
-    "ckpt_state": ("all", "filter", "partial"),
+    # (they restart empty); "raw": the model's weights through save_raw/load_raw (Hugging Face safetensors,
+    # each rank its own files and slices), the rest through save/load (an exact resume, as "all").
+    "ckpt_state": ("all", "filter", "partial", "raw"),
     "save_step": (1, 3),
     "load_world_size": (1, 2, 3, 4),
     # model_parallel: the tensor-parallel size at load (data-parallel size = load_world_size / load_tp).

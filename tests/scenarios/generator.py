@@ -372,7 +372,17 @@ def pipeline_scenarios() -> list[Scenario]:
                 "load_pp": 2,
             }
         ),
-        Scenario.of(**{**pp, "checkpoint": "sharded", "load_world_size": 3, "load_pp": 1, "accum": "plain"}),
+        # the weights through save_raw at pp 2 (each stage its own files) and load_raw at pp 1 x dp 3
+        Scenario.of(
+            **{
+                **pp,
+                "checkpoint": "sharded",
+                "ckpt_state": "raw",
+                "load_world_size": 3,
+                "load_pp": 1,
+                "accum": "plain",
+            }
+        ),
         # Refused: 1F1B with 1 micro-batch for 2 stages; a zero-bubble schedule with fully_shard units (hung until
         # the timeout before).
         Scenario.of(**{**pp, "microbatches": 1}),
@@ -468,7 +478,8 @@ def replica_scenarios() -> list[Scenario]:
         ),
         # HSDP across the groups: fsdp2 sharded over each group's 2 ranks (units by hand, leftovers replicated),
         # built on the meta device, bf16-mixed Adam, plain accumulation, value clipping, an evaluation, the
-        # user's DistributedSampler over the job's readers, a cap per epoch; sharded, resumed in groups of 1.
+        # user's DistributedSampler over the job's readers, a cap per epoch; sharded, resumed in groups of 1, the
+        # weights through save_raw (one group writes) and load_raw (every group reads its slices).
         Scenario.of(
             **{
                 **sharded,
@@ -483,6 +494,7 @@ def replica_scenarios() -> list[Scenario]:
                 "sampler": "user_dist",
                 "loop": "break",
                 "checkpoint": "sharded",
+                "ckpt_state": "raw",
                 "save_step": 3,
             }
         ),

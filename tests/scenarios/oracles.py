@@ -300,7 +300,7 @@ def _judge(
             f"vs\n{reference['batches'][after:]}"
         )
     uninterrupted = trained[0]
-    if scenario.ckpt_state != "all":
+    if scenario.ckpt_state not in ("all", "raw"):
         # What the checkpoint did not hold restarts at the load: plain torch says where that run ends.
         uninterrupted = train_reference(scenario, initial, restart=True)
     metrics["resume_error"] = _error(scenario, resumed[0]["params"], uninterrupted["params"], initial)

@@ -75,6 +75,11 @@ def checkpoint_path(workdir: str, scenario: Scenario) -> str:
     return os.path.join(workdir, "ckpt", scenario.id)
 
 
+def raw_weights_path(checkpoint: str) -> str:
+    """Where ckpt_state "raw" puts the model's weights (a Hugging Face directory) beside the checkpoint."""
+    return checkpoint + ".weights"
+
+
 def _parallelize(scenario: Scenario, model: torch.nn.Module, device_mesh, strategy) -> torch.nn.Module:
     """The user's `parallelize_fn`: per block, tensor parallel on the MLP (fc1 by output features, fc2 by input
     features), with sequence parallel the norm too (the block slices the sequence at its entrance and gathers it
@@ -438,8 +443,9 @@ def _setup(loom, scenario: Scenario, phase: str):
 
 
 def _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters: dict) -> dict:
-    """What the scenario saves and loads: everything, or (ckpt_state "partial") all but the optimizers."""
-    state: dict[str, Any] = {"model": model, **counters}
+    """What the scenario saves and loads: everything, or (ckpt_state "partial") all but the optimizers, or
+    ("raw") all but the model, whose weights go through save_raw/load_raw (`raw_weights_path`)."""
+    state: dict[str, Any] = {**({} if scenario.ckpt_state == "raw" else {"model": model}), **counters}
     if scenario.ckpt_state != "partial":
         state.update({f"optimizer{i}": o for i, o in enumerate(optimizers)})
     state.update({f"scheduler{i}": s for i, s in enumerate(schedulers)})
@@ -484,6 +490,8 @@ def _train(
         if save_to is not None and counters["step"] == scenario.save_step:
             state = _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters)
             kept = {"model": kept_by_filter} if scenario.ckpt_state == "filter" else None
+            if scenario.ckpt_state == "raw":
+                loom.save_raw(raw_weights_path(save_to), model)
             loom.save(save_to, state, filter=kept, async_save=scenario.checkpoint == "async")
     return seen, norms, evals
 
@@ -516,6 +524,8 @@ def _one_job(scenario: Scenario, phase: str, world_size: int, workdir: str) -> d
         else:
             state = _checkpoint_state(scenario, model, optimizers, schedulers, loaders, counters)
             # A filtered checkpoint lacks the parameters the filter dropped: they keep their fresh values.
+            if scenario.ckpt_state == "raw":
+                loom.load_raw(raw_weights_path(checkpoint_path(workdir, scenario)), model)
             loom.load(checkpoint_path(workdir, scenario), state, strict=scenario.ckpt_state != "filter")
             counters = {k: state[k] for k in counters}
             out["loaded_step"] = counters["step"]
