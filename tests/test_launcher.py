@@ -499,7 +499,7 @@ def _store_on(port: int | None) -> int:
     return port
 
 
-def test_a_drawn_port_is_drawn_again_and_a_chosen_one_is_not():
+def test_a_drawn_port_is_drawn_again_and_a_chosen_one_is_not(capsys):
     """`launcher.on_a_free_port` (every launch path's: `loom.launch()`, `loom.launch(fn)`, `torchloom run`):
     a port torchloom drew and found taken is drawn again; one the user chose fails as it is; an error that is not
     a store failing to listen (a rank's failure whose text mentions EADDRINUSE) is never retried."""
@@ -511,6 +511,7 @@ def test_a_drawn_port_is_drawn_again_and_a_chosen_one_is_not():
         taken = held.getsockname()[1]
         fresh = find_free_port()
         assert launcher.on_a_free_port(_store_on, taken, lambda: fresh) == fresh
+        assert f"port {taken}, drawn for the rendezvous, was taken" in capsys.readouterr().err
         with pytest.raises(RuntimeError, match="EADDRINUSE") as caught:
             launcher.on_a_free_port(_store_on, taken, None)
         assert launcher.port_taken(caught.value)

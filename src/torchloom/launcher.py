@@ -261,7 +261,13 @@ def on_a_free_port(
         except Exception as error:
             if redraw is None or draw == _PORT_DRAWS or not port_taken(error):
                 raise
-            port = redraw()
+            taken, port = port, redraw()
+            print(
+                f"torchloom: port {taken}, drawn for the rendezvous, was taken before the agent could listen on "
+                f"it; starting again on port {port}.",
+                file=sys.stderr,
+                flush=True,
+            )
     raise AssertionError("unreachable")
 
 
