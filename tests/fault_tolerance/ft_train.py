@@ -74,9 +74,12 @@ def claim(k, **info):
 
 
 def lines():
+    """The record's complete lines. Another group may be writing one now: a reader can see part of a line before
+    its newline (one O_APPEND write keeps writers apart, not readers; a group crashed on such a half, seen once
+    in `make test`), so the last piece counts only once its newline is there."""
     try:
         with open(RECORD) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
     except FileNotFoundError:
         return []
 

@@ -225,6 +225,20 @@ def test_a_job_that_started_over_replays_the_history_it_holds(tmp_path: Path) ->
         torch.testing.assert_close(value, net.state_dict()[key], rtol=0, atol=1e-6)
 
 
+def test_a_line_being_written_is_not_read_until_its_newline(tmp_path: Path) -> None:
+    """A record read during the run (`torchloom replay` beside a live job) can end in part of a line another
+    group is writing: that step is left out until the line is whole, instead of failing the read."""
+    spec = _spec(tmp_path)
+    path = tmp_path / "r.jsonl"
+    _simulate(path, spec, steps=3)
+    whole = path.read_text()
+    last = whole[:-1].rfind("\n") + 1
+    path.write_text(whole[: last + 40])  # the third step's line, cut
+    assert [s.step for s in read_record(path)] == [0, 1]
+    path.write_text(whole)
+    assert [s.step for s in read_record(path)] == [0, 1, 2]
+
+
 def test_the_weights_fingerprint_tells_parted_weights_apart() -> None:
     """The number each group sends for the weights its gradient was computed on (`replica._weights_agree`
     compares them): equal bit for bit for equal weights, different after any change to an element it reads (one

@@ -294,7 +294,11 @@ def read(path: str | os.PathLike[str]) -> list[Step]:
     the one whose end was written last (the state the job holds), not the longest."""
     lines: dict[str, tuple[str, Step]] = {}
     written: dict[str, int] = {}  # each chain's last line, in the order the lines were written
-    for number, line in enumerate(Path(path).read_text().splitlines()):
+    text = Path(path).read_text()
+    # A line without its newline is one a group is writing now (a record read during the run, as `torchloom
+    # replay` may be): a reader can see part of one write. Its step is read once the line is whole.
+    complete = text[: text.rfind("\n") + 1]
+    for number, line in enumerate(complete.splitlines()):
         if line.strip():
             data = json.loads(line)
             written[data["chain"]] = number
