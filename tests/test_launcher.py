@@ -554,7 +554,7 @@ def test_torchloom_run_draws_its_port_again(monkeypatch, tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        draws = [taken, taken]  # the check's draw, then the first try's
+        draws = [taken]  # the first try's draw; the retry's is real
         real_draw = run.find_free_port
         monkeypatch.setattr(run, "find_free_port", lambda *a: draws.pop() if draws else real_draw(*a))
         ours, _ = split_run_args(["--devices", "2", str(script)])

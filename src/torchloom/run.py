@@ -191,7 +191,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     # The ranks die with this agent (a node lost takes its ranks along, as a killed `loom.launch()` does).
     os.environ[LAUNCHED_ENV] = "1"
     avoid_shared_rendezvous_store(args.rdzv_backend)
-    torchrun_args(args)  # its errors before anything starts
+    first = torchrun_args(args)  # its errors before anything starts; a retry on a new port builds it again
     # torchrun waits 30 s by default before killing ranks that ignore SIGTERM; ours is shorter and one setting.
     from torchloom.launcher import shutdown_timeout
 
@@ -200,7 +200,9 @@ def _run_agent(args: argparse.Namespace) -> int:
         with forwarding_signals_to_ranks():
             host = _drawn_port_host(args)
             on_a_free_port(
-                lambda port: torchrun(get_args_parser().parse_args(torchrun_args(args, port))),
+                lambda port: torchrun(
+                    get_args_parser().parse_args(first if port is None else torchrun_args(args, port))
+                ),
                 None,
                 None if host is None else lambda: find_free_port(host),
             )
