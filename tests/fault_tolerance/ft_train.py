@@ -179,11 +179,13 @@ for k, event in enumerate(EVENTS):
 
 
 def pause(k, seconds):
-    """Stop this whole process for `seconds` (a helper process stops and continues it)."""
+    """Stop this whole process for `seconds` or more: it stops itself here, at once, and a helper process
+    continues it. (A helper that also sent the stop could start late on a loaded machine, and the process would
+    run on past this point before it stopped.)"""
     if claim(k, step=rg.step):
-        code = f"import os, signal, time; os.kill({os.getpid()}, signal.SIGSTOP); time.sleep({seconds}); "
-        subprocess.Popen([sys.executable, "-c", code + f"os.kill({os.getpid()}, signal.SIGCONT)"])
-        time.sleep(0.5)  # stopped in here
+        code = f"import os, signal, time; time.sleep({seconds}); os.kill({os.getpid()}, signal.SIGCONT)"
+        subprocess.Popen([sys.executable, "-c", code])
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def arm(k, event):
