@@ -197,7 +197,8 @@ def test_survivors_of_three_go_on_when_a_group_dies_inside_the_sum(jobs: dict[st
         kill = job.fired(event)
         later = [s for s in steps if s.step >= kill["step"]]  # from the step whose sum it died in
         if later and later[0].step == kill["step"] and len(later[0].participants) == 3:
-            later = later[1:]  # the sum had ended before the kill landed: that step was whole; the next is meant
+            # The sum had ended before the kill landed: that step was whole, and the claim is about the next.
+            later = later[1:]
         after = later[0] if later else None
         assert after is not None
         survivors = sorted({0, 1, 2} - {kill["group"]})
