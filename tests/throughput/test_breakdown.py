@@ -5,7 +5,6 @@ HTML and PNG."""
 
 from __future__ import annotations
 
-import statistics
 
 import pytest
 import torch
@@ -95,10 +94,11 @@ def _check(results: list[dict], world_size: int) -> None:
     assert set(zero["rows"][0][1]) == {f"time/{p}" for p in PARTS} | {"time/step"}
     assert zero["rows"][-1][1]["time/step"] == per_rank[0][-1]["step"]
     for steps in per_rank:
-        # the parts measured (all but `other`, the user's code in between) make up the typical step within 5%: the
-        # median over the steps after the first (which pays for lazy initialisation), so that a loaded machine
-        # descheduling the process between two calls in one step does not decide
-        unaccounted = statistics.median(s["other"] / s["step"] for s in steps[1:])
+        # the parts measured (all but `other`, the user's code in between) make up a step within 5%. A part left
+        # untimed would be in `other` in every step; a loaded machine descheduling the process between two calls
+        # puts time there in some steps only (a median of 5 steps reached 6% under CI's load). So the least share
+        # over the steps after the first (which pays for lazy initialisation) decides.
+        unaccounted = min(s["other"] / s["step"] for s in steps[1:])
         assert unaccounted < 0.05, [s["other"] / s["step"] for s in steps]
         for s in steps:
             assert s["forward"] > 0 and s["backward"] > 0 and s["optimizer"] > 0 and s["data"] > 0
