@@ -5,7 +5,6 @@ HTML and PNG."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from harness import run_ranks
