@@ -9,8 +9,9 @@ rank to SIGKILL between steps and then in backward.
 - "model_parallel_dp": `ModelParallelStrategy` with dp 2 inside a group (`fully_shard` of two layers over
   `device_mesh["data_parallel"]` in `parallelize_fn`), data parallel inside and across the groups.
 
-fsdp2 and tensor parallel run healthy and with faults; dp inside runs healthy (its gradients and state are
-fsdp2's: the same exchange).
+fsdp2 and tensor parallel run with faults; dp inside runs healthy (its gradients and state are fsdp2's: the same
+exchange). The fsdp2 job with faults also serves `loom.save`'s test: both groups save each time two steps in a row
+had both, the last time at one step (a healthy job of its own cost a job more).
 
 Every step clips the gradients to a norm of 0.05 with `loom.clip_gradients` (always active on this data), so the
 run equals the replay only if the groups clip the average over the groups, not their own gradients. The oracle is
